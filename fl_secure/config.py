@@ -1,0 +1,286 @@
+"""Run configuration: frozen dataclasses loaded from TOML and validated on load.
+
+Every key is typed; an unknown key, a value of the wrong type, or a value outside the allowed
+set stops with a :class:`~fl_secure.errors.ConfigError` that names the key and what is allowed.
+``--set section.key=value`` overrides are parsed as TOML values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin
+
+from fl_secure.errors import ConfigError
+
+DataSource = Literal["synthetic", "folders"]
+PartitionKind = Literal["equal"]
+AlgorithmName = Literal["fedavg", "fedpe"]
+HeadKind = Literal["softmax", "cosface", "arcface"]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Identity and seed of a run."""
+
+    name: str = "run"  # run directory name under --out (a timestamp is appended)
+    seed: int = 0  # seeds data generation, partitions and model initialisation
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the faces come from and how they are split."""
+
+    source: DataSource = "synthetic"
+    path: str = ""  # identity folders (source = "folders"), e.g. ../shared/data/orl
+    image_size: int = 64  # square side in pixels: 64 (default) or 112
+    num_identities: int = 120  # synthetic: identities generated
+    images_per_identity: int = 20  # synthetic: images per identity
+    max_identities: int = 0  # folders: 0 = all
+    min_images_per_identity: int = 2  # folders: identities with fewer images are skipped
+    max_images_per_identity: int = 0  # folders: 0 = all
+    center_crop: int = 0  # folders: centre-crop to this many pixels before resizing (0 = off)
+    held_out_identities: int = 40  # identities held out from all clients (server evaluation)
+    test_fraction: float = 0.3  # per-identity fraction of each client's images kept for testing
+
+    def __post_init__(self) -> None:
+        """Check ranges."""
+        _check(self.image_size in (32, 64, 112), "data.image_size", "one of 32, 64, 112")
+        _check(self.num_identities > 1, "data.num_identities", "an integer > 1")
+        _check(self.images_per_identity > 1, "data.images_per_identity", "an integer > 1")
+        _check(self.held_out_identities >= 0, "data.held_out_identities", "an integer >= 0")
+        _check(0.0 < self.test_fraction < 1.0, "data.test_fraction", "a number in (0, 1)")
+        _check(self.source != "folders" or bool(self.path), "data.path", "a folder path")
+
+
+@dataclass(frozen=True)
+class PartitionConfig:
+    """How the training identities are spread over clients."""
+
+    kind: PartitionKind = "equal"
+    num_clients: int = 4
+
+    def __post_init__(self) -> None:
+        """Check ranges."""
+        _check(1 <= self.num_clients <= 1000, "partition.num_clients", "an integer in [1, 1000]")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Backbone and margin head."""
+
+    backbone: str = "cnn"  # short name: cnn, cnn-small, resnet18, resnet18-bn
+    embedding_size: int = 512
+    head: HeadKind = "cosface"
+    scale: float = 30.0  # s of the margin head
+    margin: float = 0.4  # m of the margin head (CosFace m3 / ArcFace m2)
+    pretrained: str = ""  # local safetensors file with backbone weights ("" = random init)
+
+    def __post_init__(self) -> None:
+        """Check ranges."""
+        _check(self.embedding_size > 0, "model.embedding_size", "an integer > 0")
+        _check(self.scale > 0, "model.scale", "a number > 0")
+        _check(0 <= self.margin < 1.5, "model.margin", "a number in [0, 1.5)")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """Federated algorithm."""
+
+    name: AlgorithmName = "fedpe"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Rounds and local optimisation."""
+
+    rounds: int = 10
+    local_epochs: int = 1
+    local_steps: int = 0  # > 0: this many batches per round instead of epochs
+    batch_size: int = 32
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    threads: int = 1  # torch threads per client process
+
+    def __post_init__(self) -> None:
+        """Check ranges."""
+        _check(self.rounds >= 1, "train.rounds", "an integer >= 1")
+        _check(self.local_epochs >= 1, "train.local_epochs", "an integer >= 1")
+        _check(self.local_steps >= 0, "train.local_steps", "an integer >= 0")
+        _check(self.batch_size >= 1, "train.batch_size", "an integer >= 1")
+        _check(self.lr > 0, "train.lr", "a number > 0")
+        _check(0 <= self.momentum < 1, "train.momentum", "a number in [0, 1)")
+        _check(self.weight_decay >= 0, "train.weight_decay", "a number >= 0")
+        _check(self.threads >= 1, "train.threads", "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Coordinator: cohorts, deadlines, limits."""
+
+    address: str = "127.0.0.1:0"  # host:port to listen on (port 0 = any free port)
+    min_clients: int = 2  # a round completes only with at least this many updates
+    clients_per_round: int = 0  # fixed cohort size (0 = every connected client)
+    sample_rate: float = 0.0  # > 0: Poisson cohort sampling with this rate instead
+    round_timeout: float = 600.0  # seconds a round waits for its cohort
+    max_retries: int = 2  # a round with too few updates is retried this often, then aborted
+    max_concurrent_uploads: int = 2  # uploads buffered at once (bounds server memory)
+    max_upload_factor: float = 1.05  # an upload may be at most this times the model's size
+
+    def __post_init__(self) -> None:
+        """Check ranges."""
+        _check(self.min_clients >= 1, "server.min_clients", "an integer >= 1")
+        _check(self.clients_per_round >= 0, "server.clients_per_round", "an integer >= 0")
+        _check(0 <= self.sample_rate <= 1, "server.sample_rate", "a number in [0, 1]")
+        _check(self.round_timeout > 0, "server.round_timeout", "a number of seconds > 0")
+        _check(self.max_retries >= 0, "server.max_retries", "an integer >= 0")
+        _check(self.max_concurrent_uploads >= 1, "server.max_concurrent_uploads", "an integer >= 1")
+        _check(self.max_upload_factor >= 1, "server.max_upload_factor", "a number >= 1")
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole run."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        """Cross-section checks."""
+        if self.server.min_clients > self.partition.num_clients:
+            raise ConfigError(
+                f"server.min_clients = {self.server.min_clients} exceeds "
+                f"partition.num_clients = {self.partition.num_clients}"
+            )
+
+
+def _check(ok: bool, key: str, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: invalid value; allowed: {allowed}")
+
+
+T = TypeVar("T")
+
+
+def _convert(value: Any, hint: Any, key: str) -> Any:
+    origin = get_origin(hint)
+    if origin is Literal:
+        allowed = get_args(hint)
+        if value not in allowed:
+            raise ConfigError(
+                f"{key} = {value!r} is not allowed; allowed: {', '.join(map(repr, allowed))}"
+            )
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} = {value!r}: expected true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} = {value!r}: expected an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key} = {value!r}: expected a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} = {value!r}: expected a string")
+        return value
+    if origin in (tuple, list) or (origin is types.UnionType):
+        return value
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        if not isinstance(value, dict):
+            raise ConfigError(f"[{key}] must be a table")
+        return _build(hint, value, key)
+    raise ConfigError(f"{key}: unsupported type {hint}")  # pragma: no cover
+
+
+def _build(cls: type[T], table: dict[str, Any], prefix: str = "") -> T:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(table) - names)
+    if unknown:
+        where = f"[{prefix}]" if prefix else "the top level"
+        raise ConfigError(
+            f"unknown key {', '.join(unknown)} in {where}; allowed: {', '.join(sorted(names))}"
+        )
+    kwargs = {
+        name: _convert(value, hints[name], f"{prefix}.{name}" if prefix else name)
+        for name, value in table.items()
+    }
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse ``section.key=value`` (value in TOML syntax; bare words are strings)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.key=value")
+    path, raw = text.split("=", 1)
+    keys = [k.strip() for k in path.strip().split(".")]
+    if not all(keys):
+        raise ConfigError(f"--set {text!r}: empty key")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return keys, value
+
+
+def config_from_dict(table: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build a validated :class:`Config` from a TOML table and ``--set`` overrides."""
+    merged: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in table.items()}
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = merged
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {text!r}: {key} is not a table")
+        node[keys[-1]] = value
+    return _build(Config, merged)
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load and validate a TOML configuration file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    try:
+        table = tomllib.loads(p.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p} is not valid TOML: {exc}") from exc
+    return config_from_dict(table, overrides)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        return f'"{escaped}"'
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def config_to_toml(config: Config) -> str:
+    """Resolved configuration as TOML text (what a run directory's config.toml holds)."""
+    lines: list[str] = []
+    for section in fields(config):
+        lines.append(f"[{section.name}]")
+        sub = getattr(config, section.name)
+        for f in fields(sub):
+            lines.append(f"{f.name} = {_toml_value(getattr(sub, f.name))}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,34 @@
+"""Error hierarchy of fl-secure.
+
+Every error says *what* is wrong and, where it can, *what to do* about it.
+"""
+
+from __future__ import annotations
+
+
+class FlSecureError(Exception):
+    """Base class of every error raised on purpose by fl-secure."""
+
+
+class ConfigError(FlSecureError, ValueError):
+    """A configuration value is missing, unknown or out of range."""
+
+
+class DataError(FlSecureError, ValueError):
+    """A data set on disk is missing, malformed or too small for the request."""
+
+
+class ProtocolError(FlSecureError, ValueError):
+    """A network message violates the wire contract (digest, shape, dtype, size, values)."""
+
+
+class CheckpointError(FlSecureError):
+    """A checkpoint or run directory cannot be read or written safely."""
+
+
+class TlsError(FlSecureError):
+    """Certificates or keys are missing, invalid or do not match."""
+
+
+class RoundAborted(FlSecureError):
+    """A round could not complete (too few clients) and was aborted without an update."""

@@ -1,0 +1,133 @@
+"""Run directories: resolved config, per-round metrics, final summary.
+
+Layout: ``config.toml``, ``metrics.jsonl`` (one JSON object per round), ``summary.json``,
+``checkpoints/`` (safetensors), later ``ledger.sqlite``, ``audit/`` and ``report/``.
+Writes that must survive a crash are atomic (temporary file, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from fl_secure.errors import CheckpointError
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves either the old or the new file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    """Atomically write ``obj`` as indented JSON."""
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def new_run_dir(base: Path, name: str) -> Path:
+    """A fresh, unique run directory ``base/name-YYYYmmdd-HHMMSS[-k]``."""
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    for k in range(1000):
+        candidate = base / (f"{name}-{stamp}" + (f"-{k}" if k else ""))
+        try:
+            candidate.mkdir(parents=True)
+        except FileExistsError:
+            continue
+        return candidate
+    raise CheckpointError(f"could not create a run directory under {base}")  # pragma: no cover
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths and append-only files of one run."""
+
+    path: Path
+
+    @property
+    def config(self) -> Path:
+        """Resolved configuration."""
+        return self.path / "config.toml"
+
+    @property
+    def metrics(self) -> Path:
+        """One JSON object per round."""
+        return self.path / "metrics.jsonl"
+
+    @property
+    def summary(self) -> Path:
+        """Final figures."""
+        return self.path / "summary.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        """Safetensors checkpoints and round state."""
+        return self.path / "checkpoints"
+
+    @property
+    def certs(self) -> Path:
+        """Certificates made for an embedded run."""
+        return self.path / "certs"
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        """Append one round's metrics and sync to disk."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        line = json.dumps(record, sort_keys=True, allow_nan=False) + "\n"
+        with self.metrics.open("a", encoding="utf-8") as handle:
+            handle.write(line)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        """All metric records; a torn last line (crash mid-write) is ignored."""
+        return list(self._iter_metrics())
+
+    def _iter_metrics(self) -> Iterator[dict[str, Any]]:
+        if not self.metrics.exists():
+            return
+        for number, line in enumerate(self.metrics.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                if not line.endswith("}"):
+                    continue  # torn final write
+                raise CheckpointError(f"{self.metrics}:{number} is not JSON: {exc}") from exc
+            yield record
+
+    def truncate_metrics_after(self, round_: int) -> int:
+        """Keep only records of rounds <= ``round_`` (resume); return how many were dropped."""
+        records = self.read_metrics()
+        kept = [r for r in records if int(r.get("round", 0)) <= round_]
+        if len(kept) != len(records) or self.metrics.exists():
+            text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept)
+            atomic_write_bytes(self.metrics, text.encode())
+        return len(records) - len(kept)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        """Atomically write the final summary."""
+        atomic_write_json(self.summary, summary)

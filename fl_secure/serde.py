@@ -1,0 +1,381 @@
+"""The only module that converts between protobuf messages and fl-secure's dataclasses.
+
+Tensors are sent as raw little-endian bytes with dtype, shape and a SHA-256 digest, split in
+data chunks of at most :data:`MAX_CHUNK_BYTES`. Readers validate every field against what is
+expected (names, dtypes, shapes, sizes, digests, finite values) and raise
+:class:`~fl_secure.errors.ProtocolError` naming the problem.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from fl_secure.errors import ProtocolError
+from fl_secure.messages import (
+    JoinReply,
+    LocalTraining,
+    Task,
+    TaskKind,
+    Tensors,
+    TensorSpec,
+    UpdateHeader,
+)
+from fl_secure.v1 import transport_pb2 as pb
+
+MAX_CHUNK_BYTES = 2 * 1024 * 1024
+
+_DTYPES: dict[pb.DType.ValueType, np.dtype] = {
+    pb.DTYPE_FLOAT32: np.dtype("<f4"),
+    pb.DTYPE_FLOAT64: np.dtype("<f8"),
+    pb.DTYPE_FLOAT16: np.dtype("<f2"),
+    pb.DTYPE_INT64: np.dtype("<i8"),
+    pb.DTYPE_INT32: np.dtype("<i4"),
+    pb.DTYPE_UINT8: np.dtype("u1"),
+    pb.DTYPE_BOOL: np.dtype("?"),
+}
+_DTYPE_CODES: dict[str, pb.DType.ValueType] = {
+    dt.str.lstrip("<|"): code for code, dt in _DTYPES.items()
+}
+
+_TASK_KINDS: dict[TaskKind, pb.TaskKind.ValueType] = {
+    TaskKind.WAIT: pb.TASK_KIND_WAIT,
+    TaskKind.TRAIN: pb.TASK_KIND_TRAIN,
+    TaskKind.EVALUATE: pb.TASK_KIND_EVALUATE,
+    TaskKind.FINISHED: pb.TASK_KIND_FINISHED,
+}
+_TASK_KINDS_BACK = {v: k for k, v in _TASK_KINDS.items()}
+
+
+def dtype_to_proto(dtype: np.dtype) -> pb.DType.ValueType:
+    """Protobuf code of a numpy dtype (little-endian)."""
+    code = _DTYPE_CODES.get(np.dtype(dtype).newbyteorder("<").str.lstrip("<|"))
+    if code is None:
+        allowed = ", ".join(str(d) for d in _DTYPES.values())
+        raise ProtocolError(f"dtype {dtype} cannot be sent; allowed: {allowed}")
+    return code
+
+
+def dtype_from_proto(code: pb.DType.ValueType) -> np.dtype:
+    """Numpy dtype of a protobuf code; unknown codes are a protocol error."""
+    if code not in _DTYPES:
+        raise ProtocolError(f"unknown dtype code {code}")
+    return _DTYPES[code]
+
+
+def _le_bytes(array: np.ndarray) -> memoryview:
+    """Raw little-endian, C-contiguous bytes of ``array`` (no copy when already so)."""
+    le = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+    return le.reshape(-1).view(np.uint8).data
+
+
+def tensor_header(name: str, array: np.ndarray) -> pb.TensorHeader:
+    """Header of one tensor, with the SHA-256 of its raw bytes."""
+    raw = _le_bytes(array)
+    return pb.TensorHeader(
+        name=name,
+        dtype=dtype_to_proto(array.dtype),
+        shape=[int(s) for s in array.shape],
+        num_bytes=raw.nbytes,
+        sha256=hashlib.sha256(raw).digest(),
+    )
+
+
+def _tensor_pieces(
+    tensors: Mapping[str, np.ndarray], chunk_bytes: int
+) -> Iterator[pb.TensorHeader | bytes]:
+    if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+    for name, array in tensors.items():
+        yield tensor_header(name, array)
+        raw = _le_bytes(array)
+        for start in range(0, raw.nbytes, chunk_bytes):
+            yield bytes(raw[start : start + chunk_bytes])
+
+
+def total_bytes(tensors: Mapping[str, np.ndarray]) -> int:
+    """Number of raw bytes of all tensors."""
+    return sum(int(a.nbytes) for a in tensors.values())
+
+
+def parameters_to_chunks(
+    round_: int, tensors: Mapping[str, np.ndarray], *, chunk_bytes: int = MAX_CHUNK_BYTES
+) -> Iterator[pb.ParameterChunk]:
+    """Stream of a parameters header, then each tensor's header and data chunks."""
+    yield pb.ParameterChunk(
+        parameters=pb.ParametersHeader(
+            round=round_, num_tensors=len(tensors), total_bytes=total_bytes(tensors)
+        )
+    )
+    for piece in _tensor_pieces(tensors, chunk_bytes):
+        if isinstance(piece, bytes):
+            yield pb.ParameterChunk(data=piece)
+        else:
+            yield pb.ParameterChunk(tensor=piece)
+
+
+def update_to_chunks(
+    header: UpdateHeader, tensors: Mapping[str, np.ndarray], *, chunk_bytes: int = MAX_CHUNK_BYTES
+) -> Iterator[pb.UpdateChunk]:
+    """Stream of an update header, then each tensor's header and data chunks."""
+    yield pb.UpdateChunk(
+        header=pb.UpdateHeader(
+            round=header.round,
+            nonce=header.nonce,
+            num_examples=header.num_examples,
+            metrics=header.metrics,
+            num_tensors=len(tensors),
+            total_bytes=total_bytes(tensors),
+        )
+    )
+    for piece in _tensor_pieces(tensors, chunk_bytes):
+        if isinstance(piece, bytes):
+            yield pb.UpdateChunk(data=piece)
+        else:
+            yield pb.UpdateChunk(tensor=piece)
+
+
+class TensorStreamReader:
+    """Reassembles tensors from a stream of tensor headers and data chunks, validating all.
+
+    Args:
+        expected: the specs the stream must match, in order; ``None`` accepts any names,
+            dtypes and shapes (used by a client reading the server's parameters).
+        max_bytes: refuse a stream whose tensors add up to more than this.
+        require_finite: refuse NaN or Inf in floating-point tensors.
+    """
+
+    def __init__(
+        self,
+        expected: Sequence[TensorSpec] | None,
+        *,
+        max_bytes: int,
+        require_finite: bool = True,
+    ) -> None:
+        self._expected = list(expected) if expected is not None else None
+        self._max_bytes = max_bytes
+        self._require_finite = require_finite
+        self._received = 0
+        self._current: pb.TensorHeader | None = None
+        self._buffer: bytearray | None = None
+        self._filled = 0
+        self.tensors: Tensors = OrderedDict()
+
+    def add_header(self, header: pb.TensorHeader) -> None:
+        """Start a new tensor; the previous one must be complete."""
+        if self._current is not None:
+            raise ProtocolError(f"tensor {self._current.name!r} is incomplete")
+        index = len(self.tensors)
+        dtype = dtype_from_proto(header.dtype)
+        shape = tuple(int(s) for s in header.shape)
+        if any(s < 0 for s in shape):
+            raise ProtocolError(f"tensor {header.name!r} has a negative dimension {shape}")
+        if self._expected is not None:
+            if index >= len(self._expected):
+                raise ProtocolError(f"unexpected extra tensor {header.name!r}")
+            spec = self._expected[index]
+            if header.name != spec.name:
+                raise ProtocolError(f"tensor #{index} is {header.name!r}, expected {spec.name!r}")
+            if dtype != spec.dtype.newbyteorder("<") and dtype != spec.dtype:
+                raise ProtocolError(
+                    f"tensor {spec.name!r} has dtype {dtype}, expected {spec.dtype}"
+                )
+            if shape != spec.shape:
+                raise ProtocolError(
+                    f"tensor {spec.name!r} has shape {shape}, expected {spec.shape}"
+                )
+        elif header.name in self.tensors:
+            raise ProtocolError(f"tensor {header.name!r} sent twice")
+        num_bytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if header.num_bytes != num_bytes:
+            raise ProtocolError(
+                f"tensor {header.name!r} declares {header.num_bytes} bytes, "
+                f"its shape and dtype need {num_bytes}"
+            )
+        if self._received + num_bytes > self._max_bytes:
+            raise ProtocolError(
+                f"upload exceeds the limit of {self._max_bytes} bytes at tensor {header.name!r}"
+            )
+        if len(header.sha256) != 32:
+            raise ProtocolError(f"tensor {header.name!r} has no valid SHA-256 digest")
+        self._current = header
+        self._buffer = bytearray(num_bytes)
+        self._filled = 0
+        if num_bytes == 0:
+            self._finish()
+
+    def add_data(self, data: bytes) -> None:
+        """Append one data chunk to the current tensor."""
+        if self._current is None or self._buffer is None:
+            raise ProtocolError("data chunk outside a tensor")
+        if len(data) > MAX_CHUNK_BYTES:
+            raise ProtocolError(f"data chunk of {len(data)} bytes exceeds {MAX_CHUNK_BYTES}")
+        end = self._filled + len(data)
+        if end > len(self._buffer):
+            raise ProtocolError(f"tensor {self._current.name!r} receives more bytes than declared")
+        self._buffer[self._filled : end] = data
+        self._filled = end
+        if self._filled == len(self._buffer):
+            self._finish()
+
+    def _finish(self) -> None:
+        header, buffer = self._current, self._buffer
+        if header is None or buffer is None:  # pragma: no cover - guarded by callers
+            raise ProtocolError("no tensor in progress")
+        if hashlib.sha256(buffer).digest() != header.sha256:
+            raise ProtocolError(f"tensor {header.name!r} fails its SHA-256 digest check")
+        dtype = dtype_from_proto(header.dtype)
+        array = np.frombuffer(buffer, dtype=dtype).reshape(tuple(header.shape))
+        if self._require_finite and dtype.kind == "f" and not np.isfinite(array).all():
+            raise ProtocolError(f"tensor {header.name!r} contains NaN or Inf")
+        self.tensors[header.name] = array
+        self._received += len(buffer)
+        self._current, self._buffer = None, None
+
+    def finish(self) -> Tensors:
+        """Check that the stream is complete and return the tensors in order."""
+        if self._current is not None:
+            raise ProtocolError(f"stream ended inside tensor {self._current.name!r}")
+        if self._expected is not None and len(self.tensors) != len(self._expected):
+            missing = [s.name for s in self._expected[len(self.tensors) :]]
+            raise ProtocolError(f"stream ended before tensors {missing}")
+        return self.tensors
+
+    def feed(self, chunk: pb.ParameterChunk | pb.UpdateChunk) -> None:
+        """Route a tensor header or data chunk of either stream type."""
+        kind = chunk.WhichOneof("kind")
+        if kind == "tensor":
+            self.add_header(chunk.tensor)
+        elif kind == "data":
+            self.add_data(chunk.data)
+        else:
+            raise ProtocolError(f"unexpected {kind or 'empty'} message inside a tensor stream")
+
+
+def parameters_from_chunks(
+    chunks: Iterable[pb.ParameterChunk], *, max_bytes: int
+) -> tuple[int, Tensors]:
+    """Read a parameter stream; return its round and tensors."""
+    iterator = iter(chunks)
+    first = next(iterator, None)
+    if first is None or first.WhichOneof("kind") != "parameters":
+        raise ProtocolError("parameter stream must start with a parameters header")
+    head = first.parameters
+    if head.total_bytes > max_bytes:
+        raise ProtocolError(f"parameters of {head.total_bytes} bytes exceed {max_bytes}")
+    reader = TensorStreamReader(None, max_bytes=max_bytes)
+    for chunk in iterator:
+        reader.feed(chunk)
+    tensors = reader.finish()
+    if len(tensors) != head.num_tensors or total_bytes(tensors) != head.total_bytes:
+        raise ProtocolError("parameter stream does not match its header")
+    return int(head.round), tensors
+
+
+def update_header_from_proto(msg: pb.UpdateHeader) -> UpdateHeader:
+    """Dataclass of an update header, with its metrics checked for finiteness."""
+    metrics = {str(k): float(v) for k, v in msg.metrics.items()}
+    bad = [k for k, v in metrics.items() if not np.isfinite(v)]
+    if bad:
+        raise ProtocolError(f"metrics {bad} are not finite")
+    return UpdateHeader(
+        round=int(msg.round),
+        nonce=bytes(msg.nonce),
+        num_examples=int(msg.num_examples),
+        metrics=metrics,
+        num_tensors=int(msg.num_tensors),
+        total_bytes=int(msg.total_bytes),
+    )
+
+
+def update_header_to_proto(header: UpdateHeader) -> pb.UpdateHeader:
+    """Protobuf of an update header."""
+    return pb.UpdateHeader(
+        round=header.round,
+        nonce=header.nonce,
+        num_examples=header.num_examples,
+        metrics=header.metrics,
+        num_tensors=header.num_tensors,
+        total_bytes=header.total_bytes,
+    )
+
+
+def training_to_proto(t: LocalTraining) -> pb.LocalTraining:
+    """Protobuf of local-training settings."""
+    return pb.LocalTraining(
+        local_epochs=t.local_epochs,
+        local_steps=t.local_steps,
+        batch_size=t.batch_size,
+        learning_rate=t.learning_rate,
+        momentum=t.momentum,
+        weight_decay=t.weight_decay,
+    )
+
+
+def training_from_proto(msg: pb.LocalTraining) -> LocalTraining:
+    """Dataclass of local-training settings."""
+    return LocalTraining(
+        local_epochs=int(msg.local_epochs),
+        local_steps=int(msg.local_steps),
+        batch_size=int(msg.batch_size),
+        learning_rate=float(msg.learning_rate),
+        momentum=float(msg.momentum),
+        weight_decay=float(msg.weight_decay),
+    )
+
+
+def task_to_proto(task: Task) -> pb.Task:
+    """Protobuf of a task."""
+    return pb.Task(
+        kind=_TASK_KINDS[task.kind],
+        round=task.round,
+        nonce=task.nonce,
+        algorithm=task.algorithm,
+        training=training_to_proto(task.training),
+        algorithm_params=task.algorithm_params,
+        deadline_unix_ms=task.deadline_unix_ms,
+        retry_after_ms=task.retry_after_ms,
+        message=task.message,
+        parameters_bytes=task.parameters_bytes,
+    )
+
+
+def task_from_proto(msg: pb.Task) -> Task:
+    """Dataclass of a task; an unknown kind is a protocol error."""
+    if msg.kind not in _TASK_KINDS_BACK:
+        raise ProtocolError(f"unknown task kind {msg.kind}")
+    return Task(
+        kind=_TASK_KINDS_BACK[msg.kind],
+        round=int(msg.round),
+        nonce=bytes(msg.nonce),
+        algorithm=msg.algorithm,
+        training=training_from_proto(msg.training),
+        algorithm_params={str(k): float(v) for k, v in msg.algorithm_params.items()},
+        deadline_unix_ms=int(msg.deadline_unix_ms),
+        retry_after_ms=int(msg.retry_after_ms),
+        message=msg.message,
+        parameters_bytes=int(msg.parameters_bytes),
+    )
+
+
+def join_reply_to_proto(reply: JoinReply) -> pb.JoinReply:
+    """Protobuf of a join reply."""
+    return pb.JoinReply(
+        client_id=reply.client_id,
+        run_id=reply.run_id,
+        software_version=reply.software_version,
+        run_config_toml=reply.run_config_toml,
+    )
+
+
+def join_reply_from_proto(msg: pb.JoinReply) -> JoinReply:
+    """Dataclass of a join reply."""
+    return JoinReply(
+        client_id=msg.client_id,
+        run_id=msg.run_id,
+        software_version=msg.software_version,
+        run_config_toml=msg.run_config_toml,
+    )

@@ -1,0 +1,160 @@
+"""A certificate directory: create the CA, server and client certificates; add clients later.
+
+The CA key (``ca.key``) is what makes a client identity: whoever holds it can enroll anyone the
+server would accept. Keep it offline once the certificates are issued and pass its path to
+``issue_client_certificate`` (``ca_key=``) when adding a client.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from fl_secure.errors import TlsError
+from fl_secure.tls.certs import (
+    CLOCK_SKEW,
+    CertifiedKey,
+    KeyType,
+    load_certified_key,
+    make_certificate,
+)
+from fl_secure.tls.enrollment import EnrollmentList, certificate_fingerprint
+from fl_secure.tls.layout import CertificateSet, validate_client_id
+
+logger = logging.getLogger(__name__)
+
+CA_COMMON_NAME = "fl-secure CA"
+SERVER_COMMON_NAME = "fl-secure server"
+
+
+def init_certificates(
+    out_dir: str | os.PathLike[str],
+    *,
+    clients: int | Sequence[str],
+    hosts: Sequence[str] = ("localhost", "127.0.0.1", "::1"),
+    days: int = 365,
+    ca_days: int = 3650,
+    key_type: KeyType = "ec-p256",
+    overwrite: bool = False,
+) -> CertificateSet:
+    """Create a CA, a server certificate, client certificates and ``enrolled.json``.
+
+    Args:
+        out_dir: directory to write into (created if needed).
+        clients: a count (ids ``client-0`` .. ``client-{N-1}``) or explicit client ids.
+        hosts: DNS names and IP addresses clients dial the server at (its SAN).
+        days: validity of the server and client certificates.
+        ca_days: validity of the CA; clients added later stay within it.
+        key_type: key algorithm of every key.
+        overwrite: replace an existing CA (every certificate it signed stops being trusted).
+            Client files of the old CA that are not re-issued are left in ``clients/`` but are
+            no longer enrolled.
+
+    Returns:
+        The paths written. ``ca.key`` must be moved offline after issuing.
+
+    Raises:
+        TlsError: invalid or duplicate client ids, invalid hosts, or an existing CA without
+            ``overwrite``.
+    """
+    ids = _client_ids(clients)
+    paths = CertificateSet(Path(out_dir), ids)
+    existing = [p for p in (paths.ca_cert, paths.ca_key) if p.exists()]
+    if existing and not overwrite:
+        raise TlsError(
+            f"{existing[0]} already exists: a new CA would invalidate every certificate the old "
+            "one signed. Add a client with issue_client_certificate(), pick another --out, or "
+            "pass overwrite=True (--overwrite) to start over"
+        )
+    ca = make_certificate("ca", CA_COMMON_NAME, days=ca_days, key_type=key_type)
+    server = make_certificate(
+        "server", SERVER_COMMON_NAME, issuer=ca, hosts=hosts, days=days, key_type=key_type
+    )
+    issued = {
+        client_id: make_certificate("client", client_id, issuer=ca, days=days, key_type=key_type)
+        for client_id in ids
+    }
+    # Everything is generated before anything is written: a bad argument leaves no partial set.
+    ca.write(paths.ca_cert, paths.ca_key)
+    server.write(paths.server_cert, paths.server_key)
+    enrollment = EnrollmentList({})
+    for client_id, cert in issued.items():
+        cert.write(paths.client_cert(client_id), paths.client_key(client_id))
+        enrollment = enrollment.with_client(client_id, certificate_fingerprint(cert.certificate))
+    enrollment.save(paths.enrollment)
+    logger.info("wrote a CA, a server and %d client certificates to %s", len(ids), out_dir)
+    logger.warning("move %s OFFLINE: whoever holds it can mint client identities", paths.ca_key)
+    return paths
+
+
+def issue_client_certificate(
+    ca_dir: str | os.PathLike[str],
+    client_id: str,
+    *,
+    days: int = 365,
+    key_type: KeyType = "ec-p256",
+    ca_key: str | os.PathLike[str] | None = None,
+    overwrite: bool = False,
+) -> CertifiedKey:
+    """Issue a certificate for one more client and enroll it in ``enrolled.json``.
+
+    Args:
+        ca_dir: a directory written by ``init_certificates``.
+        client_id: the new client's id.
+        days: validity, capped at the CA's own expiry.
+        key_type: key algorithm.
+        ca_key: path of the CA key when it is kept outside ``ca_dir`` (e.g. on offline media).
+        overwrite: re-issue an existing client; with fingerprint pinning this revokes its old
+            certificate.
+
+    Returns:
+        The new certificate and key, also written to ``clients/<id>.pem`` / ``clients/<id>.key``.
+
+    Raises:
+        TlsError: invalid id, client already issued without ``overwrite``, CA or enrollment
+            list missing or invalid.
+    """
+    paths = CertificateSet(Path(ca_dir), (validate_client_id(client_id),))
+    cert_path = paths.client_cert(client_id)
+    if cert_path.exists() and not overwrite:
+        raise TlsError(
+            f"{cert_path} already exists; pass overwrite=True to re-issue it (with fingerprint "
+            "pinning the old certificate is then refused)"
+        )
+    ca = load_certified_key(paths.ca_cert, Path(ca_key) if ca_key else paths.ca_key)
+    enrollment = EnrollmentList.load(paths.enrollment)
+    now = dt.datetime.now(dt.UTC)
+    end = min(now + dt.timedelta(days=days), ca.certificate.not_valid_after_utc)
+    if end < now + dt.timedelta(days=days):
+        logger.warning("certificate of %s ends with the CA on %s", client_id, f"{end:%Y-%m-%d}")
+    cert = make_certificate(
+        "client",
+        client_id,
+        issuer=ca,
+        days=days,
+        not_before=now - CLOCK_SKEW,
+        not_after=end,
+        key_type=key_type,
+    )
+    cert.write(cert_path, paths.client_key(client_id))
+    fingerprint = certificate_fingerprint(cert.certificate)
+    enrollment.with_client(client_id, fingerprint).save(paths.enrollment)
+    return cert
+
+
+def _client_ids(clients: int | Sequence[str]) -> tuple[str, ...]:
+    """Expand a count to default ids, or validate explicit ids."""
+    if isinstance(clients, str):
+        raise TlsError(f"clients={clients!r}: give a count or a list of ids, not one string")
+    if isinstance(clients, int):
+        if clients < 0:
+            raise TlsError(f"clients must be >= 0, got {clients}")
+        return tuple(f"client-{i}" for i in range(clients))
+    ids = tuple(validate_client_id(c) for c in clients)
+    duplicates = sorted({c for c in ids if ids.count(c) > 1})
+    if duplicates:
+        raise TlsError(f"duplicate client ids {duplicates}: every client needs its own id")
+    return ids

@@ -1,0 +1,208 @@
+"""One certificate: create it with the extensions of its role, load it back and check it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from fl_secure.errors import TlsError
+from fl_secure.tls.layout import INIT_HINT, read_bytes, write_atomic
+
+KeyType = Literal["ec-p256", "ec-p384", "rsa-2048", "rsa-3072"]
+Role = Literal["ca", "server", "client"]
+PrivateKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
+
+CLIENT_URI_PREFIX = "urn:fl-secure:client:"
+CLOCK_SKEW = dt.timedelta(minutes=5)
+_DNS_NAME = re.compile(r"(\*\.)?[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
+
+
+@dataclass(frozen=True)
+class CertifiedKey:
+    """A certificate and its private key."""
+
+    certificate: x509.Certificate
+    private_key: PrivateKey
+
+    @property
+    def cert_pem(self) -> bytes:
+        """The certificate as PEM."""
+        return self.certificate.public_bytes(serialization.Encoding.PEM)
+
+    @property
+    def key_pem(self) -> bytes:
+        """The private key as unencrypted PKCS#8 PEM (gRPC cannot read encrypted keys)."""
+        return self.private_key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+
+    def write(self, cert_path: Path, key_path: Path) -> None:
+        """Write the key (mode 0600) and then the certificate (mode 0644), each atomically."""
+        write_atomic(key_path, self.key_pem, mode=0o600)
+        write_atomic(cert_path, self.cert_pem, mode=0o644)
+
+
+def make_certificate(
+    role: Role,
+    common_name: str,
+    *,
+    issuer: CertifiedKey | None = None,
+    hosts: Sequence[str] = (),
+    days: int = 365,
+    not_before: dt.datetime | None = None,
+    not_after: dt.datetime | None = None,
+    key_type: KeyType = "ec-p256",
+) -> CertifiedKey:
+    """Create a new key pair and a certificate for it.
+
+    Args:
+        role: ``"ca"`` (BasicConstraints ca=True, KeyUsage keyCertSign + cRLSign), ``"server"``
+            (SAN from ``hosts``, EKU serverAuth) or ``"client"`` (SAN URI
+            ``urn:fl-secure:client:<common_name>``, EKU clientAuth).
+        common_name: subject CN (at most 64 characters); for a client, its id.
+        issuer: the signing CA; None makes a self-signed certificate (normal only for a CA).
+        hosts: DNS names and IP addresses of a server certificate.
+        days: validity counted from now when ``not_after`` is not given.
+        not_before: start of validity; defaults to now minus 5 minutes for clock skew, or to
+            ``not_after - days`` when that is earlier.
+        not_after: end of validity; may be in the past (tests use it for expired certificates).
+        key_type: algorithm of the new key.
+
+    Returns:
+        The certificate with its new private key.
+    """
+    if days < 1:
+        raise TlsError(f"days must be >= 1, got {days}")
+    if role == "server" and not hosts:
+        raise TlsError("a server certificate needs hosts: the DNS names / IPs clients dial")
+    now = dt.datetime.now(dt.UTC)
+    not_after = not_after or now + dt.timedelta(days=days)
+    if not_before is None:  # a not_after in the past (a test's expired cert) moves the start too
+        not_before = min(now - CLOCK_SKEW, not_after - dt.timedelta(days=days))
+    if not_before >= not_after:
+        raise TlsError(f"not_before {not_before} must be earlier than not_after {not_after}")
+    key = _generate_key(key_type)
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer.certificate.subject if issuer else subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(not_before)
+        .not_valid_after(not_after)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
+    )
+    if issuer is not None:
+        aki = x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer.private_key.public_key())
+        builder = builder.add_extension(aki, critical=False)
+    for extension, critical in _role_extensions(role, common_name, hosts, key):
+        builder = builder.add_extension(extension, critical=critical)
+    signing_key = issuer.private_key if issuer else key
+    return CertifiedKey(builder.sign(signing_key, hashes.SHA256()), key)
+
+
+def load_certified_key(cert_path: Path, key_path: Path) -> CertifiedKey:
+    """Load a PEM certificate and its key.
+
+    Raises:
+        TlsError: a file is missing or unparsable, the key does not belong to the certificate,
+            or the certificate is not valid now (expired, or the clock is wrong).
+    """
+    cert_pem = read_bytes(cert_path, "certificate")
+    key_pem = read_bytes(key_path, "private key")
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except (ValueError, TypeError) as exc:
+        raise TlsError(f"cannot parse {cert_path} / {key_path}: {exc}; {INIT_HINT}") from exc
+    if not isinstance(key, ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey):
+        raise TlsError(f"{key_path} holds a {type(key).__name__}; use an EC or RSA key")
+    if _spki(key) != _spki_of(cert):
+        raise TlsError(f"{key_path} is not the private key of {cert_path}; re-issue the pair")
+    now = dt.datetime.now(dt.UTC)
+    if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        raise TlsError(
+            f"{cert_path} is valid only from {cert.not_valid_before_utc:%Y-%m-%d %H:%M} to "
+            f"{cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC (now {now:%Y-%m-%d %H:%M}); check "
+            "the clock or re-issue the certificate"
+        )
+    return CertifiedKey(cert, key)
+
+
+def _role_extensions(
+    role: Role, common_name: str, hosts: Sequence[str], key: PrivateKey
+) -> Iterator[tuple[x509.ExtensionType, bool]]:
+    """Yield (extension, critical) pairs for ``role``."""
+    is_ca = role == "ca"
+    yield x509.BasicConstraints(ca=is_ca, path_length=0 if is_ca else None), True
+    key_usage = x509.KeyUsage(
+        digital_signature=not is_ca,
+        content_commitment=False,
+        key_encipherment=not is_ca and isinstance(key, rsa.RSAPrivateKey),
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=is_ca,
+        crl_sign=is_ca,
+        encipher_only=False,
+        decipher_only=False,
+    )
+    yield key_usage, True
+    if role == "server":
+        yield x509.SubjectAlternativeName([_general_name(h) for h in hosts]), False
+        yield x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), False
+    elif role == "client":
+        uri = x509.UniformResourceIdentifier(CLIENT_URI_PREFIX + common_name)
+        yield x509.SubjectAlternativeName([uri]), False
+        yield x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), False
+
+
+def _general_name(host: str) -> x509.GeneralName:
+    """An IP address SAN for an address, a DNS SAN for a name."""
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    if not _DNS_NAME.fullmatch(host):
+        raise TlsError(f"invalid host {host!r}: give an ASCII DNS name or an IP address")
+    return x509.DNSName(host)
+
+
+def _generate_key(key_type: KeyType) -> PrivateKey:
+    """A fresh private key from the OpenSSL CSPRNG."""
+    match key_type:
+        case "ec-p256":
+            return ec.generate_private_key(ec.SECP256R1())
+        case "ec-p384":
+            return ec.generate_private_key(ec.SECP384R1())
+        case "rsa-2048":
+            return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        case "rsa-3072":
+            return rsa.generate_private_key(public_exponent=65537, key_size=3072)
+    raise TlsError(f"unknown key_type {key_type!r}; use ec-p256, ec-p384, rsa-2048 or rsa-3072")
+
+
+def _spki(key: PrivateKey) -> bytes:
+    """DER SubjectPublicKeyInfo of a private key's public half."""
+    return key.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+
+
+def _spki_of(cert: x509.Certificate) -> bytes:
+    """DER SubjectPublicKeyInfo of a certificate."""
+    return cert.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )

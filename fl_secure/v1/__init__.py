@@ -1,0 +1,1 @@
+"""Generated protobuf code for the wire contract (package fl_secure.v1)."""

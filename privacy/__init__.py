@@ -1,0 +1,1 @@
+"""privacy package of fl-secure."""

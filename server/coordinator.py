@@ -1,0 +1,419 @@
+"""Round coordinator: enrollment, cohorts, deadlines, streaming aggregation, checkpoints.
+
+Transport-free: the gRPC servicer (:mod:`server.servicer`) only moves messages in and out of
+this object, so the whole round logic is testable without a network. One driver thread
+(:meth:`Coordinator.run`) advances rounds; servicer threads call :meth:`join`, :meth:`poll`,
+:meth:`parameters`, :meth:`open_upload` and :meth:`commit_upload`.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fl_secure.checkpoints import CheckpointStore
+from fl_secure.errors import ProtocolError, RoundAborted
+from fl_secure.messages import (
+    JoinReply,
+    LocalTraining,
+    Task,
+    TaskKind,
+    Tensors,
+    TensorSpec,
+    UpdateHeader,
+)
+from fl_secure.runs import RunDir
+from server.aggregate import StreamingMean
+
+log = logging.getLogger(__name__)
+
+#: Server-side model update: (global parameters, mean update, round) -> new global parameters.
+ServerStep = Callable[[Tensors, Tensors, int], Tensors]
+#: Evaluation of the global parameters on the server's held-out data -> metrics.
+Evaluator = Callable[[Tensors], dict[str, float]]
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    """What the coordinator needs from the run configuration."""
+
+    rounds: int
+    min_clients: int
+    clients_per_round: int = 0
+    sample_rate: float = 0.0
+    round_timeout: float = 600.0
+    max_retries: int = 2
+    max_concurrent_uploads: int = 2
+    max_upload_factor: float = 1.05
+    algorithm: str = "fedpe"
+    training: LocalTraining = field(default_factory=LocalTraining)
+    algorithm_params: dict[str, float] = field(default_factory=dict)
+    run_id: str = ""
+    run_config_toml: str = ""
+    poll_wait: float = 2.0  # seconds a long poll may wait before answering WAIT
+    online_timeout: float = 30.0  # a client not heard of for this long is offline
+    final_evaluation: bool = True
+
+
+@dataclass
+class _Round:
+    number: int
+    kind: TaskKind
+    attempt: int
+    cohort: dict[str, bytes]  # client id -> nonce
+    deadline: float
+    aggregator: StreamingMean | None
+    received: dict[str, UpdateHeader] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    uploading: set[str] = field(default_factory=set)
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def pending(self) -> set[str]:
+        return set(self.cohort) - set(self.received) - set(self.failed)
+
+
+@dataclass(frozen=True)
+class UploadTicket:
+    """Permission to stream one update; holds a slot of the upload semaphore."""
+
+    client_id: str
+    round: int
+    header: UpdateHeader
+    expected: list[TensorSpec]
+    max_bytes: int
+
+
+class Coordinator:
+    """State machine of a federated run."""
+
+    def __init__(
+        self,
+        settings: CoordinatorSettings,
+        initial: Tensors,
+        *,
+        enrolled: set[str],
+        run_dir: RunDir,
+        server_step: ServerStep,
+        evaluator: Evaluator | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.enrolled = set(enrolled)
+        self.run_dir = run_dir
+        self.store = CheckpointStore(run_dir.checkpoints)
+        self.server_step = server_step
+        self.evaluator = evaluator
+        self.clock = clock
+        self.params: Tensors = initial
+        self.specs = [TensorSpec.of(k, v) for k, v in initial.items()]
+        self.completed_round = 0
+        self.status = "running"
+        self.stop_reason = ""
+        self._cv = threading.Condition()
+        self._round: _Round | None = None
+        self._finished = False
+        self._stop = threading.Event()
+        self._last_seen: dict[str, float] = {}
+        self._examples: dict[str, int] = {}
+        self._uploads = threading.BoundedSemaphore(settings.max_concurrent_uploads)
+        self._rng = secrets.SystemRandom()  # cohort sampling is privacy-relevant (amplification)
+        self.events: list[dict[str, Any]] = []
+        self.final_client_metrics: dict[str, dict[str, float]] = {}
+
+    # ----------------------------------------------------------------- resume
+    def resume(self) -> int:
+        """Load the last checkpoint, drop metrics of unfinished rounds; return the round."""
+        checkpoint = self.store.latest()
+        if checkpoint is None:
+            self.run_dir.truncate_metrics_after(0)
+            return 0
+        if [TensorSpec.of(k, v) for k, v in checkpoint.parameters.items()] != self.specs:
+            raise ProtocolError("checkpoint parameters do not match the model of this run")
+        self.params = checkpoint.parameters
+        self.completed_round = checkpoint.round
+        dropped = self.run_dir.truncate_metrics_after(checkpoint.round)
+        log.info("resumed after round %d (%d metric lines dropped)", checkpoint.round, dropped)
+        return checkpoint.round
+
+    # ------------------------------------------------------- servicer entries
+    def join(self, client_id: str, num_examples: int) -> JoinReply:
+        """Register a client as online (identity already checked by mTLS + enrollment)."""
+        with self._cv:
+            self._last_seen[client_id] = self.clock()
+            self._examples[client_id] = num_examples
+            self._cv.notify_all()
+        log.info("client %s joined (%d examples)", client_id, num_examples)
+        return JoinReply(
+            client_id=client_id,
+            run_id=self.settings.run_id,
+            software_version=_version(),
+            run_config_toml=self.settings.run_config_toml,
+        )
+
+    def poll(self, client_id: str, last_round: int) -> Task:
+        """Next task of ``client_id``; waits up to ``poll_wait`` seconds for one."""
+        deadline = self.clock() + self.settings.poll_wait
+        with self._cv:
+            self._last_seen[client_id] = self.clock()
+            self._cv.notify_all()
+            while True:
+                task = self._task_for(client_id)
+                remaining = deadline - self.clock()
+                if task.kind is not TaskKind.WAIT or remaining <= 0 or self._stop.is_set():
+                    return task
+                self._cv.wait(timeout=min(remaining, 0.5))
+                self._last_seen[client_id] = self.clock()
+
+    def _task_for(self, client_id: str) -> Task:
+        if self._finished:
+            return Task(kind=TaskKind.FINISHED, message=self.stop_reason or "run finished")
+        rnd = self._round
+        if rnd is None or client_id not in rnd.pending or client_id in rnd.uploading:
+            return Task(kind=TaskKind.WAIT, retry_after_ms=500, message="no task for you now")
+        s = self.settings
+        remaining_ms = max(0, int((rnd.deadline - self.clock()) * 1000))
+        return Task(
+            kind=rnd.kind,
+            round=rnd.number,
+            nonce=rnd.cohort[client_id],
+            algorithm=s.algorithm,
+            training=s.training,
+            algorithm_params=s.algorithm_params,
+            deadline_unix_ms=int(time.time() * 1000) + remaining_ms,
+            parameters_bytes=sum(sp.num_bytes for sp in self.specs),
+        )
+
+    def parameters(self, client_id: str, round_: int, nonce: bytes) -> tuple[int, Tensors]:
+        """Global parameters for a client of the current cohort."""
+        with self._cv:
+            self._check_member(client_id, round_, nonce)
+            return self.completed_round, self.params
+
+    def _check_member(self, client_id: str, round_: int, nonce: bytes) -> _Round:
+        rnd = self._round
+        if rnd is None or rnd.number != round_:
+            raise ProtocolError(f"round {round_} is not open")
+        expected = rnd.cohort.get(client_id)
+        if expected is None or not secrets.compare_digest(expected, nonce):
+            raise ProtocolError(f"client {client_id} holds no task of round {round_}")
+        return rnd
+
+    def open_upload(self, client_id: str, header: UpdateHeader) -> UploadTicket:
+        """Check an update header and take an upload slot (bounded server memory)."""
+        with self._cv:
+            rnd = self._check_member(client_id, header.round, header.nonce)
+            if client_id not in rnd.pending or client_id in rnd.uploading:
+                raise ProtocolError(f"client {client_id} already submitted in round {rnd.number}")
+            if header.num_examples <= 0:
+                raise ProtocolError("num_examples must be positive")
+            train = rnd.kind is TaskKind.TRAIN
+            expected = self.specs if train else []
+            model_bytes = sum(s.num_bytes for s in expected)
+            max_bytes = int(model_bytes * self.settings.max_upload_factor)
+            if header.total_bytes > max_bytes:
+                raise ProtocolError(
+                    f"upload of {header.total_bytes} bytes exceeds the limit of {max_bytes}"
+                )
+            if header.num_tensors != len(expected):
+                raise ProtocolError(
+                    f"upload announces {header.num_tensors} tensors, expected {len(expected)}"
+                )
+            rnd.uploading.add(client_id)
+        if not self._uploads.acquire(timeout=max(0.0, rnd.deadline - self.clock())):
+            with self._cv:
+                rnd.uploading.discard(client_id)
+            raise ProtocolError("round deadline passed while waiting for an upload slot")
+        return UploadTicket(client_id, header.round, header, expected, max_bytes)
+
+    def commit_upload(self, ticket: UploadTicket, tensors: Mapping[str, np.ndarray]) -> None:
+        """Fold a fully validated update into the round's aggregate."""
+        with self._cv:
+            rnd = self._round
+            if rnd is None or rnd.number != ticket.round or ticket.client_id not in rnd.pending:
+                raise ProtocolError(f"round {ticket.round} closed before the upload completed")
+            if rnd.aggregator is not None:
+                rnd.aggregator.add(tensors, float(ticket.header.num_examples))
+            rnd.received[ticket.client_id] = ticket.header
+            self._last_seen[ticket.client_id] = self.clock()
+            self._cv.notify_all()
+
+    def release_upload(self, ticket: UploadTicket, error: str | None = None) -> None:
+        """Free the upload slot; record a failed upload (the round goes on without it)."""
+        self._uploads.release()
+        with self._cv:
+            rnd = self._round
+            if rnd is not None and rnd.number == ticket.round:
+                rnd.uploading.discard(ticket.client_id)
+                if error is not None and ticket.client_id not in rnd.received:
+                    rnd.failed[ticket.client_id] = error
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------ the driver
+    def online_clients(self) -> list[str]:
+        """Enrolled clients heard of within ``online_timeout``."""
+        now = self.clock()
+        return sorted(
+            c
+            for c, t in self._last_seen.items()
+            if c in self.enrolled and now - t <= self.settings.online_timeout
+        )
+
+    def stop(self, reason: str = "stopped") -> None:
+        """Ask the driver to stop at the next opportunity."""
+        self.stop_reason = reason
+        self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
+
+    def _sample_cohort(self, online: list[str]) -> list[str]:
+        s = self.settings
+        if s.sample_rate > 0:
+            return [c for c in online if self._rng.random() < s.sample_rate]
+        if 0 < s.clients_per_round < len(online):
+            return sorted(self._rng.sample(online, s.clients_per_round))
+        return online
+
+    def _wait_for_clients(self, needed: int) -> list[str]:
+        """Wait until every enrolled client is online, or the timeout with >= needed."""
+        deadline = self.clock() + self.settings.round_timeout
+        with self._cv:
+            while not self._stop.is_set():
+                online = self.online_clients()
+                if len(online) == len(self.enrolled) or (
+                    len(online) >= needed and self.clock() >= deadline
+                ):
+                    return online
+                if self.clock() >= deadline + self.settings.round_timeout:
+                    break
+                self._cv.wait(timeout=0.25)
+        raise RoundAborted(f"fewer than {needed} clients came online")
+
+    def _run_round(self, number: int, kind: TaskKind, needed: int) -> _Round:
+        """Run one round with retries; the returned round has >= needed results."""
+        for attempt in range(self.settings.max_retries + 1):
+            online = self._wait_for_clients(needed)
+            cohort = self._sample_cohort(online)
+            if len(cohort) < needed:
+                log.warning("round %d: cohort of %d < %d, resampling", number, len(cohort), needed)
+                continue
+            aggregator = StreamingMean(self.specs) if kind is TaskKind.TRAIN else None
+            with self._cv:
+                rnd = _Round(
+                    number=number,
+                    kind=kind,
+                    attempt=attempt,
+                    cohort={c: secrets.token_bytes(16) for c in cohort},
+                    deadline=self.clock() + self.settings.round_timeout,
+                    aggregator=aggregator,
+                )
+                self._round = rnd
+                self._cv.notify_all()
+                log.info("round %d (%s) started with cohort %s", number, kind.value, cohort)
+                while not self._stop.is_set() and rnd.pending and self.clock() < rnd.deadline:
+                    self._cv.wait(timeout=0.25)
+                self._round = None
+                self._cv.notify_all()
+            if self._stop.is_set():
+                raise RoundAborted(self.stop_reason or "stopped")
+            event = {
+                "round": number,
+                "attempt": attempt,
+                "kind": kind.value,
+                "cohort": sorted(rnd.cohort),
+                "received": sorted(rnd.received),
+                "failed": rnd.failed,
+                "dropped": sorted(rnd.pending),
+            }
+            self.events.append(event)
+            if len(rnd.received) >= needed:
+                return rnd
+            log.warning(
+                "round %d attempt %d: %d of %d needed updates arrived; %s",
+                number,
+                attempt,
+                len(rnd.received),
+                needed,
+                "retrying" if attempt < self.settings.max_retries else "aborting",
+            )
+        raise RoundAborted(
+            f"round {number} aborted: fewer than {needed} updates after "
+            f"{self.settings.max_retries + 1} attempts"
+        )
+
+    def run(self, on_round: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """Run every remaining round, then a final evaluation; return the last metrics."""
+        s = self.settings
+        last: dict[str, Any] = {}
+        if self.completed_round == 0 and self.evaluator is not None:
+            # Round 0: the untrained model, the baseline every later round is read against.
+            self.run_dir.truncate_metrics_after(-1)
+            self.run_dir.append_metrics({"round": 0, "held_out": self.evaluator(self.params)})
+        try:
+            for number in range(self.completed_round + 1, s.rounds + 1):
+                rnd = self._run_round(number, TaskKind.TRAIN, s.min_clients)
+                if rnd.aggregator is None:  # pragma: no cover - TRAIN rounds always aggregate
+                    raise RoundAborted("no aggregator")
+                mean_update = rnd.aggregator.mean()
+                self.params = self.server_step(self.params, mean_update, number)
+                last = self._record(number, rnd)
+                self.store.save(number, self.params, {"status": "running"})
+                with self._cv:
+                    self.completed_round = number
+                if on_round is not None:
+                    on_round(last)
+            if s.final_evaluation:
+                rnd = self._run_round(s.rounds + 1, TaskKind.EVALUATE, 1)
+                self.final_client_metrics = {c: h.metrics for c, h in rnd.received.items()}
+            self.status = "completed"
+            self.stop_reason = self.stop_reason or f"{s.rounds} rounds completed"
+        except RoundAborted as exc:
+            self.status = "aborted" if not self._stop.is_set() else "stopped"
+            self.stop_reason = str(exc)
+            log.error("%s", exc)
+        finally:
+            with self._cv:
+                self._finished = True
+                self._cv.notify_all()
+        return last
+
+    def _record(self, number: int, rnd: _Round) -> dict[str, Any]:
+        record: dict[str, Any] = {
+            "round": number,
+            "attempt": rnd.attempt,
+            "cohort_size": len(rnd.cohort),
+            "num_updates": len(rnd.received),
+            "dropped": sorted(rnd.pending),
+            "failed": rnd.failed,
+            "num_examples": sum(h.num_examples for h in rnd.received.values()),
+            "duration_s": round(time.monotonic() - rnd.started, 3),
+            "clients": {c: h.metrics for c, h in sorted(rnd.received.items())},
+        }
+        if self.evaluator is not None:
+            record["held_out"] = self.evaluator(self.params)
+        self.run_dir.append_metrics(record)
+        return record
+
+    def wait_clients_finished(self, timeout: float) -> None:
+        """After the run, give polling clients time to hear FINISHED."""
+        end = self.clock() + timeout
+        with self._cv:
+            while self.clock() < end:
+                now = self.clock()
+                active = [c for c, t in self._last_seen.items() if now - t < 1.0]
+                if not active:
+                    return
+                self._cv.wait(timeout=0.25)
+
+
+def _version() -> str:
+    from fl_secure import __version__
+
+    return __version__

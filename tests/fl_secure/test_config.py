@@ -1,0 +1,53 @@
+"""Config loading: typed, validated, errors that name the key and the allowed values."""
+
+from pathlib import Path
+
+import pytest
+
+from fl_secure.config import Config, config_from_dict, config_to_toml, load_config
+from fl_secure.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_examples_load() -> None:
+    for path in sorted((ROOT / "examples").glob("*.toml")):
+        assert isinstance(load_config(path), Config)
+
+
+def test_unknown_key_names_key_and_allowed() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key roundz in \[train\]; allowed: .*rounds"):
+        config_from_dict({"train": {"roundz": 3}})
+
+
+def test_bad_literal_lists_allowed_values() -> None:
+    with pytest.raises(ConfigError, match=r"algorithm.name = 'fedsgd' is not allowed.*'fedpe'"):
+        config_from_dict({"algorithm": {"name": "fedsgd"}})
+
+
+def test_bad_type_and_range() -> None:
+    with pytest.raises(ConfigError, match="train.rounds = 'ten': expected an integer"):
+        config_from_dict({"train": {"rounds": "ten"}})
+    with pytest.raises(ConfigError, match="train.lr"):
+        config_from_dict({"train": {"lr": -1.0}})
+    with pytest.raises(ConfigError, match="min_clients"):
+        config_from_dict({"partition": {"num_clients": 2}, "server": {"min_clients": 3}})
+
+
+def test_overrides_and_toml_round_trip() -> None:
+    cfg = config_from_dict({}, ["train.rounds=3", "model.head=arcface", "run.name=x y"])
+    assert cfg.train.rounds == 3 and cfg.model.head == "arcface" and cfg.run.name == "x y"
+    import tomllib
+
+    assert config_from_dict(tomllib.loads(config_to_toml(cfg))) == cfg
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        config_from_dict({}, ["train.rounds"])
+
+
+def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nrounds = 1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)

@@ -1,0 +1,144 @@
+"""Serde round trips and the validation of every field a peer controls."""
+
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+
+from fl_secure import serde
+from fl_secure.errors import ProtocolError
+from fl_secure.messages import LocalTraining, Task, TaskKind, TensorSpec, UpdateHeader
+from fl_secure.v1 import transport_pb2 as pb
+
+
+def _tensors() -> OrderedDict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return OrderedDict(
+        [
+            ("a", rng.standard_normal((3, 5)).astype(np.float32)),
+            ("b", rng.standard_normal(7).astype(np.float64)),
+            ("c", np.arange(12, dtype=np.int64).reshape(2, 6)),
+            ("empty", np.zeros((0, 4), dtype=np.float32)),
+        ]
+    )
+
+
+def test_parameters_round_trip_bit_exact_with_small_chunks() -> None:
+    tensors = _tensors()
+    chunks = list(serde.parameters_to_chunks(7, tensors, chunk_bytes=16))
+    assert all(len(c.data) <= 16 for c in chunks if c.WhichOneof("kind") == "data")
+    round_, back = serde.parameters_from_chunks(iter(chunks), max_bytes=10_000)
+    assert round_ == 7
+    assert list(back) == list(tensors)
+    for k in tensors:
+        assert back[k].dtype == tensors[k].dtype
+        assert back[k].tobytes() == tensors[k].tobytes()
+
+
+def test_big_endian_input_is_sent_little_endian() -> None:
+    big = np.arange(6, dtype=">f4")
+    _, back = serde.parameters_from_chunks(
+        serde.parameters_to_chunks(1, {"x": big}), max_bytes=1000
+    )
+    np.testing.assert_array_equal(back["x"], big.astype("<f4"))
+
+
+def _update_chunks(tensors: dict[str, np.ndarray]) -> list[pb.UpdateChunk]:
+    header = UpdateHeader(round=1, nonce=b"n" * 16, num_examples=3)
+    return list(serde.update_to_chunks(header, tensors, chunk_bytes=8))
+
+
+def _read(chunks: list[pb.UpdateChunk], specs: list[TensorSpec], max_bytes: int = 10_000):
+    reader = serde.TensorStreamReader(specs, max_bytes=max_bytes)
+    for c in chunks[1:]:
+        reader.feed(c)
+    return reader.finish()
+
+
+SPEC = [TensorSpec("w", np.dtype("<f4"), (2, 3))]
+
+
+def test_update_round_trip() -> None:
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    out = _read(_update_chunks({"w": w}), SPEC)
+    np.testing.assert_array_equal(out["w"], w)
+
+
+def test_wrong_digest_rejected() -> None:
+    chunks = _update_chunks({"w": np.ones((2, 3), np.float32)})
+    chunks[2] = pb.UpdateChunk(data=b"\x00" * len(chunks[2].data))
+    with pytest.raises(ProtocolError, match="SHA-256"):
+        _read(chunks, SPEC)
+
+
+@pytest.mark.parametrize(
+    ("array", "match"),
+    [
+        (np.ones((3, 2), np.float32), "shape"),
+        (np.ones((2, 3), np.float64), "dtype"),
+        (np.array([[np.nan, 0, 0], [0, 0, 0]], np.float32), "NaN or Inf"),
+        (np.array([[np.inf, 0, 0], [0, 0, 0]], np.float32), "NaN or Inf"),
+    ],
+)
+def test_bad_tensors_rejected(array: np.ndarray, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        _read(_update_chunks({"w": array}), SPEC)
+
+
+def test_wrong_name_extra_and_missing_tensors_rejected() -> None:
+    w = np.ones((2, 3), np.float32)
+    with pytest.raises(ProtocolError, match="expected 'w'"):
+        _read(_update_chunks({"v": w}), SPEC)
+    with pytest.raises(ProtocolError, match="extra tensor"):
+        _read(_update_chunks({"w": w, "x": w}), SPEC)
+    with pytest.raises(ProtocolError, match="before tensors"):
+        _read(_update_chunks({}), SPEC)
+
+
+def test_oversize_and_truncated_streams_rejected() -> None:
+    w = np.ones((2, 3), np.float32)
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        _read(_update_chunks({"w": w}), SPEC, max_bytes=10)
+    chunks = _update_chunks({"w": w})
+    with pytest.raises(ProtocolError, match="ended inside"):
+        _read(chunks[:-1], SPEC)
+    extra = [*chunks, pb.UpdateChunk(data=b"\x00")]
+    with pytest.raises(ProtocolError, match="outside a tensor"):
+        _read(extra, SPEC)
+
+
+def test_header_lies_about_size() -> None:
+    chunks = _update_chunks({"w": np.ones((2, 3), np.float32)})
+    chunks[1].tensor.num_bytes = 4
+    with pytest.raises(ProtocolError, match="declares"):
+        _read(chunks, SPEC)
+
+
+def test_oversize_chunk_rejected() -> None:
+    reader = serde.TensorStreamReader(None, max_bytes=1 << 30)
+    big = np.zeros(serde.MAX_CHUNK_BYTES // 4 + 1, np.float32)
+    reader.add_header(serde.tensor_header("big", big))
+    with pytest.raises(ProtocolError, match="exceeds"):
+        reader.add_data(big.tobytes())
+
+
+def test_non_finite_metrics_rejected() -> None:
+    msg = pb.UpdateHeader(round=1, nonce=b"x", num_examples=1, metrics={"loss": float("nan")})
+    with pytest.raises(ProtocolError, match="not finite"):
+        serde.update_header_from_proto(msg)
+
+
+def test_task_round_trip() -> None:
+    task = Task(
+        kind=TaskKind.TRAIN,
+        round=3,
+        nonce=b"abc",
+        algorithm="fedpe",
+        training=LocalTraining(local_epochs=2, batch_size=16, learning_rate=0.05),
+        algorithm_params={"lambda": 20.0},
+        deadline_unix_ms=123,
+        parameters_bytes=999,
+    )
+    assert serde.task_from_proto(serde.task_to_proto(task)) == task
+    with pytest.raises(ProtocolError, match="unknown task kind"):
+        serde.task_from_proto(pb.Task(kind=0))

@@ -1,0 +1,176 @@
+"""Round logic without a network: cohorts, streaming mean, deadlines, retries, resume."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fl_secure.errors import ProtocolError
+from fl_secure.messages import TaskKind, UpdateHeader
+from fl_secure.runs import RunDir
+from server.coordinator import Coordinator, CoordinatorSettings
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self.lock:
+            return self.t
+
+    def advance(self, dt: float) -> None:
+        with self.lock:
+            self.t += dt
+
+
+def _initial() -> OrderedDict[str, np.ndarray]:
+    return OrderedDict([("w", np.zeros((2, 2), np.float32)), ("b", np.zeros(3, np.float32))])
+
+
+def _add(params, update, round_):
+    return OrderedDict((k, params[k] + update[k]) for k in params)
+
+
+def _coordinator(tmp_path: Path, clock=None, **kw) -> Coordinator:
+    settings = CoordinatorSettings(
+        rounds=kw.pop("rounds", 2),
+        min_clients=kw.pop("min_clients", 2),
+        round_timeout=kw.pop("round_timeout", 100.0),
+        poll_wait=0.05,
+        final_evaluation=kw.pop("final_evaluation", False),
+        **kw,
+    )
+    return Coordinator(
+        settings,
+        _initial(),
+        enrolled={"c0", "c1", "c2"},
+        run_dir=RunDir(tmp_path),
+        server_step=_add,
+        evaluator=lambda p: {"norm": float(sum(np.abs(v).sum() for v in p.values()))},
+        clock=clock or FakeClock(),
+    )
+
+
+def _submit(coord: Coordinator, cid: str, value: float, examples: int) -> int:
+    """Poll until a task arrives, then upload a constant update; return the round."""
+    while True:
+        task = coord.poll(cid, 0)
+        if task.kind is TaskKind.TRAIN:
+            break
+    _, params = coord.parameters(cid, task.round, task.nonce)
+    update = OrderedDict((k, np.full_like(v, value)) for k, v in params.items())
+    header = UpdateHeader(task.round, task.nonce, examples, {"loss": value}, 2, 28)
+    ticket = coord.open_upload(cid, header)
+    try:
+        coord.commit_upload(ticket, update)
+    finally:
+        coord.release_upload(ticket)
+    return task.round
+
+
+def test_weighted_mean_over_rounds_and_metrics(tmp_path: Path) -> None:
+    coord = _coordinator(tmp_path, rounds=2)
+    for c in ("c0", "c1", "c2"):
+        coord.join(c, 10)
+    driver = threading.Thread(target=coord.run)
+    driver.start()
+    for _ in range(2):
+        workers = [
+            threading.Thread(target=_submit, args=(coord, c, v, n))
+            for c, v, n in (("c0", 1.0, 1), ("c1", 2.0, 1), ("c2", 4.0, 2))
+        ]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    driver.join(timeout=30)
+    assert coord.status == "completed"
+    # (1*1 + 2*1 + 4*2) / 4 = 2.75 per round, two rounds
+    np.testing.assert_allclose(coord.params["w"], np.full((2, 2), 5.5))
+    records = RunDir(tmp_path).read_metrics()
+    assert [r["round"] for r in records] == [0, 1, 2]
+    assert records[1]["num_updates"] == 3 and records[1]["clients"]["c2"]["loss"] == 4.0
+    assert coord.store.latest().round == 2
+
+
+def test_straggler_dropped_after_deadline(tmp_path: Path) -> None:
+    clock = FakeClock()
+    coord = _coordinator(tmp_path, clock=clock, rounds=1, min_clients=2, round_timeout=10.0)
+    for c in ("c0", "c1", "c2"):
+        coord.join(c, 10)
+    driver = threading.Thread(target=coord.run)
+    driver.start()
+    _submit(coord, "c0", 1.0, 1)
+    _submit(coord, "c1", 3.0, 1)
+    clock.advance(11.0)  # c2 never answers
+    driver.join(timeout=30)
+    assert coord.status == "completed"
+    record = RunDir(tmp_path).read_metrics()[-1]
+    assert record["dropped"] == ["c2"] and record["num_updates"] == 2
+    np.testing.assert_allclose(coord.params["b"], np.full(3, 2.0))
+
+
+def test_too_few_updates_retries_then_aborts(tmp_path: Path) -> None:
+    clock = FakeClock()
+    coord = _coordinator(
+        tmp_path, clock=clock, rounds=1, min_clients=2, round_timeout=10.0, max_retries=1
+    )
+    for c in ("c0", "c1", "c2"):
+        coord.join(c, 10)
+    driver = threading.Thread(target=coord.run)
+    driver.start()
+    for _ in range(2):  # two attempts, each with only one update
+        _submit(coord, "c0", 1.0, 1)
+        for c in ("c1", "c2"):
+            coord.join(c, 10)  # keep them "online" but silent
+        clock.advance(11.0)
+        while len(coord.events) < _ + 1 and driver.is_alive():
+            pass
+    driver.join(timeout=30)
+    assert coord.status == "aborted"
+    assert "round 1 aborted" in coord.stop_reason
+    assert [e["attempt"] for e in coord.events] == [0, 1]
+    np.testing.assert_array_equal(coord.params["w"], np.zeros((2, 2)))  # nothing applied
+    assert coord.store.latest() is None
+    assert coord.poll("c0", 0).kind is TaskKind.FINISHED
+
+
+def test_upload_checks(tmp_path: Path) -> None:
+    coord = _coordinator(tmp_path, rounds=1, min_clients=3)
+    for c in ("c0", "c1", "c2"):
+        coord.join(c, 10)
+    driver = threading.Thread(target=coord.run)
+    driver.start()
+    task = coord.poll("c0", 0)
+    while task.kind is not TaskKind.TRAIN:
+        task = coord.poll("c0", 0)
+    with pytest.raises(ProtocolError, match="holds no task"):
+        coord.parameters("c0", task.round, b"wrong-nonce-0000")
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        coord.open_upload("c0", UpdateHeader(task.round, task.nonce, 1, {}, 2, 10**9))
+    with pytest.raises(ProtocolError, match="announces 5 tensors"):
+        coord.open_upload("c0", UpdateHeader(task.round, task.nonce, 1, {}, 5, 28))
+    with pytest.raises(ProtocolError, match="num_examples"):
+        coord.open_upload("c0", UpdateHeader(task.round, task.nonce, 0, {}, 2, 28))
+    coord.stop("test over")
+    driver.join(timeout=30)
+    assert coord.status == "stopped"
+
+
+def test_resume_drops_unfinished_round_metrics(tmp_path: Path) -> None:
+    coord = _coordinator(tmp_path, rounds=1)
+    coord.store.save(1, OrderedDict((k, v + 1) for k, v in _initial().items()), {})
+    run = RunDir(tmp_path)
+    for r in (0, 1, 2):
+        run.append_metrics({"round": r})
+    with run.metrics.open("a") as f:
+        f.write('{"round": 3, "torn')  # a crash mid-write
+    assert coord.resume() == 1
+    assert [r["round"] for r in run.read_metrics()] == [0, 1]
+    np.testing.assert_array_equal(coord.params["w"], np.ones((2, 2)))
