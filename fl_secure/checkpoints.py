@@ -58,6 +58,20 @@ class CheckpointStore:
             return None
         try:
             state = json.loads(pointer.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"cannot read {pointer}: {exc}") from exc
+        return self._read(state)
+
+    def load(self, round_: int) -> Checkpoint:
+        """The checkpoint of ``round_`` (only the last few are kept)."""
+        path = self.folder / f"round-{round_:06d}.safetensors"
+        if not path.exists():
+            kept = sorted(p.name for p in self.folder.glob("round-*.safetensors"))
+            raise CheckpointError(f"no checkpoint of round {round_}; kept: {kept}")
+        return self._read({"file": path.name, "round": round_})
+
+    def _read(self, state: dict[str, Any]) -> Checkpoint:
+        try:
             path = self.folder / str(state.pop("file"))
             round_ = int(state.pop("round"))
             raw = path.read_bytes()

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from fl_secure.errors import ConfigError
+from fl_secure.models.heads import HeadKind
 
 DataSource = Literal["synthetic", "folders"]
 PartitionKind = Literal["equal"]
 AlgorithmName = Literal["fedavg", "fedpe"]
-HeadKind = Literal["softmax", "cosface", "arcface"]
 
 
 @dataclass(frozen=True)
@@ -260,7 +260,21 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         table = tomllib.loads(p.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p} is not valid TOML: {exc}") from exc
-    return config_from_dict(table, overrides)
+    config = config_from_dict(table, overrides)
+    return _resolve_paths(config, p.resolve().parent)
+
+
+def _resolve_paths(config: Config, base: Path) -> Config:
+    """Relative data and weight paths are taken relative to the config file's folder."""
+
+    def resolve(value: str) -> str:
+        return str((base / value).resolve()) if value and not Path(value).is_absolute() else value
+
+    return dataclasses.replace(
+        config,
+        data=dataclasses.replace(config.data, path=resolve(config.data.path)),
+        model=dataclasses.replace(config.model, pretrained=resolve(config.model.pretrained)),
+    )
 
 
 def _toml_value(value: Any) -> str:

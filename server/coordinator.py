@@ -245,6 +245,15 @@ class Coordinator:
             self._last_seen[ticket.client_id] = self.clock()
             self._cv.notify_all()
 
+    def record_failure(self, client_id: str, round_: int, error: str) -> None:
+        """A cohort member's upload was refused: the round goes on without it."""
+        with self._cv:
+            rnd = self._round
+            if rnd is not None and rnd.number == round_ and client_id in rnd.pending:
+                if client_id not in rnd.uploading:
+                    rnd.failed[client_id] = error
+                    self._cv.notify_all()
+
     def release_upload(self, ticket: UploadTicket, error: str | None = None) -> None:
         """Free the upload slot; record a failed upload (the round goes on without it)."""
         self._uploads.release()
@@ -352,11 +361,9 @@ class Coordinator:
         """Run every remaining round, then a final evaluation; return the last metrics."""
         s = self.settings
         last: dict[str, Any] = {}
-        if self.completed_round == 0 and self.evaluator is not None:
-            # Round 0: the untrained model, the baseline every later round is read against.
-            self.run_dir.truncate_metrics_after(-1)
-            self.run_dir.append_metrics({"round": 0, "held_out": self.evaluator(self.params)})
         try:
+            if self.completed_round == 0:
+                self._record_untrained()
             for number in range(self.completed_round + 1, s.rounds + 1):
                 rnd = self._run_round(number, TaskKind.TRAIN, s.min_clients)
                 if rnd.aggregator is None:  # pragma: no cover - TRAIN rounds always aggregate
@@ -383,6 +390,17 @@ class Coordinator:
                 self._finished = True
                 self._cv.notify_all()
         return last
+
+    def _record_untrained(self) -> None:
+        """Round 0: the untrained model, the baseline every later round is read against."""
+        record: dict[str, Any] = {"round": 0}
+        if self.evaluator is not None:
+            record["held_out"] = self.evaluator(self.params)
+        if self.settings.final_evaluation:  # the clients score it on their own test images
+            rnd = self._run_round(0, TaskKind.EVALUATE, 1)
+            record["clients"] = {c: h.metrics for c, h in sorted(rnd.received.items())}
+        self.run_dir.truncate_metrics_after(-1)
+        self.run_dir.append_metrics(record)
 
     def _record(self, number: int, rnd: _Round) -> dict[str, Any]:
         record: dict[str, Any] = {

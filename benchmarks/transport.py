@@ -1,0 +1,161 @@
+"""Transport benchmark: prints one JSON object.
+
+1. Throughput of parameter bytes over gRPC + mutual TLS on loopback (GetParameters stream,
+   server -> client, and SubmitUpdate, client -> server) against an in-process
+   serialize/deserialize baseline of the same tensors in the same run (ratio).
+2. Peak memory (VmHWM) of a server process aggregating one round of 8 clients vs 2 clients at
+   10M float32 parameters (goal: ratio <= 1.5, i.e. memory O(d), not O(clients x d)).
+
+Usage: python benchmarks/transport.py [--params 10000000] [--mb 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "server"))
+
+
+def _params(n: int) -> OrderedDict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return OrderedDict([("w", rng.standard_normal(n).astype(np.float32))])
+
+
+def baseline_mb_s(params: OrderedDict[str, np.ndarray], repeats: int = 3) -> float:
+    """In-process: chunk, serialize to bytes, parse, reassemble with digest checks."""
+    from fl_secure import serde
+    from fl_secure.v1 import transport_pb2 as pb
+
+    nbytes = serde.total_bytes(params)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        wire = [c.SerializeToString() for c in serde.parameters_to_chunks(1, params)]
+        parsed = (pb.ParameterChunk.FromString(b) for b in wire)
+        serde.parameters_from_chunks(parsed, max_bytes=nbytes + 1)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e6
+
+
+def grpc_mb_s(params: OrderedDict[str, np.ndarray], rounds: int = 3) -> dict[str, float]:
+    """Real server + client over mTLS: time per round of one download plus one upload."""
+    from conftest import EchoTrainer, make_run  # the same harness the tests use
+
+    from fl_secure import serde
+
+    nbytes = serde.total_bytes(params)
+    with tempfile.TemporaryDirectory() as tmp:
+        run = make_run(Path(tmp), params, clients=1, rounds=rounds, min_clients=1)
+        trainer = EchoTrainer(shift=0.0)
+        client = run.client("client-0", trainer)
+        t0 = time.perf_counter()
+        client.run()
+        elapsed = time.perf_counter() - t0
+        run.server.stop(grace=None)  # type: ignore[attr-defined]
+    # each round moves the parameters twice (down and up)
+    return {"seconds": elapsed, "mb_s": 2 * rounds * nbytes / elapsed / 1e6}
+
+
+SERVER_SNIPPET = r"""
+import sys, json, threading
+from pathlib import Path
+sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+import numpy as np
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+from collections import OrderedDict
+from conftest import make_run
+n, clients, tmp = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+params = OrderedDict([("w", np.zeros(n, np.float32))])
+run = make_run(tmp, params, clients=clients, rounds=1, min_clients=clients, round_timeout=600)
+(tmp / "port").write_text(str(run.port))
+run.driver.join()
+status = open("/proc/self/status").read()
+hwm = [l for l in status.splitlines() if l.startswith("VmHWM")][0].split()[1]
+print(json.dumps({{"vmhwm_kb": int(hwm), "status": run.coordinator.status}}))
+run.server.stop(grace=None)
+"""
+
+
+def server_peak_kb(n: int, clients: int) -> dict[str, object]:
+    """Run a server process for one round of ``clients`` echo clients; return its VmHWM."""
+    from conftest import EchoTrainer
+
+    from client.app import Connection, FlClient
+
+    with tempfile.TemporaryDirectory() as tmp:
+        code = SERVER_SNIPPET.format(root=str(ROOT), tests=str(ROOT / "tests" / "server"))
+        proc = subprocess.Popen(  # noqa: S603
+            [sys.executable, "-c", code, str(n), str(clients), tmp],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        port_file = Path(tmp) / "port"
+        deadline = time.time() + 120
+        while not port_file.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        port = int(port_file.read_text())
+        threads = []
+        for i in range(clients):
+            conn = Connection(f"localhost:{port}", f"client-{i}", cert_dir=Path(tmp) / "certs")
+            trainer = EchoTrainer(shift=1.0)
+            c = FlClient(conn, lambda reply, t=trainer: t, max_wait=60)  # type: ignore[misc]
+            th = threading.Thread(target=c.run, daemon=True)
+            th.start()
+            threads.append(th)
+        for th in threads:
+            th.join(timeout=600)
+        out, _ = proc.communicate(timeout=120)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=int, default=10_000_000)
+    parser.add_argument("--mb", type=float, default=100.0, help="size for the throughput test")
+    args = parser.parse_args()
+    import logging
+
+    logging.disable(logging.WARNING)
+    tensors = _params(int(args.mb * 1e6 / 4))
+    base = baseline_mb_s(tensors)
+    wire = grpc_mb_s(tensors)
+    two = server_peak_kb(args.params, 2)
+    eight = server_peak_kb(args.params, 8)
+    result = {
+        "throughput": {
+            "payload_mb": args.mb,
+            "grpc_mtls_mb_s": round(wire["mb_s"], 1),
+            "in_process_serde_mb_s": round(base, 1),
+            "ratio_grpc_vs_serde": round(wire["mb_s"] / base, 3),
+        },
+        "server_peak_memory": {
+            "params": args.params,
+            "model_mb": args.params * 4 / 1e6,
+            "clients_2_vmhwm_mb": round(two["vmhwm_kb"] / 1024, 1),
+            "clients_8_vmhwm_mb": round(eight["vmhwm_kb"] / 1024, 1),
+            "ratio_8_vs_2": round(eight["vmhwm_kb"] / two["vmhwm_kb"], 3),
+            "goal_ratio_max": 1.5,
+        },
+        "machine": {"cpus": os.cpu_count()},
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""The client loop: connect with the client's certificate, join, poll, train, upload.
+
+The client opens every connection (it may sit behind NAT). When the server is unreachable or
+restarts, it reconnects with exponential backoff and jitter and joins again.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from client.trainer import LocalTrainer
+from fl_secure import __version__, serde
+from fl_secure.errors import ProtocolError, TlsError
+from fl_secure.messages import JoinReply, Task, TaskKind, UpdateHeader
+from fl_secure.tls import channel_credentials, warn_insecure
+from fl_secure.v1 import transport_pb2 as pb
+from fl_secure.v1 import transport_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+INSECURE_ID_HEADER = "x-fl-secure-client-id"
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+@dataclass(frozen=True)
+class Connection:
+    """Where and how to reach the server."""
+
+    address: str
+    client_id: str
+    cert_dir: Path | None = None
+    insecure: bool = False
+    server_name: str = ""  # TLS name to check when the address is an IP without SAN
+
+
+def open_channel(conn: Connection) -> grpc.Channel:
+    """A channel with the client's certificate (or, loudly, a plaintext one)."""
+    options: list[tuple[str, object]] = [
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.enable_retries", 0),
+    ]
+    if conn.server_name:
+        options.append(("grpc.ssl_target_name_override", conn.server_name))
+    if conn.insecure:
+        warn_insecure(f"client {conn.client_id}")
+        return grpc.insecure_channel(conn.address, options=options)
+    if conn.cert_dir is None:
+        raise TlsError("the client needs --certs DIR (or --insecure for a loopback test)")
+    creds = channel_credentials(conn.cert_dir, conn.client_id)
+    return grpc.secure_channel(conn.address, creds, options=options)
+
+
+class Backoff:
+    """Exponential backoff with full jitter."""
+
+    def __init__(self, initial: float = 0.5, maximum: float = 10.0) -> None:
+        self.initial, self.maximum, self.attempt = initial, maximum, 0
+
+    def next_delay(self) -> float:
+        """Delay before the next attempt."""
+        delay = min(self.maximum, self.initial * 2**self.attempt)
+        self.attempt += 1
+        return random.uniform(0, delay)  # noqa: S311 - timing jitter, not security
+
+    def reset(self) -> None:
+        """After a success."""
+        self.attempt = 0
+
+
+class FlClient:
+    """Runs tasks from the server until it says the run is finished."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        trainer_factory: Callable[[JoinReply], LocalTrainer],
+        *,
+        max_wait: float = 600.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.conn = conn
+        self.trainer_factory = trainer_factory
+        self.max_wait = max_wait  # give up after this long without reaching the server
+        self.sleep = sleep
+        self.trainer: LocalTrainer | None = None
+        self.last_round = 0
+        self.rounds_done = 0
+        self._metadata = ((INSECURE_ID_HEADER, conn.client_id),) if conn.insecure else ()
+
+    def run(self) -> str:
+        """Loop until FINISHED; return the server's closing message."""
+        backoff = Backoff()
+        unreachable_since: float | None = None
+        while True:
+            channel = open_channel(self.conn)
+            try:
+                stub = pb_grpc.FlSecureStub(channel)
+                message = self._session(stub, backoff)
+                return message
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                if code not in _RETRYABLE:
+                    raise
+                now = time.monotonic()
+                unreachable_since = unreachable_since or now
+                if now - unreachable_since > self.max_wait:
+                    raise
+                delay = backoff.next_delay()
+                log.info("server unreachable (%s); retrying in %.1fs", code, delay)
+                self.sleep(delay)
+            finally:
+                channel.close()
+
+    def _session(self, stub: pb_grpc.FlSecureStub, backoff: Backoff) -> str:
+        examples = self.trainer.num_examples if self.trainer else 0
+        reply = serde.join_reply_from_proto(
+            stub.Join(
+                pb.JoinRequest(software_version=__version__, num_examples=examples),
+                metadata=self._metadata,
+                timeout=30,
+            )
+        )
+        if reply.client_id != self.conn.client_id:
+            raise TlsError(
+                f"server knows this client as {reply.client_id!r}, not {self.conn.client_id!r}"
+            )
+        if self.trainer is None:
+            self.trainer = self.trainer_factory(reply)
+            stub.Join(
+                pb.JoinRequest(
+                    software_version=__version__, num_examples=self.trainer.num_examples
+                ),
+                metadata=self._metadata,
+                timeout=30,
+            )
+        backoff.reset()
+        log.info("joined run %s as %s", reply.run_id, reply.client_id)
+        while True:
+            task = serde.task_from_proto(
+                stub.PollTask(
+                    pb.PollRequest(last_round=self.last_round), metadata=self._metadata, timeout=60
+                )
+            )
+            if task.kind is TaskKind.FINISHED:
+                log.info("run finished: %s", task.message)
+                return task.message
+            if task.kind is TaskKind.WAIT:
+                continue  # the server long-polls; ask again at once
+            self._do_task(stub, task)
+
+    def _do_task(self, stub: pb_grpc.FlSecureStub, task: Task) -> None:
+        trainer = self.trainer
+        if trainer is None:  # pragma: no cover - set in _session
+            raise RuntimeError("no trainer")
+        chunks = stub.GetParameters(
+            pb.ParametersRequest(round=task.round, nonce=task.nonce),
+            metadata=self._metadata,
+            timeout=600,
+        )
+        limit = max(task.parameters_bytes, 1) + 1024
+        _, shared = serde.parameters_from_chunks(chunks, max_bytes=limit)
+        started = time.monotonic()
+        if task.kind is TaskKind.TRAIN:
+            update, examples, metrics = trainer.train(shared, task.training)
+        else:
+            update = type(shared)()
+            examples, metrics = trainer.evaluate(shared)
+        metrics = {**metrics, "local_seconds": time.monotonic() - started}
+        header = UpdateHeader(
+            round=task.round, nonce=task.nonce, num_examples=examples, metrics=metrics
+        )
+        try:
+            reply = stub.SubmitUpdate(
+                serde.update_to_chunks(header, update), metadata=self._metadata, timeout=600
+            )
+            log.info("round %d: %s", task.round, reply.message)
+        except grpc.RpcError as exc:
+            if exc.code() in (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                grpc.StatusCode.FAILED_PRECONDITION,
+            ):
+                log.warning("round %d: update refused: %s", task.round, exc.details())
+                return
+            raise
+        self.last_round = task.round
+        self.rounds_done += 1
+
+
+__all__ = ["Backoff", "Connection", "FlClient", "ProtocolError", "open_channel"]

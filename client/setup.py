@@ -1,0 +1,88 @@
+"""Build a client's trainer once the server has said which model and algorithm the run uses.
+
+The client's data are its own: either its share of the embedded data plan (``plan_index``)
+or identity folders on its disk (``data_path``), split per identity into train and test.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from fl_secure.data.folders import load_identity_folders
+from fl_secure.data.splits import stratified_split
+
+from client.trainer import LocalTrainer
+from fl_secure.algorithms import get_strategy
+from fl_secure.config import Config, DataConfig, config_from_dict
+from fl_secure.data.plan import plan_federation
+from fl_secure.errors import ConfigError
+from fl_secure.messages import JoinReply
+from fl_secure.training import build_model
+
+
+@dataclass(frozen=True)
+class ClientDataSource:
+    """Where this client's faces come from."""
+
+    local_config: Config | None = None  # embedded: the run config, with ...
+    plan_index: int = -1  # ... this client's share of the data plan
+    data_path: Path | None = None  # separate machines: identity folders on this client's disk
+    test_fraction: float = 0.3
+
+
+def trainer_factory(
+    source: ClientDataSource, *, state_dir: Path | None, threads: int | None = None
+) -> Callable[[JoinReply], LocalTrainer]:
+    """A callable the client loop runs after joining, with the server's run config."""
+
+    def make(reply: JoinReply) -> LocalTrainer:
+        try:
+            run_config = config_from_dict(tomllib.loads(reply.run_config_toml))
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"the server sent an invalid run config: {exc}") from exc
+        torch.set_num_threads(threads or run_config.train.threads)
+        strategy = get_strategy(run_config.algorithm.name)
+        if source.plan_index >= 0:
+            cfg = source.local_config or run_config
+            plan = plan_federation(cfg)
+            if source.plan_index >= len(plan.clients):
+                raise ConfigError(
+                    f"--plan-index {source.plan_index} out of range: the plan has "
+                    f"{len(plan.clients)} clients"
+                )
+            share = plan.clients[source.plan_index]
+            train, test, identities = share.train, share.test, plan.train_identities
+            image_size = cfg.data.image_size
+        elif source.data_path is not None:
+            if strategy.shares_head:
+                raise ConfigError(
+                    f"{strategy.name} shares a global head, which needs one label space across "
+                    "clients: use the embedded mode, or a private-head algorithm such as fedpe"
+                )
+            image_size = run_config.data.image_size
+            data = load_identity_folders(source.data_path, image_size=image_size)
+            fractions = (1.0 - source.test_fraction, source.test_fraction)
+            tr, te = stratified_split(data, fractions=fractions, seed=run_config.run.seed)
+            train, test = data.subset(tr), data.subset(te)
+            identities = np.unique(train.labels.numpy())
+        else:
+            raise ConfigError("a client needs --data DIR or --config FILE --plan-index N")
+        classes = strategy.num_head_classes(len(identities), np.unique(train.labels.numpy()))
+        model = build_model(run_config.model, classes, image_size, run_config.run.seed)
+        local = strategy.local_data(train, test, identities)
+        return LocalTrainer(
+            strategy,
+            model,
+            local,
+            state_dir=state_dir,
+        )
+
+    return make
+
+
+__all__ = ["ClientDataSource", "DataConfig", "trainer_factory"]

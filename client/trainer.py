@@ -1,0 +1,114 @@
+"""A client's local side: its model, its private state and the algorithm's client step.
+
+Private parameters (for example FedPE's class embeddings) never leave this object; they are
+kept in memory and, when ``state_dir`` is given, saved as safetensors after every round so a
+restarted client continues with its own head.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save
+
+from fl_secure.algorithms import Strategy
+from fl_secure.messages import LocalTraining, Tensors
+from fl_secure.runs import atomic_write_bytes
+from fl_secure.training import FaceModel, LocalData, evaluate_local, set_tensors
+
+log = logging.getLogger(__name__)
+
+
+class LocalTrainer:
+    """Runs the strategy's client step on this client's data."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        model: FaceModel,
+        data: LocalData,
+        *,
+        state_dir: Path | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.strategy = strategy
+        self.model = model
+        self.data = data
+        self.shared_names = strategy.shared_names(model)
+        self.state_dir = state_dir
+        self.generator = torch.Generator().manual_seed(
+            seed if seed is not None else secrets.randbits(63)
+        )
+        self._load_private()
+
+    @property
+    def num_examples(self) -> int:
+        """Training images held by this client."""
+        return len(self.data.train)
+
+    def _private_path(self) -> Path | None:
+        return self.state_dir / "private.safetensors" if self.state_dir else None
+
+    def _private_names(self) -> list[str]:
+        shared = set(self.shared_names)
+        return [k for k in self.model.state_dict() if k not in shared]
+
+    def _load_private(self) -> None:
+        path = self._private_path()
+        if path is None or not path.exists():
+            return
+        saved = load_file(str(path))
+        state = self.model.state_dict()
+        if set(saved) != set(self._private_names()) or any(
+            saved[k].shape != state[k].shape for k in saved
+        ):
+            log.warning("ignoring private state %s: it does not fit this model", path)
+            return
+        self.model.load_state_dict(saved, strict=False)
+        log.info("restored private parameters from %s", path)
+
+    def _save_private(self) -> None:
+        path = self._private_path()
+        if path is None:
+            return
+        state = self.model.state_dict()
+        tensors = {k: state[k].contiguous().clone() for k in self._private_names()}
+        if not tensors:
+            return
+        atomic_write_bytes(path, save(tensors))
+
+    def train(
+        self, shared: Tensors, training: LocalTraining
+    ) -> tuple[Tensors, int, dict[str, float]]:
+        """One round: returns (update of the shared parameters, examples, metrics)."""
+        self._check_names(shared)
+        result = self.strategy.client_update(
+            self.model, self.data, training, shared, generator=self.generator
+        )
+        self._save_private()
+        return result.update, result.num_examples, result.metrics
+
+    def evaluate(self, shared: Tensors) -> tuple[int, dict[str, float]]:
+        """Evaluate the global model on this client's test images."""
+        self._check_names(shared)
+        set_tensors(self.model, shared)
+        return len(self.data.test), evaluate_local(self.model.backbone, self.data)
+
+    def _check_names(self, shared: Tensors) -> None:
+        if list(shared) != self.shared_names:
+            raise ValueError("the server's parameters do not match this client's model")
+
+    def shared_parameters(self) -> Tensors:
+        """This client's current values of the shared parameters."""
+        state = self.model.state_dict()
+        return OrderedDict((k, state[k].detach().numpy().copy()) for k in self.shared_names)
+
+
+def zeros_like(tensors: Tensors) -> Tensors:
+    """Zero arrays of the same specs."""
+    return OrderedDict((k, np.zeros_like(v)) for k, v in tensors.items())

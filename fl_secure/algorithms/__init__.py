@@ -1,0 +1,16 @@
+"""Federated algorithms: a registry of strategies keyed by short names."""
+
+from fl_secure.algorithms.base import ClientUpdate, Exposure, Strategy
+from fl_secure.algorithms.fedavg import FedAvg
+from fl_secure.algorithms.fedpe import FedPE
+from fl_secure.algorithms.registry import ALGORITHMS, get_strategy
+
+__all__ = [
+    "ALGORITHMS",
+    "ClientUpdate",
+    "Exposure",
+    "FedAvg",
+    "FedPE",
+    "Strategy",
+    "get_strategy",
+]

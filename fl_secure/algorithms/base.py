@@ -1,0 +1,113 @@
+"""Strategy interface: a client step and a server step, one algorithm per file.
+
+A template method (:meth:`Strategy.client_update`) loads the shared parameters, runs the
+algorithm's local objective (:meth:`Strategy.local_train`) and returns the update of the
+shared parameters only; :meth:`Strategy.server_update` turns the cohort's mean update into
+the next global parameters.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import numpy as np
+import torch
+
+from fl_secure.data.types import FaceDataset
+from fl_secure.messages import LocalTraining, Tensors
+from fl_secure.training import FaceModel, LocalData, get_tensors, set_tensors, train_local
+
+#: What the design shares, for audits and reports (ARCHITECTURE: "Designs differ in what is
+#: shared").
+Exposure = Literal["global-head", "server-sees-heads", "private-embedding"]
+
+
+@dataclass(frozen=True)
+class ClientUpdate:
+    """What a client sends back: the shared parameters' update and its metrics."""
+
+    update: Tensors
+    num_examples: int
+    metrics: dict[str, float]
+
+
+class Strategy(ABC):
+    """A federated face-recognition algorithm."""
+
+    name: ClassVar[str]
+    exposure: ClassVar[Exposure]
+    shares_head: ClassVar[bool]
+
+    def shared_names(self, model: FaceModel) -> list[str]:
+        """Names of the parameters the server aggregates (state-dict keys, in order)."""
+        names = [f"backbone.{k}" for k in model.backbone.state_dict()]
+        if self.shares_head:
+            names += [f"head.{k}" for k in model.head.state_dict()]
+        return names
+
+    def num_head_classes(self, num_train_identities: int, local_identities: np.ndarray) -> int:
+        """Rows of the client's head: global identities if shared, else its own ones."""
+        return num_train_identities if self.shares_head else len(local_identities)
+
+    def local_data(
+        self, train: FaceDataset, test: FaceDataset, train_identities: np.ndarray
+    ) -> LocalData:
+        """Remap a client's labels to head classes (global index, or local index if private).
+
+        Args:
+            train: the client's training images (labels = global identity ids).
+            test: the client's test images of the same identities.
+            train_identities: sorted identity ids of the whole federation's training set.
+        """
+        own = np.unique(train.labels.numpy())
+        space = train_identities if self.shares_head else own
+        missing = np.setdiff1d(own, space)
+        if missing.size:
+            raise ValueError(f"identities {missing[:5].tolist()} are not in the label space")
+        targets = torch.from_numpy(np.searchsorted(space, train.labels.numpy()).astype(np.int64))
+        mask: torch.Tensor | None = None
+        if self.shares_head:  # HF-MAML III-A: absent classes get logit -inf
+            mask = torch.zeros(len(space), dtype=torch.bool)
+            mask[torch.from_numpy(np.searchsorted(space, own).astype(np.int64))] = True
+        return LocalData(train=train, test=test, train_targets=targets, class_mask=mask)
+
+    def client_update(
+        self,
+        model: FaceModel,
+        data: LocalData,
+        training: LocalTraining,
+        shared: Tensors,
+        *,
+        generator: torch.Generator,
+    ) -> ClientUpdate:
+        """Load ``shared``, train locally, return the update of the shared parameters."""
+        set_tensors(model, shared)
+        metrics = self.local_train(model, data, training, generator=generator)
+        trained = get_tensors(model, shared.keys())
+        update = OrderedDict((k, (trained[k] - shared[k]).astype(shared[k].dtype)) for k in shared)
+        return ClientUpdate(update=update, num_examples=len(data.train), metrics=metrics)
+
+    def local_train(
+        self,
+        model: FaceModel,
+        data: LocalData,
+        training: LocalTraining,
+        *,
+        generator: torch.Generator,
+    ) -> dict[str, float]:
+        """The algorithm's local objective; default: margin-head cross-entropy."""
+        return train_local(model, data, training, generator=generator)
+
+    def server_update(self, params: Tensors, mean_update: Tensors, round_: int) -> Tensors:
+        """Next global parameters: FedAvg's ``w + mean(delta)`` (server learning rate 1)."""
+        del round_
+        return OrderedDict(
+            (k, (params[k] + mean_update[k]).astype(params[k].dtype)) for k in params
+        )
+
+    @abstractmethod
+    def describe(self) -> str:
+        """One line naming the paper and what is shared."""

@@ -1,0 +1,314 @@
+"""Command line of fl-secure: ``fl-secure {train,server,client,certs,eval} ...``.
+
+This is the one module of ``fl_secure`` allowed to import ``server`` and ``client``; it does so
+inside the sub-command functions so that ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from fl_secure import __version__
+from fl_secure.errors import FlSecureError
+
+log = logging.getLogger("fl_secure")
+
+HEADLINE = ("tar_at_far_1e-1", "tar_at_far_1e-2", "tar_at_far_1e-3", "rank1")
+
+
+def _setup_logging(verbose: int, quiet: bool) -> None:
+    level = logging.WARNING if quiet else logging.INFO if verbose == 0 else logging.DEBUG
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+
+
+def _torch_threads(n: int) -> None:
+    """Pin torch's intra-op threads (default 1).
+
+    On a shared or small machine, OpenMP threads that outnumber the free cores make each
+    step many times slower (measured: 45x on 2 busy cores).
+    """
+    import torch
+
+    torch.set_num_threads(max(1, n))
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Embedded mode: server and N client processes on localhost over gRPC + mTLS."""
+    from fl_secure.config import Config, load_config
+    from server.embedded import run_embedded
+
+    config: Config | None = None
+    if args.resume is None:
+        if args.config is None:
+            raise FlSecureError("train needs --config FILE (or --resume RUN_DIR)")
+        config = load_config(args.config, args.set)
+    _torch_threads(config.train.threads if config is not None else 1)
+    if args.centralized:
+        from fl_secure.centralized import run_centralized
+
+        if config is None:
+            raise FlSecureError("--centralized needs --config FILE")
+        summary = run_centralized(config, out=args.out, progress=not args.json)
+        return _report(summary, Path(summary["run_dir"]), args.json)
+    result = run_embedded(
+        config if config is not None else Config(),
+        out=args.out,
+        resume=args.resume,
+        insecure=args.insecure,
+        progress=not args.json,
+    )
+    code = _report(result.summary, result.run_dir, args.json)
+    return code if result.summary.get("status") == "completed" else 1
+
+
+def _report(summary: dict[str, Any], run_dir: Path, as_json: bool) -> int:
+    if as_json:
+        _print_json({**summary, "run_dir": str(run_dir)})
+        return 0
+    print(f"status: {summary.get('status')} ({summary.get('reason', '')})")
+    untrained = summary.get("untrained", {})
+    for key in HEADLINE:
+        if key in summary:
+            before = untrained.get(key)
+            extra = f"   (untrained: {before:.4f})" if isinstance(before, float) else ""
+            print(f"{key:>16}: {summary[key]:.4f}{extra}")
+    cs = summary.get("clients_summary", {})
+    us = summary.get("untrained_clients_summary", {})
+    for key in ("tar_at_far_1e-2", "rank1"):
+        if f"{key}_mean" in cs:
+            before = us.get(f"{key}_mean")
+            extra = f"   (untrained: {before:.4f})" if isinstance(before, float) else ""
+            print(
+                f"per-client {key}: {cs[f'{key}_mean']:.4f} ± {cs[f'{key}_std']:.4f} "
+                f"(mean ± std across clients, own test images){extra}"
+            )
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    """Standalone server: clients on other machines connect to it."""
+    from fl_secure.config import load_config
+    from fl_secure.runs import RunDir, new_run_dir
+    from server.app import load_enrollment, start_server
+    from server.setup import build_server, write_config
+
+    if args.resume is not None:
+        run = RunDir(args.resume)
+        config = load_config(run.config)
+    else:
+        if args.config is None:
+            raise FlSecureError("server needs --config FILE (or --resume RUN_DIR)")
+        config = load_config(args.config, args.set)
+        run = RunDir(new_run_dir(args.out, config.run.name))
+        write_config(run, config)
+    _torch_threads(config.train.threads)
+    if args.insecure:
+        enrolled = {f"client-{i}" for i in range(config.partition.num_clients)}
+    else:
+        if args.certs is None:
+            raise FlSecureError("server needs --certs DIR (made by `fl-secure certs init`)")
+        enrolled = set(load_enrollment(args.certs).fingerprints)
+    side = build_server(config, run, enrolled=enrolled, evaluate=not args.no_eval)
+    side.coordinator.resume()
+    address = args.address or config.server.address
+    server, port = start_server(
+        side.coordinator, address, cert_dir=args.certs, insecure=args.insecure
+    )
+    print(f"listening on port {port}; run directory {run.path}", file=sys.stderr, flush=True)
+    if args.port_file:
+        Path(args.port_file).write_text(str(port))
+    try:
+        side.coordinator.run()
+        side.coordinator.wait_clients_finished(timeout=10.0)
+    finally:
+        server.stop(grace=2.0)
+    import time
+
+    from server.summary import build_summary
+
+    summary = build_summary(config, side.coordinator, side.strategy, side.plan, started=time.time())
+    run.write_summary(summary)
+    code = _report(summary, run.path, args.json)
+    return code if summary["status"] == "completed" else 1
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    """A client: connects out to the server, trains on its own data."""
+    from client.app import Connection, FlClient
+    from client.setup import ClientDataSource, trainer_factory
+    from fl_secure.config import load_config
+
+    if args.config is not None and args.plan_index is None:
+        raise FlSecureError("--config needs --plan-index N (which share of the plan is mine)")
+    source = ClientDataSource(
+        local_config=load_config(args.config) if args.config else None,
+        plan_index=args.plan_index if args.plan_index is not None else -1,
+        data_path=args.data,
+    )
+    conn = Connection(
+        address=args.server,
+        client_id=args.id,
+        cert_dir=args.certs,
+        insecure=args.insecure,
+        server_name=args.server_name or "",
+    )
+    client = FlClient(conn, trainer_factory(source, state_dir=args.state_dir, threads=args.threads))
+    message = client.run()
+    if args.json:
+        _print_json({"client_id": args.id, "rounds": client.rounds_done, "message": message})
+    else:
+        print(f"{args.id}: {client.rounds_done} rounds; {message}")
+    return 0
+
+
+def cmd_certs_init(args: argparse.Namespace) -> int:
+    """Make a CA, a server certificate and client certificates."""
+    from fl_secure.tls import init_certificates
+
+    hosts = args.hosts or ["localhost", "127.0.0.1", "::1"]
+    cert_set = init_certificates(
+        args.out, clients=args.clients, hosts=hosts, days=args.days, overwrite=args.overwrite
+    )
+    result = {"out": str(args.out), "clients": list(cert_set.client_ids), "hosts": hosts}
+    if args.json:
+        _print_json(result)
+    else:
+        print(f"wrote CA, server and {len(cert_set.client_ids)} client certificates to {args.out}")
+        print("keep ca.key offline; give each client its clients/<id>.pem/.key and ca.pem")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Evaluate a checkpoint of a run on the run's held-out identities or an LFW pairs file."""
+    from fl_secure.eval_run import evaluate_run
+
+    result = evaluate_run(
+        args.run,
+        round_=args.round,
+        lfw_pairs=args.lfw_pairs,
+        lfw_root=args.lfw_root,
+        center_crop=args.center_crop,
+    )
+    if args.json:
+        _print_json(result)
+    else:
+        for key, value in result.items():
+            print(f"{key:>20}: {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every sub-command."""
+    parser = argparse.ArgumentParser(
+        prog="fl-secure",
+        description="Privacy-focused, secure federated training of face-recognition models.",
+    )
+    parser.add_argument("--version", action="version", version=f"fl-secure {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+        p.add_argument("--quiet", action="store_true", help="log warnings only")
+
+    p = sub.add_parser("train", help="train in embedded mode (server + N client processes)")
+    p.add_argument("--config", type=Path, help="TOML config, e.g. examples/quickstart.toml")
+    p.add_argument("--out", type=Path, default=Path("runs"), help="base folder for run dirs")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set train.rounds=3",
+    )
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a crashed run")
+    p.add_argument(
+        "--centralized",
+        action="store_true",
+        help="baseline: train one model on the union of the clients' data",
+    )
+    p.add_argument(
+        "--insecure", action="store_true", help="plaintext gRPC (loopback tests only; warns)"
+    )
+    common(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("server", help="run the server for clients on other machines")
+    p.add_argument("--config", type=Path)
+    p.add_argument("--out", type=Path, default=Path("runs"))
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR")
+    p.add_argument("--certs", type=Path, help="folder made by `fl-secure certs init`")
+    p.add_argument("--address", help="host:port to listen on (default: server.address)")
+    p.add_argument("--port-file", help="write the bound port here (useful with port 0)")
+    p.add_argument("--no-eval", action="store_true", help="skip held-out evaluation")
+    p.add_argument("--insecure", action="store_true")
+    common(p)
+    p.set_defaults(func=cmd_server)
+
+    p = sub.add_parser("client", help="run one client; it connects out to the server")
+    p.add_argument("--server", required=True, help="host:port of the server")
+    p.add_argument("--id", required=True, help="client id = CN of this client's certificate")
+    p.add_argument("--certs", type=Path, help="folder with ca.pem and clients/<id>.pem/.key")
+    p.add_argument("--data", type=Path, help="identity folders of this client's own faces")
+    p.add_argument("--config", type=Path, help="embedded mode: the run config ...")
+    p.add_argument("--plan-index", type=int, help="... and which client share is mine")
+    p.add_argument("--state-dir", type=Path, help="where private parameters are kept")
+    p.add_argument("--threads", type=int, help="torch threads (default: train.threads)")
+    p.add_argument("--server-name", help="TLS name of the server when it differs from --server")
+    p.add_argument("--insecure", action="store_true")
+    common(p)
+    p.set_defaults(func=cmd_client)
+
+    p = sub.add_parser("certs", help="certificates for mutual TLS")
+    certs_sub = p.add_subparsers(dest="certs_command", required=True)
+    q = certs_sub.add_parser("init", help="make a CA, a server and N client certificates")
+    q.add_argument("--out", type=Path, required=True)
+    q.add_argument("--clients", type=int, required=True)
+    q.add_argument("--hosts", nargs="*", help="server DNS names / IPs (default: localhost)")
+    q.add_argument("--days", type=int, default=365)
+    q.add_argument("--overwrite", action="store_true", help="replace an existing CA")
+    common(q)
+    q.set_defaults(func=cmd_certs_init)
+
+    p = sub.add_parser("eval", help="evaluate a run's model on held-out identities or LFW pairs")
+    p.add_argument("--run", type=Path, required=True, help="run directory")
+    p.add_argument("--round", type=int, help="checkpoint round (default: latest)")
+    p.add_argument("--lfw-pairs", type=Path, help="pairs file (pairs.txt or pairsDevTest.txt)")
+    p.add_argument("--lfw-root", type=Path, help="LFW image root for --lfw-pairs")
+    p.add_argument("--center-crop", type=int, help="centre crop before resizing (LFW: 150)")
+    common(p)
+    p.set_defaults(func=cmd_eval)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fl-secure`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose, getattr(args, "quiet", False))
+    try:
+        code: int = args.func(args)
+    except FlSecureError as exc:
+        print(f"fl-secure: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("fl-secure: interrupted", file=sys.stderr)
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Folder-per-identity face data sets (ORL / AT&T, LFW, CASIA-WebFace or VGGFace2 crops).
+
+Layout: ``<root>/<identity>/<image>``, one folder per person. Identity folders and image files
+are taken in natural order (``s2`` before ``s10``, ``2.pgm`` before ``10.pgm``), so the same
+folder always gives the same labels and image order.
+
+Each image is optionally centre-cropped (deep-funneled LFW: 250x250 with the face in the
+middle 150 px or so), padded to a square with its mean border colour (ORL is 92x112), resized
+to ``image_size`` and scaled to ``[-1, 1]``. Grayscale images (ORL) are replicated to three
+channels.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from fl_secure.data.types import FaceDataset
+from fl_secure.errors import DataError
+
+IMAGE_SUFFIXES = frozenset({".pgm", ".ppm", ".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff"})
+
+
+def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
+    """Sort key that orders digit runs by value: ``s2 < s10``, ``2.pgm < 10.pgm``."""
+    parts = re.split(r"(\d+)", name)
+    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in parts if p)
+
+
+def list_images(folder: Path) -> list[Path]:
+    """Image files directly in ``folder`` (hidden files skipped), in natural order."""
+    files = [
+        p
+        for p in folder.iterdir()
+        if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_SUFFIXES
+    ]
+    return sorted(files, key=lambda p: natural_key(p.name))
+
+
+def load_image(
+    path: Path, *, image_size: int, center_crop: int | None = None, grayscale_to_rgb: bool = True
+) -> np.ndarray:
+    """Read one image as float32 ``[3, image_size, image_size]`` in ``[-1, 1]``.
+
+    Args:
+        path: image file.
+        image_size: output side length.
+        center_crop: side of a central square cut out before resizing, or ``None``.
+        grayscale_to_rgb: replicate single-channel images to RGB; when ``False`` a grayscale
+            image is an error (use it to make sure a colour data set really is colour).
+
+    Raises:
+        DataError: the file is missing or unreadable, is grayscale while ``grayscale_to_rgb`` is
+            off, or is smaller than ``center_crop``.
+    """
+    try:
+        with Image.open(path) as opened:
+            opened.load()
+            img = opened.copy()
+    except FileNotFoundError as exc:
+        raise DataError(f"image {path} does not exist") from exc
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise DataError(f"cannot read image {path}: {exc}") from exc
+    if img.mode in ("L", "I", "I;16", "F", "1", "LA"):
+        if not grayscale_to_rgb:
+            raise DataError(
+                f"image {path} is grayscale ({img.mode}); pass grayscale_to_rgb=True to "
+                "replicate it to three channels"
+            )
+        img = img.convert("L")
+    img = img.convert("RGB")
+    if center_crop is not None:
+        w, h = img.size
+        if center_crop > min(w, h):
+            raise DataError(f"center_crop={center_crop} exceeds the {w}x{h} image {path}")
+        left, top = (w - center_crop) // 2, (h - center_crop) // 2
+        img = img.crop((left, top, left + center_crop, top + center_crop))
+    if img.size[0] != img.size[1]:
+        arr = np.asarray(img)
+        border = np.concatenate([arr[0], arr[-1], arr[:, 0], arr[:, -1]])
+        fill = tuple(int(c) for c in border.mean(axis=0).round())
+        img = ImageOps.pad(img, (max(img.size),) * 2, color=fill)
+    if img.size != (image_size, image_size):
+        img = img.resize((image_size, image_size), Image.Resampling.BICUBIC)
+    arr = np.asarray(img, dtype=np.float32).transpose(2, 0, 1)
+    return np.ascontiguousarray(arr / 127.5 - 1.0, dtype=np.float32)
+
+
+def load_identity_folders(
+    root: str | Path,
+    *,
+    image_size: int = 64,
+    min_images_per_identity: int = 1,
+    max_identities: int | None = None,
+    max_images_per_identity: int | None = None,
+    grayscale_to_rgb: bool = True,
+    center_crop: int | None = None,
+) -> FaceDataset:
+    """Load ``<root>/<identity>/<image>`` into a :class:`FaceDataset`.
+
+    Args:
+        root: folder holding one sub-folder per identity (files directly in it are ignored).
+        image_size: side of the square output images.
+        min_images_per_identity: identities with fewer images are skipped.
+        max_identities: keep the first identities (natural order) after the minimum filter.
+        max_images_per_identity: keep the first images (natural order) of each identity.
+        grayscale_to_rgb: replicate grayscale images to RGB (see :func:`load_image`).
+        center_crop: central square cut before resizing, e.g. 150 for deep-funneled LFW.
+
+    Returns:
+        Images ordered identity by identity; labels index ``identity_names`` (folder names).
+
+    Raises:
+        DataError: missing root, no identity folder, an identity folder without images, an
+            unreadable image (named), or nothing left after the filters.
+    """
+    root = Path(root)
+    for name, value, low in (
+        ("image_size", image_size, 8),
+        ("min_images_per_identity", min_images_per_identity, 1),
+        ("max_identities", max_identities, 1),
+        ("max_images_per_identity", max_images_per_identity, 1),
+        ("center_crop", center_crop, 1),
+    ):
+        if value is not None and value < low:
+            raise DataError(f"{name} must be >= {low}, got {value}")
+    if not root.is_dir():
+        raise DataError(f"data root {root} does not exist or is not a folder")
+    folders = sorted(
+        (p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")),
+        key=lambda p: natural_key(p.name),
+    )
+    if not folders:
+        raise DataError(f"data root {root} has no identity folders (expected <root>/<name>/*.jpg)")
+    chosen: list[tuple[str, list[Path]]] = []
+    for folder in folders:
+        files = list_images(folder)
+        if not files:
+            raise DataError(f"identity folder {folder} holds no images ({sorted(IMAGE_SUFFIXES)})")
+        if len(files) < min_images_per_identity:
+            continue
+        chosen.append((folder.name, files[:max_images_per_identity]))
+        if max_identities is not None and len(chosen) == max_identities:
+            break
+    if not chosen:
+        raise DataError(
+            f"no identity in {root} has >= {min_images_per_identity} images; lower "
+            "min_images_per_identity"
+        )
+    images = [
+        load_image(
+            path, image_size=image_size, center_crop=center_crop, grayscale_to_rgb=grayscale_to_rgb
+        )
+        for _, files in chosen
+        for path in files
+    ]
+    labels = np.concatenate([np.full(len(files), i, dtype=np.int64) for i, (_, files) in enumerate(chosen)])
+    return FaceDataset(
+        images=torch.from_numpy(np.stack(images)),
+        labels=torch.from_numpy(labels),
+        identity_names=tuple(name for name, _ in chosen),
+        source=f"folders:{root.name} (size={image_size}, center_crop={center_crop})",
+    )

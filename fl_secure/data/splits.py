@@ -1,0 +1,152 @@
+"""Identity-level and image-level splits, and equal client partitions.
+
+- :func:`held_out_identities`: disjoint train / held-out identity sets, for verification on
+  identities never seen in training (open-set evaluation).
+- :func:`stratified_split`: each identity's images split by the given fractions, so every
+  identity appears in every part, as in HF-MAML (Sec. IV-A: "a stratified split per client,
+  which means that every identity is in both the train and the test set"; 70/10/20).
+- :func:`equal_partition`: identities dealt evenly to clients (HF-MAML's equal partition).
+
+All are deterministic by ``seed`` (numpy ``Generator``; data shuffling, not security).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from fl_secure.data.types import FaceDataset
+from fl_secure.errors import DataError
+
+Labels = FaceDataset | np.ndarray | torch.Tensor | Sequence[int]
+
+
+def _labels(data: Labels) -> np.ndarray:
+    """Integer label array of a data set, tensor, array or sequence."""
+    if isinstance(data, FaceDataset):
+        return data.labels.numpy()
+    if isinstance(data, torch.Tensor):
+        return data.detach().cpu().numpy().astype(np.int64)
+    labels = np.asarray(data)
+    if labels.ndim != 1 or (labels.size and not np.issubdtype(labels.dtype, np.integer)):
+        raise DataError(f"labels must be a 1-d integer sequence, got {labels.dtype} {labels.shape}")
+    return labels.astype(np.int64)
+
+
+def identity_indices(data: Labels, identities: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Sorted indices of the images whose label is one of ``identities``."""
+    return np.flatnonzero(np.isin(_labels(data), np.asarray(identities, dtype=np.int64)))
+
+
+def held_out_identities(
+    data: Labels,
+    *,
+    num_held_out: int | None = None,
+    fraction: float | None = None,
+    seed: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Split the identities present in ``data`` into disjoint train and held-out sets.
+
+    Args:
+        data: a data set or its labels.
+        num_held_out: how many identities to hold out (give this or ``fraction``).
+        fraction: share of identities to hold out, rounded to the nearest count.
+        seed: shuffling seed.
+
+    Returns:
+        ``(train_ids, held_out_ids)``, each sorted, together all identities present; holding
+        out zero identities is allowed (an empty held-out set).
+
+    Raises:
+        DataError: neither or both of ``num_held_out`` / ``fraction``, or a request that would
+            leave no training identity.
+    """
+    ids = np.unique(_labels(data))
+    if (num_held_out is None) == (fraction is None):
+        raise DataError("give exactly one of num_held_out and fraction")
+    if fraction is not None:
+        if not 0.0 < fraction < 1.0:
+            raise DataError(f"fraction must be in (0, 1), got {fraction}")
+        num_held_out = round(fraction * len(ids))
+    if num_held_out is None or not 0 <= num_held_out <= len(ids) - 1:
+        raise DataError(
+            f"cannot hold out {num_held_out} of {len(ids)} identities: training needs at least one"
+        )
+    held = np.random.default_rng(seed).permutation(ids)[:num_held_out]
+    return np.setdiff1d(ids, held), np.sort(held)
+
+
+def _allocate(n: int, fractions: np.ndarray) -> np.ndarray:
+    """Image counts per part: largest remainder, then at least one per part when possible."""
+    raw = n * fractions
+    counts: np.ndarray = np.floor(raw).astype(np.int64)
+    order = np.argsort(-(raw - counts), kind="stable")
+    counts[order[: n - counts.sum()]] += 1
+    if n >= len(fractions):
+        for part in np.flatnonzero(counts == 0):
+            counts[int(np.argmax(counts))] -= 1
+            counts[part] += 1
+    else:  # too few images to cover every part: fill parts in order, train first
+        counts = np.array([1] * n + [0] * (len(fractions) - n), dtype=np.int64)
+    return counts
+
+
+def stratified_split(
+    data: Labels, *, fractions: Sequence[float] = (0.7, 0.3), seed: int
+) -> tuple[np.ndarray, ...]:
+    """Split each identity's images by ``fractions`` (e.g. train/test or train/val/test).
+
+    Every identity with at least ``len(fractions)`` images gets at least one image in each
+    part; an identity with fewer fills the parts in order (train first).
+
+    Args:
+        data: a data set or its labels.
+        fractions: positive shares summing to 1, one per part.
+        seed: shuffling seed.
+
+    Returns:
+        One sorted index array per part; the parts are disjoint and cover every image.
+
+    Raises:
+        DataError: fewer than two fractions, a non-positive fraction, or a sum other than 1.
+    """
+    labels = _labels(data)
+    shares = np.asarray(fractions, dtype=np.float64)
+    if shares.ndim != 1 or len(shares) < 2:
+        raise DataError(f"fractions needs at least two parts, got {tuple(fractions)}")
+    if np.any(shares <= 0) or abs(shares.sum() - 1.0) > 1e-6:
+        raise DataError(f"fractions must be positive and sum to 1, got {tuple(fractions)}")
+    rng = np.random.default_rng(seed)
+    parts: list[list[np.ndarray]] = [[] for _ in shares]
+    for identity in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == identity))
+        bounds = np.cumsum(_allocate(len(members), shares))[:-1]
+        for part, chunk in zip(parts, np.split(members, bounds), strict=True):
+            part.append(chunk)
+    return tuple(np.sort(np.concatenate(p)) if p else np.empty(0, np.int64) for p in parts)
+
+
+def equal_partition(
+    identity_ids: Sequence[int] | np.ndarray, num_clients: int, seed: int
+) -> list[np.ndarray]:
+    """Deal identities to ``num_clients`` clients evenly (sizes differ by at most one).
+
+    Raises:
+        DataError: fewer than one client, duplicate identities, or more clients than
+            identities (a client would have no identity).
+    """
+    ids = np.asarray(identity_ids, dtype=np.int64)
+    if ids.ndim != 1:
+        raise DataError(f"identity_ids must be 1-d, got shape {ids.shape}")
+    if num_clients < 1:
+        raise DataError(f"num_clients must be >= 1, got {num_clients}")
+    if len(np.unique(ids)) != len(ids):
+        raise DataError("identity_ids contains duplicates; each identity goes to one client")
+    if num_clients > len(ids):
+        raise DataError(
+            f"cannot give {len(ids)} identities to {num_clients} clients: each needs at least one"
+        )
+    shuffled = np.random.default_rng(seed).permutation(ids)
+    return [np.sort(part) for part in np.array_split(shuffled, num_clients)]

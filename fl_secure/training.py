@@ -1,0 +1,183 @@
+"""Face model (backbone + margin head), local training loop and local evaluation.
+
+Shared by the gRPC client, the embedded centralized baseline and (later) the simulation
+backend, so every path trains with the same code.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from fl_secure.config import ModelConfig, TrainConfig
+from fl_secure.data.types import FaceDataset
+from fl_secure.evaluation import rank1, verification_metrics
+from fl_secure.messages import LocalTraining, Tensors
+from fl_secure.models import get_backbone, load_pretrained, make_head
+
+#: The figures a run reports first (held-out identities, or a client's own test images).
+HEADLINE = ("tar_at_far_1e-1", "tar_at_far_1e-2", "tar_at_far_1e-3", "roc_auc", "eer", "rank1")
+
+
+class FaceModel(nn.Module):
+    """Backbone producing embeddings plus a margin head over ``num_classes`` identities."""
+
+    def __init__(self, backbone: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+
+    def forward(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        class_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits of the margin head."""
+        result: torch.Tensor = self.head(self.backbone(images), labels, class_mask)
+        return result
+
+
+def build_model(cfg: ModelConfig, num_classes: int, image_size: int, seed: int) -> FaceModel:
+    """The run's model, initialised deterministically from ``seed`` (same on every party)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        backbone = get_backbone(
+            cfg.backbone, embedding_size=cfg.embedding_size, image_size=image_size
+        )
+        if cfg.head == "softmax":
+            head = make_head("softmax", num_classes, cfg.embedding_size)
+        else:
+            head = make_head(cfg.head, num_classes, cfg.embedding_size, s=cfg.scale, m=cfg.margin)
+    if cfg.pretrained:
+        load_pretrained(backbone, cfg.pretrained)
+    return FaceModel(backbone, head)
+
+
+def get_tensors(model: nn.Module, names: Iterable[str]) -> Tensors:
+    """Copies of the named parameters as numpy arrays, in the given order."""
+    state = model.state_dict()
+    return OrderedDict((n, state[n].detach().cpu().numpy().copy()) for n in names)
+
+
+def set_tensors(model: nn.Module, tensors: Tensors) -> None:
+    """Load the named arrays into the model's parameters (strict on names and shapes)."""
+    state = model.state_dict()
+    for name, array in tensors.items():
+        if name not in state or tuple(state[name].shape) != tuple(array.shape):
+            raise ValueError(f"parameter {name!r} does not fit the model")
+        state[name].copy_(torch.from_numpy(np.array(array, copy=True)))
+
+
+@dataclass(frozen=True)
+class LocalData:
+    """One party's data: labels remapped to the head's class indices."""
+
+    train: FaceDataset
+    test: FaceDataset
+    train_targets: torch.Tensor  # class index of each training image in the head
+    class_mask: torch.Tensor | None  # bool [num_classes]; None = every class present
+
+
+def local_training(t: TrainConfig) -> LocalTraining:
+    """The local-training settings a task carries, from the run's ``[train]`` section."""
+    return LocalTraining(
+        local_epochs=t.local_epochs,
+        local_steps=t.local_steps,
+        batch_size=t.batch_size,
+        learning_rate=t.lr,
+        momentum=t.momentum,
+        weight_decay=t.weight_decay,
+    )
+
+
+def make_optimizer(
+    params: Iterable[nn.Parameter], training: LocalTraining
+) -> torch.optim.Optimizer:
+    """SGD with momentum, the optimiser of every seed paper."""
+    return torch.optim.SGD(
+        params,
+        lr=training.learning_rate,
+        momentum=training.momentum,
+        weight_decay=training.weight_decay,
+    )
+
+
+def train_local(
+    model: FaceModel,
+    data: LocalData,
+    training: LocalTraining,
+    *,
+    generator: torch.Generator,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> dict[str, float]:
+    """Train for ``local_epochs`` epochs (or ``local_steps`` batches); return loss/accuracy."""
+    model.train()
+    opt = optimizer or make_optimizer(model.parameters(), training)
+    n = len(data.train)
+    batch = min(training.batch_size, n)
+    steps_per_epoch = max(1, n // batch)
+    total = training.local_steps or training.local_epochs * steps_per_epoch
+    loss_fn = nn.CrossEntropyLoss()
+    losses: list[float] = []
+    correct = seen = 0
+    order = torch.randperm(n, generator=generator)
+    cursor = 0
+    for _ in range(total):
+        if cursor + batch > n:
+            order, cursor = torch.randperm(n, generator=generator), 0
+        idx = order[cursor : cursor + batch]
+        cursor += batch
+        images, targets = data.train.images[idx], data.train_targets[idx]
+        logits = model(images, targets, data.class_mask)
+        loss = loss_fn(logits, targets)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        with torch.no_grad():
+            plain = model.head(model.backbone(images).detach(), None, data.class_mask)
+            correct += int((plain.argmax(1) == targets).sum())
+            seen += len(targets)
+    return {
+        "train_loss": float(np.mean(losses)) if losses else 0.0,
+        "train_accuracy": correct / max(seen, 1),
+        "local_steps": float(total),
+    }
+
+
+@torch.no_grad()
+def embed(backbone: nn.Module, images: torch.Tensor, batch_size: int = 256) -> np.ndarray:
+    """L2-normalised embeddings of ``images`` in evaluation mode."""
+    was_training = backbone.training
+    backbone.eval()
+    outputs = [backbone(images[i : i + batch_size]) for i in range(0, len(images), batch_size)]
+    backbone.train(was_training)
+    emb = torch.cat(outputs) if outputs else torch.zeros(0, 1)
+    return torch.nn.functional.normalize(emb, dim=1).cpu().numpy()
+
+
+def evaluate_verification(backbone: nn.Module, dataset: FaceDataset) -> dict[str, float]:
+    """Verification over all pairs of ``dataset`` plus leave-one-out rank-1."""
+    from fl_secure.evaluation import rank1_leave_one_out
+
+    emb = embed(backbone, dataset.images)
+    labels = dataset.labels.numpy()
+    metrics = verification_metrics(emb, labels)
+    metrics["rank1"] = float(rank1_leave_one_out(emb, labels))
+    return metrics
+
+
+def evaluate_local(backbone: nn.Module, data: LocalData) -> dict[str, float]:
+    """A client's view: verification on its test images, rank-1 against its train gallery."""
+    test_emb = embed(backbone, data.test.images)
+    labels = data.test.labels.numpy()
+    metrics = verification_metrics(test_emb, labels)
+    gallery = embed(backbone, data.train.images)
+    metrics["rank1"] = float(rank1(gallery, data.train.labels.numpy(), test_emb, labels))
+    return metrics

@@ -1,0 +1,84 @@
+"""Start the gRPC server over a coordinator, with mutual TLS (or, loudly, without)."""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from fl_secure.errors import ConfigError
+from fl_secure.tls import (
+    CertificateSet,
+    EnrollmentList,
+    require_enrolled,
+    server_credentials,
+    warn_insecure,
+)
+from fl_secure.v1 import transport_pb2_grpc as pb_grpc
+from server.coordinator import Coordinator
+from server.servicer import Authenticator, FlSecureServicer
+
+log = logging.getLogger(__name__)
+
+#: Metadata key naming the client on an ``--insecure`` connection (no certificate to read).
+INSECURE_ID_HEADER = "x-fl-secure-client-id"
+
+
+def tls_authenticator(enrollment: EnrollmentList) -> Authenticator:
+    """Identity = the verified certificate's CN, which must be enrolled."""
+
+    def authenticate(context: grpc.ServicerContext) -> str:
+        return require_enrolled(context, enrollment)
+
+    return authenticate
+
+
+def insecure_authenticator(enrolled: set[str]) -> Authenticator:
+    """Identity claimed in metadata: for loopback tests only, never for real data."""
+
+    def authenticate(context: grpc.ServicerContext) -> str:
+        claimed = dict(context.invocation_metadata()).get(INSECURE_ID_HEADER)
+        if not isinstance(claimed, str) or claimed not in enrolled:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"client {claimed!r} not enrolled")
+        return str(claimed)
+
+    return authenticate
+
+
+def load_enrollment(cert_dir: Path) -> EnrollmentList:
+    """The enrollment list written by ``fl-secure certs init``."""
+    return EnrollmentList.load(CertificateSet(cert_dir).enrollment)
+
+
+def start_server(
+    coordinator: Coordinator,
+    address: str,
+    *,
+    cert_dir: Path | None,
+    insecure: bool = False,
+    max_workers: int | None = None,
+) -> tuple[grpc.Server, int]:
+    """Bind and start; return the server and the port actually bound (address port 0 = any)."""
+    workers = max_workers or 2 * max(len(coordinator.enrolled), 1) + 8
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fl-secure-rpc"),
+        options=[("grpc.so_reuseport", 0)],
+    )
+    if insecure:
+        warn_insecure("the fl-secure server")
+        authenticate = insecure_authenticator(coordinator.enrolled)
+        port = server.add_insecure_port(address)
+    else:
+        if cert_dir is None:
+            raise ConfigError("the server needs --certs DIR (or --insecure for a loopback test)")
+        enrollment = load_enrollment(cert_dir)
+        authenticate = tls_authenticator(enrollment)
+        port = server.add_secure_port(address, server_credentials(cert_dir))
+    if port == 0:
+        raise ConfigError(f"could not bind the server to {address}")
+    pb_grpc.add_FlSecureServicer_to_server(FlSecureServicer(coordinator, authenticate), server)
+    server.start()
+    log.info("serving on port %d (%s)", port, "INSECURE" if insecure else "mutual TLS")
+    return server, port

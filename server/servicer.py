@@ -1,0 +1,89 @@
+"""Thin gRPC servicer: identity from the TLS certificate, messages in and out of the coordinator.
+
+Every refusal names its reason; a bad message from one client (wrong digest, shape, dtype,
+NaN/Inf, oversize) is answered with ``INVALID_ARGUMENT`` and the round goes on for the others.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from fl_secure import serde
+from fl_secure.errors import ProtocolError
+from fl_secure.v1 import transport_pb2 as pb
+from fl_secure.v1 import transport_pb2_grpc as pb_grpc
+from server.coordinator import Coordinator
+
+log = logging.getLogger(__name__)
+
+#: Returns the authenticated, enrolled client id of a call, or aborts the call.
+Authenticator = Callable[[grpc.ServicerContext], str]
+
+
+class FlSecureServicer(pb_grpc.FlSecureServicer):
+    """Moves messages between gRPC and the :class:`~server.coordinator.Coordinator`."""
+
+    def __init__(self, coordinator: Coordinator, authenticate: Authenticator) -> None:
+        self.coordinator = coordinator
+        self.authenticate = authenticate
+
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:  # noqa: N802
+        """Register the calling client."""
+        client_id = self.authenticate(context)
+        reply = self.coordinator.join(client_id, int(request.num_examples))
+        return serde.join_reply_to_proto(reply)
+
+    def PollTask(self, request: pb.PollRequest, context: grpc.ServicerContext) -> pb.Task:  # noqa: N802
+        """Long poll for the caller's next task."""
+        client_id = self.authenticate(context)
+        task = self.coordinator.poll(client_id, int(request.last_round))
+        return serde.task_to_proto(task)
+
+    def GetParameters(  # noqa: N802
+        self, request: pb.ParametersRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.ParameterChunk]:
+        """Stream the global shared parameters to a cohort member."""
+        client_id = self.authenticate(context)
+        try:
+            version, params = self.coordinator.parameters(
+                client_id, int(request.round), bytes(request.nonce)
+            )
+        except ProtocolError as exc:
+            log.warning("GetParameters from %s refused: %s", client_id, exc)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        yield from serde.parameters_to_chunks(version, params)
+
+    def SubmitUpdate(  # noqa: N802
+        self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext
+    ) -> pb.SubmitReply:
+        """Receive, validate and aggregate one client's update."""
+        client_id = self.authenticate(context)
+        first = next(request_iterator, None)
+        try:
+            if first is None or first.WhichOneof("kind") != "header":
+                raise ProtocolError("an update stream must start with its header")
+            header = serde.update_header_from_proto(first.header)
+            ticket = self.coordinator.open_upload(client_id, header)
+        except ProtocolError as exc:
+            log.warning("update from %s refused: %s", client_id, exc)
+            if first is not None and first.WhichOneof("kind") == "header":
+                self.coordinator.record_failure(client_id, int(first.header.round), str(exc))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        error: str | None = None
+        try:
+            reader = serde.TensorStreamReader(ticket.expected, max_bytes=ticket.max_bytes)
+            for chunk in request_iterator:
+                reader.feed(chunk)
+            tensors = reader.finish()
+            self.coordinator.commit_upload(ticket, tensors)
+        except ProtocolError as exc:
+            error = str(exc)
+        finally:
+            self.coordinator.release_upload(ticket, error)
+        if error is not None:
+            log.warning("update from %s in round %d rejected: %s", client_id, header.round, error)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        return pb.SubmitReply(accepted=True, message=f"round {header.round} update accepted")

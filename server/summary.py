@@ -1,0 +1,56 @@
+"""``summary.json``: the final figures of a run."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fl_secure import __version__
+from fl_secure.algorithms import Strategy
+from fl_secure.config import Config
+from fl_secure.data.plan import FederatedData
+from fl_secure.evaluation import per_client_summary
+from fl_secure.training import HEADLINE
+from server.coordinator import Coordinator
+
+
+def build_summary(
+    config: Config,
+    coordinator: Coordinator,
+    strategy: Strategy,
+    plan: FederatedData,
+    *,
+    started: float,
+) -> dict[str, Any]:
+    """Held-out figures of the final model, per-client figures and their spread, run facts."""
+    metrics = coordinator.run_dir.read_metrics()
+    trained = [m for m in metrics if int(m.get("round", 0)) > 0]
+    final = trained[-1].get("held_out", {}) if trained else {}
+    round0 = [m for m in metrics if m.get("round") == 0]
+    untrained: dict[str, float] = round0[0].get("held_out", {}) if round0 else {}
+    untrained_clients = round0[0].get("clients", {}) if round0 else {}
+    per_client = coordinator.final_client_metrics
+    summary: dict[str, Any] = {
+        "status": coordinator.status,
+        "reason": coordinator.stop_reason,
+        "rounds_completed": coordinator.completed_round,
+        "rounds_planned": config.train.rounds,
+        "algorithm": strategy.name,
+        "exposure": strategy.exposure,
+        "evaluation": "held-out identities (never seen by any client), all pairs",
+        "num_clients": config.partition.num_clients,
+        "client_train_sizes": plan.client_sizes(),
+        "held_out_identities": int(len(plan.held_out.identities())),
+        "held_out_images": len(plan.held_out),
+        **{k: final[k] for k in HEADLINE if k in final},
+        "held_out": final,
+        "untrained": untrained,
+        "untrained_clients_summary": (
+            per_client_summary(untrained_clients) if untrained_clients else {}
+        ),
+        "clients": per_client,
+        "clients_summary": per_client_summary(per_client) if per_client else {},
+        "version": __version__,
+        "duration_s": round(time.time() - started, 1),
+    }
+    return summary

@@ -1,0 +1,134 @@
+"""Identity-folder loader: real ORL / LFW layouts and hand-made folders with known pixels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from fl_secure.data.folders import load_identity_folders, load_image, natural_key
+from fl_secure.errors import DataError
+
+SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+
+
+def _needs(folder: str) -> Path:
+    path = SHARED / folder
+    if not path.is_dir():
+        pytest.skip(f"shared test data {path} is not available")
+    return path
+
+
+def _write(path: Path, value: int, size: tuple[int, int] = (20, 20), mode: str = "RGB") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fill: int | tuple[int, int, int] = value if mode == "L" else (value, 255 - value, value // 2)
+    Image.new(mode, size, fill).save(path)
+
+
+def test_natural_key_orders_digit_runs_by_value() -> None:
+    names = ["s10", "s2", "s1", "10.pgm", "2.pgm", "1.pgm"]
+    assert sorted(names, key=natural_key) == ["1.pgm", "2.pgm", "10.pgm", "s1", "s2", "s10"]
+
+
+def test_orl_loads_40_identities_of_10_grayscale_images() -> None:
+    data = load_identity_folders(_needs("orl"), image_size=64)
+    assert len(data) == 400 and data.num_identities == 40
+    assert data.identity_names[:3] == ("s1", "s2", "s3")
+    assert data.identity_names[-1] == "s40"
+    np.testing.assert_array_equal(data.labels.numpy(), np.repeat(np.arange(40), 10))
+    assert data.images.shape == (400, 3, 64, 64) and data.images.dtype == torch.float32
+    assert -1.0 <= float(data.images.min()) and float(data.images.max()) <= 1.0
+    # grayscale replicated to RGB
+    assert torch.equal(data.images[:, 0], data.images[:, 1])
+    assert torch.equal(data.images[:, 1], data.images[:, 2])
+    assert float(data.images.std()) > 0.2  # real content, not a constant
+
+
+def test_orl_files_in_natural_order() -> None:
+    root = _needs("orl")
+    data = load_identity_folders(root, image_size=32, max_identities=2)
+    assert len(data) == 20 and data.identity_names == ("s1", "s2")
+    for position, number in ((1, 2), (9, 10)):
+        expected = load_image(root / "s1" / f"{number}.pgm", image_size=32)
+        assert torch.equal(data.images[position], torch.from_numpy(expected))
+
+
+def test_lfw_min10_cap20_loads_158_identities_2541_images() -> None:
+    data = load_identity_folders(_needs("lfw_min10_cap20"), image_size=32, center_crop=150)
+    assert data.num_identities == 158 and len(data) == 2541
+    counts = np.bincount(data.labels.numpy())
+    assert counts.min() == 10 and counts.max() == 20
+    assert list(data.identity_names) == sorted(data.identity_names, key=natural_key)
+    assert not torch.equal(data.images[:, 0], data.images[:, 2])  # colour kept
+
+
+def test_filters_min_max_images_and_identities(tmp_path: Path) -> None:
+    for name, count in (("a", 3), ("b", 1), ("c", 5), ("d", 4)):
+        for i in range(count):
+            _write(tmp_path / name / f"{i}.png", 10 * i)
+    data = load_identity_folders(
+        tmp_path, image_size=8, min_images_per_identity=3, max_images_per_identity=4,
+        max_identities=2,
+    )  # fmt: skip
+    assert data.identity_names == ("a", "c")
+    np.testing.assert_array_equal(data.labels.numpy(), [0, 0, 0, 1, 1, 1, 1])
+
+
+def test_files_in_natural_order_with_known_pixels(tmp_path: Path) -> None:
+    for i in (10, 2, 1):
+        _write(tmp_path / "p" / f"{i}.png", 20 * i, mode="L")
+    _write(tmp_path / "p" / ".hidden.png", 255, mode="L")
+    (tmp_path / "p" / "notes.txt").write_text("not an image")
+    (tmp_path / "README").write_text("files in the root are ignored")
+    data = load_identity_folders(tmp_path, image_size=8)
+    means = ((data.images.mean(dim=(1, 2, 3)) + 1) * 127.5).numpy()
+    np.testing.assert_allclose(means, [20, 40, 200], atol=0.01)
+
+
+def test_non_square_padded_and_center_crop(tmp_path: Path) -> None:
+    # 40x20 white image: padding to 40x40 with the border colour keeps it white
+    _write(tmp_path / "x" / "1.png", 255, size=(40, 20), mode="L")
+    padded = load_identity_folders(tmp_path, image_size=10)
+    assert torch.allclose(padded.images, torch.ones_like(padded.images))
+    # a white square inside black: the centre crop sees only white
+    img = Image.new("RGB", (30, 30), (0, 0, 0))
+    img.paste((255, 255, 255), (10, 10, 20, 20))
+    img.save(tmp_path / "x" / "1.png")
+    cropped = load_identity_folders(tmp_path, image_size=10, center_crop=10)
+    assert torch.allclose(cropped.images, torch.ones_like(cropped.images))
+    with pytest.raises(DataError, match="center_crop=31 exceeds"):
+        load_identity_folders(tmp_path, image_size=10, center_crop=31)
+
+
+def test_missing_root_and_empty_folders(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="does not exist"):
+        load_identity_folders(tmp_path / "nope")
+    with pytest.raises(DataError, match="no identity folders"):
+        load_identity_folders(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"identity folder .*empty holds no images"):
+        load_identity_folders(tmp_path)
+
+
+def test_unreadable_image_is_named(tmp_path: Path) -> None:
+    _write(tmp_path / "a" / "1.png", 5)
+    (tmp_path / "a" / "2.jpg").write_bytes(b"this is not a jpeg")
+    with pytest.raises(DataError, match=r"cannot read image .*a/2\.jpg"):
+        load_identity_folders(tmp_path)
+
+
+def test_grayscale_rejected_when_conversion_is_off(tmp_path: Path) -> None:
+    _write(tmp_path / "a" / "1.png", 5, mode="L")
+    with pytest.raises(DataError, match="grayscale"):
+        load_identity_folders(tmp_path, grayscale_to_rgb=False)
+
+
+def test_too_few_images_everywhere(tmp_path: Path) -> None:
+    _write(tmp_path / "a" / "1.png", 5)
+    with pytest.raises(DataError, match="min_images_per_identity"):
+        load_identity_folders(tmp_path, min_images_per_identity=2)
+    with pytest.raises(DataError, match="image_size must be >= 8"):
+        load_identity_folders(tmp_path, image_size=4)

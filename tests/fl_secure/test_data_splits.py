@@ -1,0 +1,143 @@
+"""Identity hold-out, per-identity stratified splits and equal client partitions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fl_secure.data.splits import (
+    equal_partition,
+    held_out_identities,
+    identity_indices,
+    stratified_split,
+)
+from fl_secure.data.types import FaceDataset
+from fl_secure.errors import DataError
+
+
+def _labels(counts: list[int]) -> np.ndarray:
+    return np.repeat(np.arange(len(counts)), counts)
+
+
+def test_held_out_identities_disjoint_cover_and_deterministic() -> None:
+    # Prepare: 30 identities, shuffled image order
+    labels = np.random.default_rng(0).permutation(_labels([5] * 30))
+    # Execute
+    train, held = held_out_identities(labels, num_held_out=8, seed=3)
+    again = held_out_identities(torch.from_numpy(labels), num_held_out=8, seed=3)
+    other = held_out_identities(list(labels), num_held_out=8, seed=4)
+    # Assert
+    assert len(held) == 8 and len(train) == 22
+    assert np.intersect1d(train, held).size == 0
+    np.testing.assert_array_equal(np.union1d(train, held), np.arange(30))
+    np.testing.assert_array_equal(again[1], held)
+    assert not np.array_equal(other[1], held)
+    assert np.all(np.diff(held) > 0) and np.all(np.diff(train) > 0)
+
+
+def test_held_out_identities_by_fraction_and_from_dataset() -> None:
+    data = FaceDataset(
+        images=torch.zeros(40, 3, 8, 8),
+        labels=torch.from_numpy(_labels([2] * 20)),
+        identity_names=tuple(f"id{i}" for i in range(20)),
+    )
+    train, held = held_out_identities(data, fraction=0.25, seed=0)
+    assert (len(train), len(held)) == (15, 5)
+
+
+def test_held_out_zero_is_allowed() -> None:
+    train, held = held_out_identities(_labels([2, 2, 2]), num_held_out=0, seed=0)
+    np.testing.assert_array_equal(train, [0, 1, 2])
+    assert held.size == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_held_out": 5}, "cannot hold out 5 of 5"),
+        ({"num_held_out": -1}, "cannot hold out -1"),
+        ({"fraction": 1.0}, "fraction must be in"),
+        ({}, "exactly one"),
+        ({"num_held_out": 1, "fraction": 0.2}, "exactly one"),
+    ],
+)
+def test_held_out_identities_rejects_impossible_requests(
+    kwargs: dict[str, float], message: str
+) -> None:
+    with pytest.raises(DataError, match=message):
+        held_out_identities(_labels([3] * 5), seed=0, **kwargs)  # type: ignore[arg-type]
+
+
+def test_held_out_rejects_float_labels() -> None:
+    with pytest.raises(DataError, match="integer"):
+        held_out_identities(np.array([0.5, 1.5]), num_held_out=1, seed=0)
+
+
+def test_stratified_split_two_way_per_identity() -> None:
+    labels = np.random.default_rng(1).permutation(_labels([10] * 6 + [4, 2]))
+    train, test = stratified_split(labels, fractions=(0.7, 0.3), seed=0)
+    assert np.intersect1d(train, test).size == 0
+    np.testing.assert_array_equal(np.union1d(train, test), np.arange(len(labels)))
+    per_train = np.bincount(labels[train], minlength=8)
+    per_test = np.bincount(labels[test], minlength=8)
+    np.testing.assert_array_equal(per_train, [7] * 6 + [3, 1])
+    np.testing.assert_array_equal(per_test, [3] * 6 + [1, 1])
+
+
+def test_stratified_split_three_way_gives_every_part_an_image() -> None:
+    labels = _labels([10, 3, 5, 2, 1])
+    train, val, test = stratified_split(labels, fractions=(0.7, 0.1, 0.2), seed=5)
+    counts = [np.bincount(labels[p], minlength=5) for p in (train, val, test)]
+    np.testing.assert_array_equal(counts[0], [7, 1, 3, 1, 1])
+    np.testing.assert_array_equal(counts[1], [1, 1, 1, 1, 0])
+    np.testing.assert_array_equal(counts[2], [2, 1, 1, 0, 0])
+    assert sum(len(p) for p in (train, val, test)) == len(labels)
+
+
+def test_stratified_split_deterministic_by_seed() -> None:
+    labels = _labels([10] * 10)
+    first = stratified_split(labels, seed=7)
+    second = stratified_split(labels, seed=7)
+    third = stratified_split(labels, seed=8)
+    for a, b in zip(first, second, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(first[0], third[0])
+
+
+@pytest.mark.parametrize("fractions", [(1.0,), (0.5, 0.6), (1.2, -0.2), (0.5, 0.5, 0.0)])
+def test_stratified_split_rejects_bad_fractions(fractions: tuple[float, ...]) -> None:
+    with pytest.raises(DataError, match="fractions"):
+        stratified_split(_labels([4, 4]), fractions=fractions, seed=0)
+
+
+def test_equal_partition_even_disjoint_deterministic() -> None:
+    ids = np.arange(100, 123)  # 23 identities over 5 clients: 5, 5, 5, 4, 4
+    parts = equal_partition(ids, 5, seed=2)
+    sizes = sorted(len(p) for p in parts)
+    assert sizes == [4, 4, 5, 5, 5]
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), ids)
+    again = equal_partition(list(ids), 5, seed=2)
+    for a, b in zip(parts, again, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert any(not np.array_equal(a, b) for a, b in zip(parts, equal_partition(ids, 5, 3), strict=True))
+
+
+@pytest.mark.parametrize(
+    ("ids", "clients", "message"),
+    [
+        ([1, 2, 3], 4, "cannot give 3 identities to 4 clients"),
+        ([1, 2, 3], 0, "num_clients must be >= 1"),
+        ([1, 1, 2], 2, "duplicates"),
+    ],
+)
+def test_equal_partition_rejects_impossible_requests(
+    ids: list[int], clients: int, message: str
+) -> None:
+    with pytest.raises(DataError, match=message):
+        equal_partition(ids, clients, seed=0)
+
+
+def test_identity_indices_selects_images_of_identities() -> None:
+    labels = np.array([3, 1, 2, 3, 0, 1])
+    np.testing.assert_array_equal(identity_indices(labels, [1, 3]), [0, 1, 3, 5])

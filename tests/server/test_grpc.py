@@ -1,0 +1,161 @@
+"""The real transport: gRPC + mutual TLS on loopback, port 0, echo clients."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from fl_secure import serde
+from fl_secure.messages import TaskKind, UpdateHeader
+from fl_secure.tls import channel_credentials, init_certificates
+from fl_secure.v1 import transport_pb2 as pb
+from fl_secure.v1 import transport_pb2_grpc as pb_grpc
+
+from .conftest import EchoTrainer  # type: ignore[import-not-found]
+
+
+def _join_all(threads, timeout: float = 60.0) -> None:
+    for th, _, _ in threads:
+        th.join(timeout=timeout)
+
+
+def test_100mb_parameters_round_trip_bit_exact(tmp_path: Path, grpc_run_factory) -> None:
+    # Prepare: 100 MB of float32 with every bit pattern class (negative zero, subnormals).
+    rng = np.random.default_rng(7)
+    big = rng.standard_normal(25_000_000).astype(np.float32)
+    big[:4] = [-0.0, np.float32(1e-45), np.finfo(np.float32).max, np.finfo(np.float32).tiny]
+    initial = OrderedDict([("big", big), ("small", np.arange(5, dtype=np.int64))])
+    received = {}
+    run = grpc_run_factory(initial, clients=1, min_clients=1, server_step=lambda p, u, r: u)
+    commit = run.coordinator.commit_upload
+
+    def capture(ticket, tensors):  # what the server read off the wire, before averaging
+        received.update(tensors)
+        commit(ticket, tensors)
+
+    run.coordinator.commit_upload = capture
+    trainer = EchoTrainer(shift=0.0)
+    # Execute: the client downloads and uploads the same tensors back.
+    th, result, _ = run.start_client("client-0", trainer)
+    th.join(timeout=300)
+    # Assert: what the client saw and what the server got back are the original bytes.
+    assert "error" not in result, result
+    assert trainer.seen[0]["big"].tobytes() == big.tobytes()
+    assert received["big"].tobytes() == big.tobytes()
+    np.testing.assert_array_equal(received["small"], initial["small"])
+    assert run.coordinator.status == "completed"
+
+
+def test_rounds_complete_over_mtls(grpc_run_factory, small_params) -> None:
+    run = grpc_run_factory(small_params, clients=3, rounds=2, min_clients=3)
+    threads = [run.start_client(f"client-{i}", EchoTrainer(shift=float(i))) for i in range(3)]
+    _join_all(threads)
+    assert all("error" not in r for _, r, _ in threads), [r for _, r, _ in threads]
+    assert run.coordinator.status == "completed"
+    # two rounds: params + 2 * (w + mean shift), where the update is w + shift
+    expected = small_params["w"]
+    for _ in range(2):
+        expected = expected + (expected + 1.0)
+    np.testing.assert_allclose(run.coordinator.params["w"], expected, rtol=1e-6)
+
+
+def _stub(run, client_id: str) -> pb_grpc.FlSecureStub:
+    creds = channel_credentials(run.certs, client_id)
+    channel = grpc.secure_channel(f"localhost:{run.port}", creds)
+    return pb_grpc.FlSecureStub(channel)
+
+
+def _task(stub) -> pb.Task:
+    stub.Join(pb.JoinRequest(num_examples=5), timeout=10)
+    for _ in range(100):
+        task = stub.PollTask(pb.PollRequest(), timeout=10)
+        if task.kind == pb.TASK_KIND_TRAIN:
+            return task
+    raise AssertionError("no task within 100 polls")
+
+
+def _chunks(task, tensors, mutate=None):
+    header = UpdateHeader(task.round, task.nonce, 5)
+    chunks = list(serde.update_to_chunks(header, tensors))
+    if mutate:
+        mutate(chunks)
+    return iter(chunks)
+
+
+def _bad_cases(params):
+    w, b = params["w"], params["b"]
+
+    def flip_byte(chunks):
+        data = bytearray(chunks[2].data)
+        data[0] ^= 1
+        chunks[2] = pb.UpdateChunk(data=bytes(data))
+
+    nan_w = w.copy()
+    nan_w[0, 0] = np.nan
+    inf_b = b.copy()
+    inf_b[1] = np.inf
+    return {
+        "digest": (OrderedDict(w=w, b=b), flip_byte, "SHA-256"),
+        "shape": (OrderedDict(w=w.T.copy(), b=b), None, "shape"),
+        "dtype": (OrderedDict(w=w.view(np.int32), b=b), None, "dtype"),
+        "nan": (OrderedDict(w=nan_w, b=b), None, "NaN or Inf"),
+        "inf": (OrderedDict(w=w, b=inf_b), None, "NaN or Inf"),
+        "oversize": (OrderedDict(w=w, b=b, extra=np.zeros(10**6, np.float32)), None, "exceeds"),
+    }
+
+
+@pytest.mark.parametrize("case", ["digest", "shape", "dtype", "nan", "inf", "oversize"])
+def test_bad_upload_invalid_argument_and_round_goes_on(
+    case: str, grpc_run_factory, small_params
+) -> None:
+    # Prepare: three enrolled clients, two honest echo clients and one crafted bad upload.
+    run = grpc_run_factory(small_params, clients=3, rounds=1, min_clients=2, round_timeout=20)
+    good = [run.start_client(f"client-{i}", EchoTrainer(shift=1.0)) for i in range(2)]
+    bad = _stub(run, "client-2")
+    task = _task(bad)
+    tensors, mutate, match = _bad_cases(small_params)[case]
+    # Execute
+    with pytest.raises(grpc.RpcError) as err:
+        bad.SubmitUpdate(_chunks(task, tensors, mutate), timeout=10)
+    # Assert: INVALID_ARGUMENT naming the problem; the others finish the round.
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert match in err.value.details()
+    _join_all(good)
+    assert run.coordinator.status == "completed"
+    record = run.coordinator.run_dir.read_metrics()[-1]
+    assert record["num_updates"] == 2
+    assert "client-2" in record["failed"]
+    assert match in record["failed"]["client-2"]
+
+
+def test_refusals_and_the_others_finish(tmp_path: Path, grpc_run_factory, small_params) -> None:
+    # Prepare: a server enrolling client-0/1; client-9 has a valid cert but is not enrolled;
+    # a foreign CA issues its own client-0.
+    run = grpc_run_factory(small_params, clients=2, min_clients=2, extra_ids=("client-9",))
+    foreign = tmp_path / "foreign"
+    init_certificates(foreign, clients=["client-0"])
+    target = f"localhost:{run.port}"
+    attempts = {
+        "plaintext": grpc.insecure_channel(target),
+        "foreign CA": grpc.secure_channel(target, channel_credentials(foreign, "client-0")),
+        "unenrolled": grpc.secure_channel(target, channel_credentials(run.certs, "client-9")),
+    }
+    codes = {}
+    for name, channel in attempts.items():
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.FlSecureStub(channel).Join(pb.JoinRequest(), timeout=5)
+        codes[name] = err.value.code()
+    assert codes["plaintext"] == grpc.StatusCode.UNAVAILABLE
+    assert codes["foreign CA"] == grpc.StatusCode.UNAVAILABLE
+    assert codes["unenrolled"] == grpc.StatusCode.PERMISSION_DENIED
+    # Execute: the enrolled clients run the round.
+    good = [run.start_client(f"client-{i}", EchoTrainer(shift=1.0)) for i in range(2)]
+    _join_all(good)
+    assert all("error" not in r for _, r, _ in good)
+    assert run.coordinator.status == "completed"
+    assert "client-9" not in run.coordinator.online_clients()
+    assert run.coordinator.poll("client-0", 1).kind is TaskKind.FINISHED

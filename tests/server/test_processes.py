@@ -1,0 +1,188 @@
+"""Real processes over gRPC + mTLS: kill -9 the server and resume; kill a client mid-round."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fl_secure.tls import init_certificates
+
+pytestmark = pytest.mark.slow
+
+TINY = """
+[run]
+name = "tiny"
+seed = 3
+[data]
+source = "synthetic"
+image_size = 32
+num_identities = 24
+images_per_identity = 6
+held_out_identities = 6
+[partition]
+num_clients = 3
+[model]
+backbone = "cnn-small"
+embedding_size = 64
+[algorithm]
+name = "fedpe"
+[train]
+rounds = {rounds}
+local_steps = 2
+batch_size = 16
+lr = 0.05
+[server]
+min_clients = {min_clients}
+round_timeout = {timeout}
+max_retries = 1
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cli(*args: str, log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "GRPC_VERBOSITY": "ERROR", "PYTHONUNBUFFERED": "1"}
+    with log.open("ab") as handle:
+        return subprocess.Popen(
+            [sys.executable, "-m", "fl_secure.cli", *args],
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _rounds(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = [ln for ln in path.read_text().splitlines() if ln.endswith("}")]
+    return [json.loads(ln)["round"] for ln in lines]
+
+
+class Federation:
+    def __init__(self, tmp: Path, *, rounds: int, min_clients: int, timeout: float) -> None:
+        self.tmp = tmp
+        self.config = tmp / "tiny.toml"
+        self.config.write_text(TINY.format(rounds=rounds, min_clients=min_clients, timeout=timeout))
+        self.certs = tmp / "certs"
+        init_certificates(self.certs, clients=3)
+        self.port = _free_port()
+        self.out = tmp / "runs"
+        self.clients: list[subprocess.Popen[bytes]] = []
+        self.server: subprocess.Popen[bytes] | None = None
+
+    def start_server(self, *extra: str) -> None:
+        args = ["server", "--certs", str(self.certs), "--address", f"localhost:{self.port}"]
+        if "--resume" not in extra:
+            args += ["--config", str(self.config), "--out", str(self.out)]
+        self.server = _cli(*args, *extra, log=self.tmp / "server.log")
+
+    def start_clients(self) -> None:
+        for i in range(3):
+            self.clients.append(
+                _cli(
+                    "client", "--server", f"localhost:{self.port}", "--id", f"client-{i}",
+                    "--certs", str(self.certs), "--config", str(self.config),
+                    "--plan-index", str(i), "--state-dir", str(self.tmp / f"state-{i}"),
+                    log=self.tmp / f"client-{i}.log",
+                )
+            )
+
+    @property
+    def run_dir(self) -> Path:
+        runs = sorted(self.out.glob("tiny-*"))
+        return runs[0] if runs else self.out / "missing"
+
+    def stop(self) -> None:
+        for p in [*self.clients, self.server]:
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in self.tmp.glob("*.log"))
+
+
+@pytest.fixture
+def federation(tmp_path: Path):
+    feds: list[Federation] = []
+
+    def make(**kw) -> Federation:
+        fed = Federation(tmp_path, **kw)
+        feds.append(fed)
+        return fed
+
+    yield make
+    for fed in feds:
+        fed.stop()
+
+
+def test_kill_9_server_then_resume(federation) -> None:
+    # Prepare: a standalone server and three client processes.
+    fed = federation(rounds=4, min_clients=3, timeout=120.0)
+    fed.start_server()
+    fed.start_clients()
+    _wait_for(lambda: 2 in _rounds(fed.run_dir), 240, "round 2 to complete\n" + fed.logs())
+    # Execute: SIGKILL in round 3, restart with --resume on the same address.
+    assert fed.server is not None
+    fed.server.send_signal(signal.SIGKILL)
+    fed.server.wait(timeout=10)
+    done_before = max(_rounds(fed.run_dir))
+    fed.start_server("--resume", str(fed.run_dir))
+    assert fed.server.wait(timeout=300) == 0, fed.logs()
+    # Assert: every round once, in order, continuing from the last completed one.
+    rounds = _rounds(fed.run_dir)
+    assert rounds == [0, 1, 2, 3, 4], rounds
+    assert done_before >= 2
+    summary = json.loads((fed.run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_completed"] == 4
+    for client in fed.clients:  # the clients reconnected by themselves and finished
+        assert client.wait(timeout=60) == 0, fed.logs()
+
+
+@pytest.mark.parametrize(("min_clients", "status"), [(2, "completed"), (3, "aborted")])
+def test_kill_a_client_mid_round(federation, min_clients: int, status: str) -> None:
+    # Prepare
+    fed = federation(rounds=3, min_clients=min_clients, timeout=15.0)
+    fed.start_server()
+    fed.start_clients()
+    _wait_for(lambda: 1 in _rounds(fed.run_dir), 240, "round 1\n" + fed.logs())
+    # Execute: client-2 dies during round 2.
+    fed.clients[2].send_signal(signal.SIGKILL)
+    assert fed.server is not None
+    code = fed.server.wait(timeout=300)
+    # Assert
+    summary = json.loads((fed.run_dir / "summary.json").read_text())
+    assert summary["status"] == status, fed.logs()
+    records = [json.loads(ln) for ln in (fed.run_dir / "metrics.jsonl").read_text().splitlines()]
+    if status == "completed":
+        assert code == 0
+        assert [r["round"] for r in records] == [0, 1, 2, 3]
+        assert any("client-2" in r["dropped"] for r in records[2:])
+        assert all(r["num_updates"] >= 2 for r in records[1:])
+    else:
+        assert code != 0
+        assert "aborted" in summary["reason"]
+        assert max(r["round"] for r in records) < 3  # nothing half-applied was recorded
+        assert (fed.run_dir / "checkpoints" / "latest.json").exists()
