@@ -30,6 +30,7 @@ from fl_secure.training import (
     evaluate_verification,
     local_training,
     make_optimizer,
+    round_learning_rate,
     train_local,
 )
 
@@ -60,7 +61,12 @@ def train_centralized_model(
     generator = torch.Generator().manual_seed(config.run.seed)
     history: list[dict[str, float]] = []
     optimizer = make_optimizer(model.parameters(), training)
-    for _ in tqdm(range(config.train.rounds), desc="passes", disable=not progress):
+    t = config.train
+    for r in tqdm(range(1, t.rounds + 1), desc="rounds", disable=not progress):
+        lr = round_learning_rate(t.lr, r, t.rounds, t.lr_schedule)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        # the same number of passes over the data as a federated round
         train_local(model, data, training, generator=generator, optimizer=optimizer)
         history.append(
             evaluate_verification(model.backbone, plan.held_out) if len(plan.held_out) else {}

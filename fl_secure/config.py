@@ -21,6 +21,8 @@ from fl_secure.models.heads import HeadKind
 DataSource = Literal["synthetic", "folders"]
 PartitionKind = Literal["equal"]
 AlgorithmName = Literal["fedavg", "fedpe"]
+Optimizer = Literal["sgd", "adam"]
+LrSchedule = Literal["constant", "cosine"]
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,9 @@ class TrainConfig:
     local_epochs: int = 1
     local_steps: int = 0  # > 0: this many batches per round instead of epochs
     batch_size: int = 32
+    optimizer: Optimizer = "sgd"  # sgd (momentum) or adam; state is reset every round
     lr: float = 0.1
+    lr_schedule: LrSchedule = "constant"  # cosine: lr * (1 + cos(pi * (r - 1) / rounds)) / 2
     momentum: float = 0.9
     weight_decay: float = 5e-4
     threads: int = 1  # torch threads per client process

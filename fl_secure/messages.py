@@ -54,6 +54,7 @@ class LocalTraining:
     learning_rate: float = 0.1
     momentum: float = 0.9
     weight_decay: float = 5e-4
+    optimizer: str = "sgd"
 
 
 @dataclass(frozen=True)

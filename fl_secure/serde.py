@@ -312,6 +312,7 @@ def training_to_proto(t: LocalTraining) -> pb.LocalTraining:
         learning_rate=t.learning_rate,
         momentum=t.momentum,
         weight_decay=t.weight_decay,
+        optimizer=t.optimizer,
     )
 
 
@@ -324,6 +325,7 @@ def training_from_proto(msg: pb.LocalTraining) -> LocalTraining:
         learning_rate=float(msg.learning_rate),
         momentum=float(msg.momentum),
         weight_decay=float(msg.weight_decay),
+        optimizer=msg.optimizer or "sgd",
     )
 
 

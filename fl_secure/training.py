@@ -6,6 +6,7 @@ backend, so every path trains with the same code.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -93,13 +94,29 @@ def local_training(t: TrainConfig) -> LocalTraining:
         learning_rate=t.lr,
         momentum=t.momentum,
         weight_decay=t.weight_decay,
+        optimizer=t.optimizer,
     )
+
+
+def round_learning_rate(base: float, round_: int, rounds: int, schedule: str) -> float:
+    """Learning rate of round ``round_`` (1-based) of ``rounds``: constant or cosine decay."""
+    if schedule == "constant":
+        return base
+    if schedule == "cosine":
+        return base * 0.5 * (1.0 + math.cos(math.pi * (round_ - 1) / max(rounds, 1)))
+    raise ValueError(f"unknown lr schedule {schedule!r}; allowed: constant, cosine")
 
 
 def make_optimizer(
     params: Iterable[nn.Parameter], training: LocalTraining
 ) -> torch.optim.Optimizer:
-    """SGD with momentum, the optimiser of every seed paper."""
+    """SGD with momentum (the seed papers' optimiser) or Adam."""
+    if training.optimizer == "adam":
+        return torch.optim.Adam(
+            params, lr=training.learning_rate, weight_decay=training.weight_decay
+        )
+    if training.optimizer != "sgd":
+        raise ValueError(f"unknown optimizer {training.optimizer!r}; allowed: sgd, adam")
     return torch.optim.SGD(
         params,
         lr=training.learning_rate,

@@ -8,6 +8,7 @@ this object, so the whole round logic is testable without a network. One driver 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import threading
@@ -30,6 +31,7 @@ from fl_secure.messages import (
     UpdateHeader,
 )
 from fl_secure.runs import RunDir
+from fl_secure.training import round_learning_rate
 from server.aggregate import StreamingMean
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,7 @@ class CoordinatorSettings:
     poll_wait: float = 2.0  # seconds a long poll may wait before answering WAIT
     online_timeout: float = 30.0  # a client not heard of for this long is offline
     final_evaluation: bool = True
+    lr_schedule: str = "constant"
 
 
 @dataclass
@@ -180,12 +183,13 @@ class Coordinator:
             return Task(kind=TaskKind.WAIT, retry_after_ms=500, message="no task for you now")
         s = self.settings
         remaining_ms = max(0, int((rnd.deadline - self.clock()) * 1000))
+        lr = round_learning_rate(s.training.learning_rate, rnd.number, s.rounds, s.lr_schedule)
         return Task(
             kind=rnd.kind,
             round=rnd.number,
             nonce=rnd.cohort[client_id],
             algorithm=s.algorithm,
-            training=s.training,
+            training=dataclasses.replace(s.training, learning_rate=lr),
             algorithm_params=s.algorithm_params,
             deadline_unix_ms=int(time.time() * 1000) + remaining_ms,
             parameters_bytes=sum(sp.num_bytes for sp in self.specs),

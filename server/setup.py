@@ -76,6 +76,7 @@ def build_server(
         max_upload_factor=s.max_upload_factor,
         algorithm=strategy.name,
         training=local_training(config.train),
+        lr_schedule=config.train.lr_schedule,
         run_id=run_dir.path.name or secrets.token_hex(4),
         run_config_toml=config_to_toml(config),
     )

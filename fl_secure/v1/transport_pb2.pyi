@@ -257,6 +257,7 @@ class LocalTraining(_message.Message):
     LEARNING_RATE_FIELD_NUMBER: _builtins.int
     MOMENTUM_FIELD_NUMBER: _builtins.int
     WEIGHT_DECAY_FIELD_NUMBER: _builtins.int
+    OPTIMIZER_FIELD_NUMBER: _builtins.int
     local_epochs: _builtins.int
     local_steps: _builtins.int
     """> 0: a fixed number of batches instead of epochs"""
@@ -264,6 +265,8 @@ class LocalTraining(_message.Message):
     learning_rate: _builtins.float
     momentum: _builtins.float
     weight_decay: _builtins.float
+    optimizer: _builtins.str
+    """"sgd" (with momentum) or "adam" """
     def __init__(
         self,
         *,
@@ -273,10 +276,11 @@ class LocalTraining(_message.Message):
         learning_rate: _builtins.float = ...,
         momentum: _builtins.float = ...,
         weight_decay: _builtins.float = ...,
+        optimizer: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "learning_rate", b"learning_rate", "local_epochs", b"local_epochs", "local_steps", b"local_steps", "momentum", b"momentum", "weight_decay", b"weight_decay"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "learning_rate", b"learning_rate", "local_epochs", b"local_epochs", "local_steps", b"local_steps", "momentum", b"momentum", "optimizer", b"optimizer", "weight_decay", b"weight_decay"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
