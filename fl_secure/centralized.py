@@ -22,8 +22,11 @@ from tqdm import tqdm
 from fl_secure.config import Config, config_to_toml
 from fl_secure.data.plan import FederatedData, plan_federation
 from fl_secure.data.types import FaceDataset
+from fl_secure.evaluation import per_client_summary
+from fl_secure.models import save_weights
 from fl_secure.runs import RunDir, atomic_write_bytes, new_run_dir
 from fl_secure.training import (
+    HEADLINE,
     LocalData,
     build_model,
     evaluate_local,
@@ -62,7 +65,7 @@ def train_centralized_model(
     history: list[dict[str, float]] = []
     optimizer = make_optimizer(model.parameters(), training)
     t = config.train
-    for r in tqdm(range(1, t.rounds + 1), desc="rounds", disable=not progress):
+    for r in tqdm(range(1, t.rounds + 1), desc="rounds", disable=None if progress else True):
         lr = round_learning_rate(t.lr, r, t.rounds, t.lr_schedule)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -98,22 +101,27 @@ def run_centralized(
     run = RunDir(new_run_dir(out or Path("runs"), f"{config.run.name}-centralized"))
     atomic_write_bytes(run.config, config_to_toml(config).encode())
     plan = plan_federation(config)
-    untrained = evaluate_verification(
-        build_model(config.model, 1, config.data.image_size, config.run.seed).backbone,
-        plan.held_out,
-    )
-    run.append_metrics({"round": 0, "held_out": untrained})
-    _, history = train_centralized_model(config, plan, progress=progress)
+    fresh = build_model(config.model, 1, config.data.image_size, config.run.seed).backbone
+    untrained = evaluate_verification(fresh, plan.held_out) if len(plan.held_out) else {}
+    untrained_clients = per_client_scores(fresh, plan)
+    run.append_metrics({"round": 0, "held_out": untrained, "clients": untrained_clients})
+    backbone, history = train_centralized_model(config, plan, progress=progress)
     for i, metrics in enumerate(history, 1):
         run.append_metrics({"round": i, "held_out": metrics})
+    save_weights(backbone, run.path / "backbone.safetensors")
     final = history[-1]
+    clients = per_client_scores(backbone, plan)
     summary: dict[str, Any] = {
         "status": "completed",
-        "reason": f"{config.train.rounds} passes completed",
+        "reason": f"{config.train.rounds} rounds' passes completed",
         "algorithm": "centralized",
-        **final,
+        **{k: final[k] for k in HEADLINE if k in final},
         "held_out": final,
         "untrained": untrained,
+        "untrained_clients_summary": per_client_summary(untrained_clients),
+        "clients": clients,
+        "clients_summary": per_client_summary(clients),
+        "backbone": str(run.path / "backbone.safetensors"),
         "duration_s": round(time.time() - started, 1),
         "run_dir": str(run.path),
     }

@@ -20,6 +20,7 @@ from fl_secure.data.types import FaceDataset
 from fl_secure.evaluation import rank1, verification_metrics
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.models import get_backbone, load_pretrained, make_head
+from fl_secure.models.heads import ClassHead
 
 #: The figures a run reports first (held-out identities, or a client's own test images).
 HEADLINE = ("tar_at_far_1e-1", "tar_at_far_1e-2", "tar_at_far_1e-3", "roc_auc", "eer", "rank1")
@@ -28,10 +29,10 @@ HEADLINE = ("tar_at_far_1e-1", "tar_at_far_1e-2", "tar_at_far_1e-3", "roc_auc", 
 class FaceModel(nn.Module):
     """Backbone producing embeddings plus a margin head over ``num_classes`` identities."""
 
-    def __init__(self, backbone: nn.Module, head: nn.Module) -> None:
+    def __init__(self, backbone: nn.Module, head: ClassHead) -> None:
         super().__init__()
         self.backbone = backbone
-        self.head = head
+        self.head: ClassHead = head
 
     def forward(
         self,
@@ -145,6 +146,10 @@ def train_local(
     correct = seen = 0
     order = torch.randperm(n, generator=generator)
     cursor = 0
+    # Rows of absent classes get zero gradient (masked logits), but weight decay or optimizer
+    # state would still move them: keep them exactly as the server sent them.
+    absent = None if data.class_mask is None else ~data.class_mask
+    frozen = None if absent is None else model.head.weight.detach()[absent].clone()
     for _ in range(total):
         if cursor + batch > n:
             order, cursor = torch.randperm(n, generator=generator), 0
@@ -156,6 +161,9 @@ def train_local(
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if absent is not None and frozen is not None:
+            with torch.no_grad():
+                model.head.weight[absent] = frozen
         losses.append(float(loss.detach()))
         with torch.no_grad():
             plain = model.head(model.backbone(images).detach(), None, data.class_mask)

@@ -116,7 +116,7 @@ def run_embedded(
         initial=done,
         desc="rounds",
         unit="round",
-        disable=not progress,
+        disable=None if progress else True,  # None: off when not a terminal
         file=sys.stderr,
     )
 

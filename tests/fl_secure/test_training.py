@@ -1,0 +1,107 @@
+"""Model building (incl. pretrained weights), strategies' client and server steps."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fl_secure.algorithms import FedAvg, FedPE, get_strategy
+from fl_secure.config import ModelConfig
+from fl_secure.data.types import FaceDataset
+from fl_secure.errors import CheckpointError, ConfigError
+from fl_secure.messages import LocalTraining
+from fl_secure.models import save_weights
+from fl_secure.training import build_model, get_tensors, round_learning_rate
+
+CFG = ModelConfig(backbone="cnn-small", embedding_size=16, head="cosface", scale=16, margin=0.2)
+
+
+def _data(labels: list[int]) -> FaceDataset:
+    g = torch.Generator().manual_seed(0)
+    images = torch.rand(len(labels), 3, 32, 32, generator=g) * 2 - 1
+    return FaceDataset(images, torch.tensor(labels), tuple(f"id{i}" for i in range(10)))
+
+
+def test_same_seed_same_model_and_pretrained_weights_load(tmp_path: Path) -> None:
+    a = build_model(CFG, 3, 32, seed=5)
+    b = build_model(CFG, 3, 32, seed=5)
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert ka == kb and torch.equal(va, vb)
+    donor = build_model(CFG, 3, 32, seed=99).backbone
+    save_weights(donor, tmp_path / "backbone.safetensors")
+    cfg = ModelConfig(**{**CFG.__dict__, "pretrained": str(tmp_path / "backbone.safetensors")})
+    loaded = build_model(cfg, 3, 32, seed=5).backbone
+    for k, v in donor.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+
+
+def test_pretrained_file_missing_is_a_clear_error(tmp_path: Path) -> None:
+    cfg = ModelConfig(**{**CFG.__dict__, "pretrained": str(tmp_path / "nope.safetensors")})
+    with pytest.raises(CheckpointError, match=r"nope\.safetensors does not exist"):
+        build_model(cfg, 3, 32, seed=0)
+
+
+def test_shared_names_by_design() -> None:
+    model = build_model(CFG, 4, 32, seed=0)
+    pe, avg = FedPE().shared_names(model), FedAvg().shared_names(model)
+    assert all(n.startswith("backbone.") for n in pe)
+    assert set(avg) - set(pe) == {"head.classifier.weight"}
+    assert get_strategy("fedpe").exposure == "private-embedding"
+    assert get_strategy("fedavg").exposure == "global-head"
+    with pytest.raises(ConfigError, match="allowed: fedavg, fedpe"):
+        get_strategy("fedsgd")
+
+
+def test_local_data_label_spaces() -> None:
+    train, test = _data([7, 7, 2, 2]), _data([7, 2])
+    federation = np.array([1, 2, 5, 7])
+    pe = FedPE().local_data(train, test, federation)
+    assert pe.train_targets.tolist() == [1, 1, 0, 0] and pe.class_mask is None
+    avg = FedAvg().local_data(train, test, federation)
+    assert avg.train_targets.tolist() == [3, 3, 1, 1]
+    assert avg.class_mask is not None and avg.class_mask.tolist() == [False, True, False, True]
+
+
+@pytest.mark.parametrize("strategy", [FedPE(), FedAvg()])
+def test_client_update_is_the_change_of_shared_parameters(strategy) -> None:
+    train, test = _data([7, 7, 2, 2, 7, 2]), _data([7, 2])
+    federation = np.array([2, 5, 7])
+    data = strategy.local_data(train, test, federation)
+    classes = strategy.num_head_classes(len(federation), np.array([2, 7]))
+    model = build_model(CFG, classes, 32, seed=0)
+    shared = get_tensors(model, strategy.shared_names(model))
+    training = LocalTraining(local_steps=2, batch_size=3, learning_rate=0.01, optimizer="adam")
+    head_before = model.head.weight.detach().clone()
+    result = strategy.client_update(
+        model, data, training, shared, generator=torch.Generator().manual_seed(0)
+    )
+    after = get_tensors(model, shared.keys())
+    assert list(result.update) == list(shared)
+    for k in shared:
+        np.testing.assert_allclose(result.update[k], after[k] - shared[k], rtol=0, atol=1e-7)
+    assert any(np.abs(u).max() > 0 for u in result.update.values())
+    assert result.num_examples == 6
+    if isinstance(strategy, FedAvg):  # class 5 is absent at this client: its row is untouched
+        row = 1
+        assert torch.equal(model.head.weight[row], head_before[row])
+        assert not torch.equal(model.head.weight[0], head_before[0])
+
+
+def test_server_update_adds_the_mean_update() -> None:
+    params = OrderedDict(w=np.ones(3, np.float32))
+    out = FedPE().server_update(params, OrderedDict(w=np.full(3, 0.5, np.float32)), 1)
+    np.testing.assert_array_equal(out["w"], np.full(3, 1.5, np.float32))
+    assert out["w"].dtype == np.float32
+
+
+def test_cosine_schedule() -> None:
+    assert round_learning_rate(0.1, 1, 10, "cosine") == pytest.approx(0.1)
+    assert round_learning_rate(0.1, 6, 10, "cosine") == pytest.approx(0.05)
+    assert round_learning_rate(0.1, 10, 10, "cosine") == pytest.approx(
+        0.1 * (1 + np.cos(0.9 * np.pi)) / 2
+    )
+    assert round_learning_rate(0.1, 7, 10, "constant") == 0.1
