@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,9 @@ log = logging.getLogger("fl_secure")
 HEADLINE = ("tar_at_far_1e-1", "tar_at_far_1e-2", "tar_at_far_1e-3", "rank1")
 
 
-def _setup_logging(verbose: int, quiet: bool) -> None:
-    level = logging.WARNING if quiet else logging.INFO if verbose == 0 else logging.DEBUG
+def _setup_logging(verbose: int, quiet: bool, default: int = logging.INFO) -> None:
+    level = logging.WARNING if quiet else default if verbose == 0 else logging.DEBUG
+    level = logging.INFO if verbose == 1 and default > logging.INFO else level
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
@@ -103,6 +105,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     from fl_secure.runs import RunDir, new_run_dir
     from server.app import load_enrollment, start_server
     from server.setup import build_server, write_config
+    from server.summary import build_summary
 
     if args.resume is not None:
         run = RunDir(args.resume)
@@ -129,16 +132,13 @@ def cmd_server(args: argparse.Namespace) -> int:
     print(f"listening on port {port}; run directory {run.path}", file=sys.stderr, flush=True)
     if args.port_file:
         Path(args.port_file).write_text(str(port))
+    started = time.time()
     try:
         side.coordinator.run()
         side.coordinator.wait_clients_finished(timeout=10.0)
     finally:
         server.stop(grace=2.0)
-    import time
-
-    from server.summary import build_summary
-
-    summary = build_summary(config, side.coordinator, side.strategy, side.plan, started=time.time())
+    summary = build_summary(config, side.coordinator, side.strategy, side.plan, started=started)
     run.write_summary(summary)
     code = _report(summary, run.path, args.json)
     return code if summary["status"] == "completed" else 1
@@ -298,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fl-secure`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    _setup_logging(args.verbose, getattr(args, "quiet", False))
+    # train shows a progress display; its server's per-round log lines come with -v
+    default = logging.WARNING if args.command == "train" else logging.INFO
+    _setup_logging(args.verbose, getattr(args, "quiet", False), default)
     try:
         code: int = args.func(args)
     except FlSecureError as exc:

@@ -8,6 +8,7 @@ expected (names, dtypes, shapes, sizes, digests, finite values) and raise
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -304,29 +305,15 @@ def update_header_to_proto(header: UpdateHeader) -> pb.UpdateHeader:
 
 
 def training_to_proto(t: LocalTraining) -> pb.LocalTraining:
-    """Protobuf of local-training settings."""
-    return pb.LocalTraining(
-        local_epochs=t.local_epochs,
-        local_steps=t.local_steps,
-        batch_size=t.batch_size,
-        learning_rate=t.learning_rate,
-        momentum=t.momentum,
-        weight_decay=t.weight_decay,
-        optimizer=t.optimizer,
-    )
+    """Protobuf of local-training settings (field names are the same on both sides)."""
+    return pb.LocalTraining(**dataclasses.asdict(t))
 
 
 def training_from_proto(msg: pb.LocalTraining) -> LocalTraining:
-    """Dataclass of local-training settings."""
-    return LocalTraining(
-        local_epochs=int(msg.local_epochs),
-        local_steps=int(msg.local_steps),
-        batch_size=int(msg.batch_size),
-        learning_rate=float(msg.learning_rate),
-        momentum=float(msg.momentum),
-        weight_decay=float(msg.weight_decay),
-        optimizer=msg.optimizer or "sgd",
-    )
+    """Dataclass of local-training settings; an empty optimizer means SGD."""
+    values = {f.name: getattr(msg, f.name) for f in dataclasses.fields(LocalTraining)}
+    values["optimizer"] = values["optimizer"] or "sgd"
+    return LocalTraining(**values)
 
 
 def task_to_proto(task: Task) -> pb.Task:

@@ -122,11 +122,17 @@ def run_embedded(
 
     def on_round(record: dict[str, Any]) -> None:
         held = record.get("held_out", {})
-        bar.set_postfix(
-            clients=f"{record['num_updates']}/{record['cohort_size']}",
-            tar_1e2=f"{held.get('tar_at_far_1e-2', float('nan')):.3f}",
-        )
+        postfix = {"clients": f"{record['num_updates']}/{record['cohort_size']}"}
+        if "tar_at_far_1e-2" in held:
+            postfix["tar_1e2"] = f"{held['tar_at_far_1e-2']:.3f}"
+        bar.set_postfix(postfix)
         bar.update(1)
+        if bar.disable and progress:  # not a terminal: one plain line per round
+            line = f"round {record['round']}/{config.train.rounds}: "
+            line += f"{record['num_updates']}/{record['cohort_size']} clients"
+            if "tar_at_far_1e-2" in held:
+                line += f", held-out TAR@FAR=1e-2 {held['tar_at_far_1e-2']:.3f}"
+            print(line, file=sys.stderr, flush=True)
 
     try:
         coordinator.run(on_round=on_round)

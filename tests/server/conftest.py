@@ -127,4 +127,3 @@ def grpc_run_factory(tmp_path: Path) -> Iterator:
         run.coordinator.stop("test teardown")
         run.server.stop(grace=None)  # type: ignore[attr-defined]
         run.driver.join(timeout=10)
-

@@ -102,9 +102,19 @@ class Federation:
         for i in range(3):
             self.clients.append(
                 _cli(
-                    "client", "--server", f"localhost:{self.port}", "--id", f"client-{i}",
-                    "--certs", str(self.certs), "--config", str(self.config),
-                    "--plan-index", str(i), "--state-dir", str(self.tmp / f"state-{i}"),
+                    "client",
+                    "--server",
+                    f"localhost:{self.port}",
+                    "--id",
+                    f"client-{i}",
+                    "--certs",
+                    str(self.certs),
+                    "--config",
+                    str(self.config),
+                    "--plan-index",
+                    str(i),
+                    "--state-dir",
+                    str(self.tmp / f"state-{i}"),
                     log=self.tmp / f"client-{i}.log",
                 )
             )

@@ -40,8 +40,18 @@ def test_orl_fedpe_over_mtls(tmp_path: Path) -> None:
         )
         assert len(share.train) == 70 and len(share.test) == 30
     # Execute: embedded mode = a server and 4 client processes over gRPC with mTLS.
-    cmd = [sys.executable, "-m", "fl_secure.cli", "train", "--config",
-           str(ROOT / "examples" / "orl.toml"), "--out", str(tmp_path), "--json", "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fl_secure.cli",
+        "train",
+        "--config",
+        str(ROOT / "examples" / "orl.toml"),
+        "--out",
+        str(tmp_path),
+        "--json",
+        "--quiet",
+    ]
     for o in overrides:
         cmd += ["--set", o]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
