@@ -158,7 +158,9 @@ def load_identity_folders(
         for _, files in chosen
         for path in files
     ]
-    labels = np.concatenate([np.full(len(files), i, dtype=np.int64) for i, (_, files) in enumerate(chosen)])
+    labels = np.concatenate(
+        [np.full(len(files), i, dtype=np.int64) for i, (_, files) in enumerate(chosen)]
+    )
     return FaceDataset(
         images=torch.from_numpy(np.stack(images)),
         labels=torch.from_numpy(labels),

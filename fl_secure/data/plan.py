@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from fl_secure.data.folders import load_identity_folders
-from fl_secure.data.splits import equal_partition, held_out_identities, stratified_split
 
 from fl_secure.config import Config, DataConfig
+from fl_secure.data.folders import load_identity_folders
+from fl_secure.data.splits import equal_partition, held_out_identities, stratified_split
 from fl_secure.data.synthetic import SyntheticFaceConfig, generate_synthetic_faces
 from fl_secure.data.types import FaceDataset
 from fl_secure.errors import DataError

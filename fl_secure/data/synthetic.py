@@ -118,22 +118,23 @@ def _identity_traits(seed: int, k: int) -> Params:
         "age": age, "male": male, "hair_class": hair_class, "hair_style": style,
         "skin": skin + g.normal(0, 0.04, 3), "hair": _HAIR_RGB[hair_class] + g.normal(0, 0.07, 3),
         "iris": _IRIS_RGB[g.integers(6)] + g.normal(0, 0.04, 3),
-        "lip": skin * np.array([0.8, 0.52, 0.52]) + np.array([0.12, 0.0, 0.02]) + g.normal(0, 0.03, 3),
-        "face_w": u(0.47, 0.62), "face_h": u(0.64, 0.8), "jaw": u(0.0, 0.4), "face_y": u(-0.02, 0.06),
-        "eye_dx": u(0.17, 0.27), "eye_y": u(-0.14, -0.02), "eye_w": u(0.07, 0.115),
-        "eye_h": u(0.38, 0.62), "iris_r": u(0.45, 0.7),
-        "brow_dy": u(0.08, 0.14), "brow_t": u(0.012, 0.028) * (1.7 if g.random() < 0.3 else 1.0),
+        "lip": skin * np.array([0.8, 0.52, 0.52]) + [0.12, 0.0, 0.02] + g.normal(0, 0.03, 3),
+        # geometry in face units (the face ellipse has half-width ~0.55)
+        "face_w": u(0.44, 0.64), "face_h": u(0.62, 0.82), "jaw": u(0.0, 0.5),
+        "face_y": u(-0.02, 0.06), "eye_dx": u(0.16, 0.28), "eye_y": u(-0.14, -0.02),
+        "eye_w": u(0.07, 0.12), "eye_h": u(0.35, 0.65), "iris_r": u(0.45, 0.7),
+        "brow_dy": u(0.07, 0.15), "brow_t": u(0.012, 0.03) * (1.7 if g.random() < 0.3 else 1.0),
         "brow_len": u(1.0, 1.5), "brow_tilt": u(-0.03, 0.03), "brow_arch": u(0.0, 0.05),
-        "nose_len": u(0.14, 0.26), "nose_w": u(0.045, 0.09), "mouth_y": u(0.3, 0.44),
-        "mouth_w": u(0.12, 0.22), "lip_t": u(0.016, 0.04), "ear": u(0.07, 0.11),
-        "hair_vol": u(0.03, 0.14), "hairline": u(-0.62, -0.4),
+        "nose_len": u(0.13, 0.27), "nose_w": u(0.04, 0.1), "mouth_y": u(0.28, 0.46),
+        "mouth_w": u(0.11, 0.24), "lip_t": u(0.015, 0.045), "ear": u(0.07, 0.11),
+        "hair_vol": u(0.02, 0.18), "hairline": u(-0.7, -0.35),
         "fringe": float(g.random() < 0.3), "hair_freq": u(8, 30) * float(g.random() < 0.4),
         "beard": float(male and g.random() < (0.25 if age == 0 else 0.45)),
         "beard_full": float(g.random() < 0.5), "beard_rgb_mix": u(0.5, 1.0),
         "glasses_p": 0.85 if g.random() < (0.2 + 0.15 * age) else 0.03,
         "glasses_round": float(g.random() < 0.5), "glasses_rgb": g.uniform(0.0, 0.6, 3),
         "glasses_size": u(1.5, 1.9), "hat_p": u(0.02, 0.15), "blush": u(0.0, 0.5),
-        # identity-specific low-frequency skin texture: 4 plane waves
+        # identity-specific low-frequency skin texture: 4 plane waves, and up to 3 moles
         "tex_f": u(1.0, 3.5, 4), "tex_a": u(0.0, np.pi, 4), "tex_ph": u(0, 2 * np.pi, 4),
         "tex_amp": u(0.04, 0.1, 4),
         "mole_x": u(-0.35, 0.35, 3), "mole_y": u(-0.3, 0.5, 3), "mole_r": u(0.02, 0.04, 3),
@@ -159,7 +160,8 @@ def _image_params(cfg: SyntheticFaceConfig, k: int, j: int, tr: Params) -> Param
         "light_grad": u(0.0, 0.18) * li + (0.25 if shifted else 0.0),
         "gain": (u(0.85, 1.1) if not shifted else u(0.55, 0.85)) ** li,
         "temp": u(-0.06, 0.06) * li, "shade": u(0.0, 0.25) * li,
-        "bg_rgb": 0.5 + g.uniform(-0.4, 0.4, 3) * min(cfg.clutter, 1.0), "bg_grid": g.uniform(-0.3, 0.3, (3, 4, 4)) * cfg.clutter,
+        "bg_rgb": 0.5 + g.uniform(-0.4, 0.4, 3) * min(cfg.clutter, 1.0),
+        "bg_grid": g.uniform(-0.3, 0.3, (3, 4, 4)) * cfg.clutter,
         "clothes": g.uniform(0.05, 0.9, 3), "hat_rgb": g.uniform(0.05, 0.85, 3),
         "shape_xy": g.uniform(-1.0, 1.0, (2, 4)), "shape_ab": g.uniform(0.08, 0.4, (2, 4)),
         "shape_rgb": g.uniform(0.0, 1.0, (3, 4)),
@@ -424,7 +426,8 @@ def _render(tr: Params, im: Params, noise: np.ndarray, size: int, shifted: bool)
     bw = _col(im["blur"])[:, None]
     img = (1 - bw) * img + bw * _blur(img, max(1, size // 48))
     img = img + _col(im["sigma"])[:, None] * noise
-    return np.clip(img, 0.0, 1.0).astype(np.float32)
+    out: np.ndarray = np.clip(img, 0.0, 1.0).astype(np.float32)
+    return out
 
 
 def generate_synthetic_faces(cfg: SyntheticFaceConfig, *, chunk: int = 256) -> FaceDataset:

@@ -120,7 +120,9 @@ def test_equal_partition_even_disjoint_deterministic() -> None:
     again = equal_partition(list(ids), 5, seed=2)
     for a, b in zip(parts, again, strict=True):
         np.testing.assert_array_equal(a, b)
-    assert any(not np.array_equal(a, b) for a, b in zip(parts, equal_partition(ids, 5, 3), strict=True))
+    assert any(
+        not np.array_equal(a, b) for a, b in zip(parts, equal_partition(ids, 5, 3), strict=True)
+    )
 
 
 @pytest.mark.parametrize(
