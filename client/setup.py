@@ -13,13 +13,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from fl_secure.data.folders import load_identity_folders
-from fl_secure.data.splits import stratified_split
 
 from client.trainer import LocalTrainer
 from fl_secure.algorithms import get_strategy
 from fl_secure.config import Config, DataConfig, config_from_dict
+from fl_secure.data.folders import load_identity_folders
 from fl_secure.data.plan import plan_federation
+from fl_secure.data.splits import stratified_split
 from fl_secure.errors import ConfigError
 from fl_secure.messages import JoinReply
 from fl_secure.training import build_model
