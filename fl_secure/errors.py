@@ -32,3 +32,7 @@ class TlsError(FlSecureError):
 
 class RoundAborted(FlSecureError):
     """A round could not complete (too few clients) and was aborted without an update."""
+
+
+class PrivacyError(FlSecureError, ValueError):
+    """A privacy-accounting request is out of range, unsupported or cannot be met."""

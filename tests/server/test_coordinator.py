@@ -174,3 +174,19 @@ def test_resume_drops_unfinished_round_metrics(tmp_path: Path) -> None:
     assert coord.resume() == 1
     assert [r["round"] for r in run.read_metrics()] == [0, 1]
     np.testing.assert_array_equal(coord.params["w"], np.ones((2, 2)))
+
+
+def test_cohort_sampling_fixed_size_and_poisson(tmp_path: Path) -> None:
+    online = [f"c{i}" for i in range(50)]
+    fixed = _coordinator(tmp_path / "a", clients_per_round=7)
+    sizes = {len(fixed._sample_cohort(online)) for _ in range(20)}
+    assert sizes == {7}
+    cohorts = [tuple(fixed._sample_cohort(online)) for _ in range(20)]
+    assert len(set(cohorts)) > 1  # random, not the first 7
+    poisson = _coordinator(tmp_path / "b", sample_rate=0.2)
+    counts = [len(poisson._sample_cohort(online)) for _ in range(400)]
+    # Binomial(50, 0.2): mean 10, std 2.83; the mean of 400 draws has std 0.14
+    assert abs(np.mean(counts) - 10.0) < 0.6
+    assert 1.5 < np.std(counts) < 4.0
+    everyone = _coordinator(tmp_path / "c")
+    assert everyone._sample_cohort(online) == online

@@ -1,0 +1,72 @@
+"""fl-secure eval: a checkpoint scored on the run's held-out identities or LFW pairs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sklearn.metrics import roc_auc_score
+
+from fl_secure.algorithms import FedPE
+from fl_secure.checkpoints import CheckpointStore
+from fl_secure.config import config_from_dict, config_to_toml
+from fl_secure.data.lfw import load_pair_images, read_pairs
+from fl_secure.data.plan import plan_federation
+from fl_secure.errors import CheckpointError
+from fl_secure.eval_run import evaluate_run
+from fl_secure.runs import RunDir
+from fl_secure.training import build_model, embed, evaluate_verification, get_tensors
+
+DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+TINY = {
+    "data": {
+        "num_identities": 16,
+        "images_per_identity": 4,
+        "held_out_identities": 6,
+        "image_size": 32,
+    },
+    "partition": {"num_clients": 2},
+    "server": {"min_clients": 1},
+    "model": {"backbone": "cnn-small", "embedding_size": 32},
+}
+
+
+def _run(tmp_path: Path):
+    config = config_from_dict(TINY)
+    run = RunDir(tmp_path)
+    run.config.write_text(config_to_toml(config))
+    model = build_model(config.model, 1, 32, seed=11)  # not the run's seed: a "trained" model
+    CheckpointStore(run.checkpoints).save(3, get_tensors(model, FedPE().shared_names(model)), {})
+    return config, run, model
+
+
+def test_eval_reproduces_the_held_out_figures(tmp_path: Path) -> None:
+    config, run, model = _run(tmp_path)
+    result = evaluate_run(run.path)
+    expected = evaluate_verification(model.backbone, plan_federation(config).held_out)
+    assert result["round"] == 3
+    for key, value in expected.items():
+        assert result[key] == pytest.approx(value, abs=1e-9), key
+
+
+def test_eval_errors_name_the_problem(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="not a run directory"):
+        evaluate_run(tmp_path)
+    _run(tmp_path)
+    with pytest.raises(CheckpointError, match="no checkpoint of round 7"):
+        evaluate_run(tmp_path, round_=7)
+
+
+@pytest.mark.skipif(not (DATA / "lfw_devtest").is_dir(), reason="LFW dev-test not available")
+def test_eval_on_lfw_dev_test_pairs(tmp_path: Path) -> None:
+    _, run, model = _run(tmp_path)
+    pairs = DATA / "lfw_protocol" / "pairsDevTest.txt"
+    result = evaluate_run(run.path, lfw_pairs=pairs, lfw_root=DATA / "lfw_devtest")
+    # independent computation of the AUC over the same 1000 pairs
+    images = load_pair_images(read_pairs(pairs), DATA / "lfw_devtest", image_size=32)
+    emb = embed(model.backbone, images.dataset.images)
+    scores = np.sum(emb[images.left] * emb[images.right], axis=1)
+    assert len(scores) == 1000 and images.same.sum() == 500
+    assert result["roc_auc"] == pytest.approx(roc_auc_score(images.same, scores), abs=1e-9)
+    assert 0.0 <= result["tar_at_far_1e-2"] <= 1.0
