@@ -283,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
     common(q)
     q.set_defaults(func=cmd_certs_init)
 
+    from privacy.cli import add_privacy_parser  # privacy epsilon | calibrate | ledger
+
+    add_privacy_parser(sub)
+
     p = sub.add_parser("eval", help="evaluate a run's model on held-out identities or LFW pairs")
     p.add_argument("--run", type=Path, required=True, help="run directory")
     p.add_argument("--round", type=int, help="checkpoint round (default: latest)")
@@ -299,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     # train shows a progress display; its server's per-round log lines come with -v
-    default = logging.WARNING if args.command == "train" else logging.INFO
+    default = logging.WARNING if args.command in ("train", "privacy") else logging.INFO
     _setup_logging(args.verbose, getattr(args, "quiet", False), default)
     try:
         code: int = args.func(args)

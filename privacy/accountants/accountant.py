@@ -219,15 +219,19 @@ class Accountant(ABC):
         if not isinstance(history, list):
             raise PrivacyError("state_dict['history'] must be a list of event dicts")
         events = [PrivacyEvent.from_dict(e) for e in history]
-        self.history = []
-        for e in events:
-            self.step(
-                noise_multiplier=e.noise_multiplier,
-                sample_rate=e.sample_rate,
-                num_steps=e.num_steps,
-                sampling=e.sampling,
-                population=e.population,
-            )
+        previous, self.history = self.history, []
+        try:
+            for e in events:
+                self.step(
+                    noise_multiplier=e.noise_multiplier,
+                    sample_rate=e.sample_rate,
+                    num_steps=e.num_steps,
+                    sampling=e.sampling,
+                    population=e.population,
+                )
+        except PrivacyError:
+            self.history = previous
+            raise
 
     @classmethod
     def mechanism(cls) -> str:

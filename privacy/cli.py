@@ -1,0 +1,230 @@
+"""``privacy`` sub-commands: ``privacy epsilon`` and ``privacy calibrate``.
+
+Pure functions for the main command line: :func:`add_privacy_parser` adds the parser, each
+leaf sets ``func`` to a function ``(argparse.Namespace) -> int`` (exit code). With
+``--json`` one JSON object goes to stdout with keys ``epsilon``, ``delta``,
+``noise_multiplier``, ``accountant``, ``sample_rate``, ``steps``, ``sampling``,
+``adjacency`` (plus ``population`` / ``target_epsilon`` where relevant).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fl_secure.errors import PrivacyError
+from privacy.accountants.accountant import ADJACENCY, SAMPLINGS
+from privacy.accountants.registry import ACCOUNTANTS, DEFAULT_CLIENT_LEVEL
+from privacy.calibration import calibrate_noise, epsilon_for
+from privacy.ledger import Ledger, LedgerError, format_ledger, ledger_json
+
+
+def _number(flag: str, ok: Callable[[float], bool], allowed: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a number, got {text!r}") from None
+        if not (math.isfinite(value) and ok(value)):
+            raise argparse.ArgumentTypeError(f"{flag} must be {allowed}, got {text}")
+        return value
+
+    return parse
+
+
+def _integer(flag: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= 1, got {text}")
+        return value
+
+    return parse
+
+
+def _common(p: argparse.ArgumentParser, default_accountant: str | None) -> None:
+    p.add_argument(
+        "--sample-rate",
+        required=True,
+        type=_number("--sample-rate", lambda q: 0 < q <= 1, "in (0, 1]"),
+        help="sampling rate q per step (Poisson rate, or cohort / population for fixed_size)",
+    )
+    p.add_argument("--steps", required=True, type=_integer("--steps"), help="number of steps T")
+    p.add_argument(
+        "--delta",
+        required=True,
+        type=_number("--delta", lambda d: 0 < d < 1, "in (0, 1)"),
+        help="target delta",
+    )
+    p.add_argument(
+        "--accountant",
+        choices=sorted(ACCOUNTANTS),
+        required=default_accountant is None,
+        default=default_accountant,
+        help="rdp (loose), prv (default for example-level DP), pld (default for client-level)",
+    )
+    p.add_argument(
+        "--sampling",
+        choices=SAMPLINGS,
+        default="poisson",
+        help="poisson (add/remove adjacency) or fixed_size cohorts (replace-one; pld only)",
+    )
+    p.add_argument(
+        "--population",
+        type=_integer("--population"),
+        default=None,
+        help="records sampled from; required with --sampling fixed_size",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def add_privacy_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``privacy {epsilon,calibrate}`` to ``subparsers`` (from ``add_subparsers``)."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "privacy", help="privacy accounting: epsilon of a schedule, noise for a budget"
+    )
+    sub = p.add_subparsers(dest="privacy_command", required=True)
+
+    e = sub.add_parser("epsilon", help="epsilon spent by a noise multiplier and schedule")
+    e.add_argument(
+        "--noise-multiplier",
+        required=True,
+        type=_number("--noise-multiplier", lambda z: z > 0, "> 0"),
+        help="noise standard deviation / clipping norm",
+    )
+    _common(e, default_accountant=None)
+    e.set_defaults(func=cmd_epsilon)
+
+    c = sub.add_parser("calibrate", help="smallest noise multiplier meeting a target epsilon")
+    c.add_argument(
+        "--target-epsilon",
+        required=True,
+        type=_number("--target-epsilon", lambda x: x > 0, "> 0"),
+        help="privacy budget to meet",
+    )
+    _common(c, default_accountant=DEFAULT_CLIENT_LEVEL)
+    c.set_defaults(func=cmd_calibrate)
+
+    g = sub.add_parser("ledger", help="print a run's privacy ledger; --verify checks its chain")
+    g.add_argument("--run", type=Path, required=True, help="run directory (has ledger.sqlite)")
+    g.add_argument("--verify", action="store_true", help="check the hash chain; exit 1 if broken")
+    g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    g.set_defaults(func=cmd_ledger)
+    return p
+
+
+def cmd_ledger(args: argparse.Namespace) -> int:
+    """``privacy ledger``: the entries of a run's ledger and, with --verify, the chain check."""
+    path = args.run / "ledger.sqlite"
+    try:
+        with Ledger.read(path) as ledger:
+            entries = ledger.entries()
+            result = ledger.verify() if args.verify else None
+            run_id = ledger.run_id
+    except LedgerError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+    if args.json:
+        sys.stdout.write(json.dumps(ledger_json(entries, result, run_id=run_id)) + "\n")
+    else:
+        print(format_ledger(entries))
+        if result is not None:
+            print("chain verified: OK" if result.ok else "chain BROKEN:")
+            for problem in result.problems:
+                print(f"  {problem}")
+    return 0 if result is None or result.ok else 1
+
+
+def _check_population(args: argparse.Namespace) -> None:
+    if args.sampling == "fixed_size" and args.population is None:
+        raise PrivacyError("--population is required with --sampling fixed_size")
+    if args.sampling == "poisson" and args.population is not None:
+        raise PrivacyError("--population is only meaningful with --sampling fixed_size")
+
+
+def _report(args: argparse.Namespace, noise_multiplier: float, epsilon: float) -> dict[str, Any]:
+    return {
+        "epsilon": epsilon,
+        "delta": args.delta,
+        "noise_multiplier": noise_multiplier,
+        "accountant": args.accountant,
+        "sample_rate": args.sample_rate,
+        "steps": args.steps,
+        "sampling": args.sampling,
+        "adjacency": ADJACENCY[args.sampling],
+        "population": args.population,
+    }
+
+
+def _emit(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    if args.json:
+        sys.stdout.write(json.dumps(report, sort_keys=True) + "\n")
+        return
+    population = f", population {report['population']}" if report["population"] else ""
+    target = f" (target {report['target_epsilon']:g})" if "target_epsilon" in report else ""
+    sys.stdout.write(
+        f"epsilon = {report['epsilon']:.4f}{target} at delta = {report['delta']:g}\n"
+        f"  noise multiplier {report['noise_multiplier']:.4f}, sample rate "
+        f"{report['sample_rate']:g}, {report['steps']} steps, {report['sampling']} sampling"
+        f"{population}\n"
+        f"  accountant {report['accountant']}, {report['adjacency']} adjacency\n"
+    )
+
+
+def cmd_epsilon(args: argparse.Namespace) -> int:
+    """``privacy epsilon``: print the epsilon of a schedule."""
+    try:
+        _check_population(args)
+        eps = epsilon_for(
+            accountant=args.accountant,
+            noise_multiplier=args.noise_multiplier,
+            sample_rate=args.sample_rate,
+            steps=args.steps,
+            delta=args.delta,
+            sampling=args.sampling,
+            population=args.population,
+        )
+    except PrivacyError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+    _emit(args, _report(args, args.noise_multiplier, eps))
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """``privacy calibrate``: print the smallest noise multiplier meeting the target."""
+    try:
+        _check_population(args)
+        z = calibrate_noise(
+            target_epsilon=args.target_epsilon,
+            sample_rate=args.sample_rate,
+            steps=args.steps,
+            delta=args.delta,
+            accountant=args.accountant,
+            sampling=args.sampling,
+            population=args.population,
+        )
+        eps = epsilon_for(
+            accountant=args.accountant,
+            noise_multiplier=z,
+            sample_rate=args.sample_rate,
+            steps=args.steps,
+            delta=args.delta,
+            sampling=args.sampling,
+            population=args.population,
+        )
+    except PrivacyError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+    report = _report(args, z, eps)
+    report["target_epsilon"] = args.target_epsilon
+    _emit(args, report)
+    return 0

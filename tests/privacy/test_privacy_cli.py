@@ -1,0 +1,40 @@
+"""fl-secure privacy {epsilon,calibrate,ledger} through the main entry point."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from fl_secure.cli import main
+from privacy.ledger import Ledger
+
+PAYLOAD = {
+    "noise_multiplier": 1.1, "sample_rate": 0.5, "clip_norm": 1.0, "cohort_size": 4,
+    "accountant": "pld", "epsilon": 0.5, "delta": 1e-5, "noise_placement": "local",
+}  # fmt: skip
+
+
+def test_epsilon_json_matches_published_pld_figure(capsys: pytest.CaptureFixture[str]) -> None:
+    args = "privacy epsilon --noise-multiplier 4 --sample-rate 0.01 --steps 10000 --delta 1e-5"
+    code = main([*args.split(), "--accountant", "pld", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert out["epsilon"] == pytest.approx(0.947, abs=2e-3)  # Abadi et al. 2016 setting
+    assert out["adjacency"] == "add/remove" and out["accountant"] == "pld"
+
+
+def test_ledger_view_and_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with Ledger.open(tmp_path / "ledger.sqlite", "run-1") as ledger:
+        for r in (1, 2, 3):
+            ledger.append("client_level", round=r, party="server", payload=PAYLOAD)
+    assert main(["privacy", "ledger", "--run", str(tmp_path), "--verify", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["entries"]) == 3 and out["verify"]["ok"] is True
+    with sqlite3.connect(tmp_path / "ledger.sqlite") as conn:  # tamper: edit round 2's epsilon
+        conn.execute("UPDATE entries SET payload = replace(payload, '0.5', '0.05') WHERE seq = 2")
+    assert main(["privacy", "ledger", "--run", str(tmp_path), "--verify"]) == 1
+    assert "seq 2" in capsys.readouterr().out
+    assert main(["privacy", "ledger", "--run", str(tmp_path / "nope")]) == 2
