@@ -179,19 +179,23 @@ def _emit(args: argparse.Namespace, report: dict[str, Any]) -> None:
     )
 
 
+def _epsilon(args: argparse.Namespace, noise_multiplier: float) -> float:
+    return epsilon_for(
+        accountant=args.accountant,
+        noise_multiplier=noise_multiplier,
+        sample_rate=args.sample_rate,
+        steps=args.steps,
+        delta=args.delta,
+        sampling=args.sampling,
+        population=args.population,
+    )
+
+
 def cmd_epsilon(args: argparse.Namespace) -> int:
     """``privacy epsilon``: print the epsilon of a schedule."""
     try:
         _check_population(args)
-        eps = epsilon_for(
-            accountant=args.accountant,
-            noise_multiplier=args.noise_multiplier,
-            sample_rate=args.sample_rate,
-            steps=args.steps,
-            delta=args.delta,
-            sampling=args.sampling,
-            population=args.population,
-        )
+        eps = _epsilon(args, args.noise_multiplier)
     except PrivacyError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2
@@ -212,15 +216,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             sampling=args.sampling,
             population=args.population,
         )
-        eps = epsilon_for(
-            accountant=args.accountant,
-            noise_multiplier=z,
-            sample_rate=args.sample_rate,
-            steps=args.steps,
-            delta=args.delta,
-            sampling=args.sampling,
-            population=args.population,
-        )
+        eps = _epsilon(args, z)
     except PrivacyError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2
