@@ -24,6 +24,7 @@ from fl_secure.data.splits import stratified_split
 from fl_secure.errors import ConfigError
 from fl_secure.messages import JoinReply
 from fl_secure.training import build_model
+from privacy.client_side import ClientPrivacy
 
 
 @dataclass(frozen=True)
@@ -79,12 +80,21 @@ def trainer_factory(
         # Batch order only (not security-sensitive): derived from the run seed and the
         # client id so that a run can be reproduced.
         digest = hashlib.sha256(f"{run_config.run.seed}:{reply.client_id}".encode()).digest()
+        privacy = None
+        if run_config.privacy.enabled:
+            privacy = ClientPrivacy(
+                run_config,
+                num_examples=len(local.train),
+                state_dir=state_dir,
+                min_survivors=run_config.server.min_clients,
+            )
         return LocalTrainer(
             strategy,
             model,
             local,
             state_dir=state_dir,
             seed=int.from_bytes(digest[:8], "little") >> 1,
+            privacy=privacy,
         )
 
     return make

@@ -20,6 +20,7 @@ from fl_secure.algorithms import Strategy
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import atomic_write_bytes
 from fl_secure.training import FaceModel, LocalData, evaluate_local, set_tensors
+from privacy.client_side import ClientPrivacy
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +36,14 @@ class LocalTrainer:
         *,
         state_dir: Path | None = None,
         seed: int | None = None,
+        privacy: ClientPrivacy | None = None,
     ) -> None:
         self.strategy = strategy
         self.model = model
         self.data = data
         self.shared_names = strategy.shared_names(model)
         self.state_dir = state_dir
+        self.privacy = privacy
         self.generator = torch.Generator().manual_seed(
             seed if seed is not None else secrets.randbits(63)
         )
@@ -87,11 +90,26 @@ class LocalTrainer:
     ) -> tuple[Tensors, int, dict[str, float]]:
         """One round: returns (update of the shared parameters, examples, metrics)."""
         self._check_names(shared)
+        if self.privacy is None:
+            result = self.strategy.client_update(
+                self.model, self.data, training, shared, generator=self.generator
+            )
+            self._save_private()
+            return result.update, result.num_examples, result.metrics
+        if not self.privacy.may_train():  # budget spent: a data-independent (empty) update
+            return self.privacy.release(zeros_like(shared), self.num_examples, {}, trained=False)
         result = self.strategy.client_update(
-            self.model, self.data, training, shared, generator=self.generator
+            self.model,
+            self.data,
+            training,
+            shared,
+            generator=self.generator,
+            train_fn=self.privacy.train_fn(),
         )
         self._save_private()
-        return result.update, result.num_examples, result.metrics
+        return self.privacy.release(
+            result.update, result.num_examples, result.metrics, trained=True
+        )
 
     def evaluate(self, shared: Tensors) -> tuple[int, dict[str, float]]:
         """Evaluate the global model on this client's test images."""

@@ -41,6 +41,10 @@ def _torch_threads(n: int) -> None:
     torch.set_num_threads(max(1, n))
 
 
+#: Run outcomes that exit with 0: every round ran, or the privacy budget stopped it as asked.
+_SUCCESS = ("completed", "budget_exhausted")
+
+
 def _print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
 
@@ -71,7 +75,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         progress=not args.json,
     )
     code = _report(result.summary, result.run_dir, args.json)
-    return code if result.summary.get("status") == "completed" else 1
+    return code if result.summary.get("status") in _SUCCESS else 1
 
 
 def _report(summary: dict[str, Any], run_dir: Path, as_json: bool) -> int:
@@ -95,6 +99,15 @@ def _report(summary: dict[str, Any], run_dir: Path, as_json: bool) -> int:
                 f"per-client {key}: {cs[f'{key}_mean']:.4f} ± {cs[f'{key}_std']:.4f} "
                 f"(mean ± std across clients, own test images){extra}"
             )
+    if summary.get("privacy_unit") not in (None, "none"):
+        print(
+            f"privacy: ({summary['epsilon']:.4f}, {summary['delta']:g})-DP at the "
+            f"{summary['privacy_unit']} level, {summary.get('privacy', {}).get('adjacency', '')} "
+            f"adjacency, {summary['accountant']} accountant, noise placement "
+            f"{summary['noise_placement']}; ledger: {run_dir / 'ledger.sqlite'}"
+        )
+    else:
+        print("privacy: none (no differential privacy in this run)")
     print(f"run directory: {run_dir}")
     return 0
 
@@ -141,7 +154,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     summary = build_summary(config, side.coordinator, side.strategy, side.plan, started=started)
     run.write_summary(summary)
     code = _report(summary, run.path, args.json)
-    return code if summary["status"] == "completed" else 1
+    return code if summary["status"] in _SUCCESS else 1
 
 
 def cmd_client(args: argparse.Namespace) -> int:

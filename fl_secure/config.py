@@ -23,6 +23,9 @@ PartitionKind = Literal["equal"]
 AlgorithmName = Literal["fedavg", "fedpe"]
 Optimizer = Literal["sgd", "adam"]
 LrSchedule = Literal["constant", "cosine"]
+PrivacyUnit = Literal["none", "client", "example"]
+NoisePlacement = Literal["local", "distributed", "central"]
+AccountantName = Literal["", "rdp", "prv", "pld"]
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,62 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class PrivacyConfig:
+    """Differential privacy of the run: who is protected, how much noise, which budget.
+
+    ``unit = "client"``: DP-FedAvg on the shared parameters' updates (a whole client's data
+    is the protected record; AdaFedFR Algorithm 1 lines 23-26). ``unit = "example"``:
+    DP-SGD with Opacus inside each client (one face image is the protected record).
+    """
+
+    unit: PrivacyUnit = "none"  # none, client (DP-FedAvg) or example (DP-SGD on clients)
+    noise_placement: NoisePlacement = "local"  # client unit: local, distributed or central
+    clip_norm: float = 1.0  # C: update L2 bound (client) or per-example gradient bound (example)
+    noise_multiplier: float = 0.0  # z (noise std = z * C); 0 = calibrate to target_epsilon
+    target_epsilon: float = 0.0  # budget: training stops before passing it (0 = no budget)
+    delta: float = 1e-5
+    accountant: AccountantName = ""  # "" = pld for client level, prv for example level
+    sample_rate: float = 0.0  # example unit: Poisson rate per step (0 = batch_size / examples)
+    max_physical_batch_size: int = 64  # example unit: memory bound of DP-SGD
+    secure_rng: bool = True  # DP noise from a CSPRNG; false only for reproducible tests
+
+    def __post_init__(self) -> None:
+        """Check ranges and combinations."""
+        _check(self.clip_norm > 0, "privacy.clip_norm", "a number > 0")
+        _check(self.noise_multiplier >= 0, "privacy.noise_multiplier", "a number >= 0")
+        _check(self.target_epsilon >= 0, "privacy.target_epsilon", "a number >= 0")
+        _check(0 < self.delta < 1, "privacy.delta", "a number in (0, 1)")
+        _check(0 <= self.sample_rate <= 1, "privacy.sample_rate", "a number in [0, 1]")
+        _check(
+            self.max_physical_batch_size >= 1,
+            "privacy.max_physical_batch_size",
+            "an integer >= 1",
+        )
+        if self.unit != "none" and self.noise_multiplier == 0 and self.target_epsilon == 0:
+            raise ConfigError(
+                f"privacy.unit = {self.unit!r} needs privacy.noise_multiplier > 0 or "
+                "privacy.target_epsilon > 0 (the noise is then calibrated to the budget)"
+            )
+        if self.unit == "client" and self.noise_placement == "distributed":
+            raise ConfigError(
+                "privacy.noise_placement = 'distributed' needs secure aggregation (the server "
+                "must never hold an un-noised sum), which this version does not have yet; "
+                "use 'local' (each update private by itself) or 'central' (trusts the server)"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run is differentially private."""
+        return self.unit != "none"
+
+    def accountant_name(self) -> str:
+        """The accountant used: configured, or PLD (client level) / PRV (example level)."""
+        if self.accountant:
+            return self.accountant
+        return "prv" if self.unit == "example" else "pld"
+
+
+@dataclass(frozen=True)
 class Config:
     """A whole run."""
 
@@ -158,6 +217,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     def __post_init__(self) -> None:
         """Cross-section checks."""

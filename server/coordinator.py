@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -34,12 +34,27 @@ from fl_secure.runs import RunDir
 from fl_secure.training import round_learning_rate
 from server.aggregate import StreamingMean
 
+if TYPE_CHECKING:
+    from privacy.session import ServerPrivacy
+
 log = logging.getLogger(__name__)
 
 #: Server-side model update: (global parameters, mean update, round) -> new global parameters.
 ServerStep = Callable[[Tensors, Tensors, int], Tensors]
 #: Evaluation of the global parameters on the server's held-out data -> metrics.
 Evaluator = Callable[[Tensors], dict[str, float]]
+
+
+class Aggregator(Protocol):
+    """Folds a round's updates together: :class:`StreamingMean` or a DP aggregator."""
+
+    count: int
+
+    def add(self, tensors: Mapping[str, np.ndarray], weight: float) -> None:
+        """Fold one validated update in."""
+
+    def mean(self) -> Tensors:
+        """The round's aggregate update."""
 
 
 @dataclass(frozen=True)
@@ -72,7 +87,7 @@ class _Round:
     attempt: int
     cohort: dict[str, bytes]  # client id -> nonce
     deadline: float
-    aggregator: StreamingMean | None
+    aggregator: Aggregator | None
     received: dict[str, UpdateHeader] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     uploading: set[str] = field(default_factory=set)
@@ -107,6 +122,7 @@ class Coordinator:
         server_step: ServerStep,
         evaluator: Evaluator | None = None,
         clock: Callable[[], float] = time.monotonic,
+        privacy: ServerPrivacy | None = None,
     ) -> None:
         self.settings = settings
         self.enrolled = set(enrolled)
@@ -114,6 +130,7 @@ class Coordinator:
         self.store = CheckpointStore(run_dir.checkpoints)
         self.server_step = server_step
         self.evaluator = evaluator
+        self.privacy = privacy
         self.clock = clock
         self.params: Tensors = initial
         self.specs = [TensorSpec.of(k, v) for k, v in initial.items()]
@@ -136,10 +153,14 @@ class Coordinator:
         """Load the last checkpoint, drop metrics of unfinished rounds; return the round."""
         checkpoint = self.store.latest()
         if checkpoint is None:
+            if self.privacy is not None:
+                self.privacy.resume(0, [])
             self.run_dir.truncate_metrics_after(0)
             return 0
         if [TensorSpec.of(k, v) for k, v in checkpoint.parameters.items()] != self.specs:
             raise ProtocolError("checkpoint parameters do not match the model of this run")
+        if self.privacy is not None:  # before anything is released again
+            self.privacy.resume(checkpoint.round, list(checkpoint.state.get("privacy_rows", [])))
         self.params = checkpoint.parameters
         self.completed_round = checkpoint.round
         dropped = self.run_dir.truncate_metrics_after(checkpoint.round)
@@ -317,7 +338,10 @@ class Coordinator:
             if len(cohort) < needed:
                 log.warning("round %d: cohort of %d < %d, resampling", number, len(cohort), needed)
                 continue
-            aggregator = StreamingMean(self.specs) if kind is TaskKind.TRAIN else None
+            aggregator: Aggregator | None = None
+            if kind is TaskKind.TRAIN:
+                dp = self.privacy.make_aggregator(self.specs) if self.privacy else None
+                aggregator = dp if dp is not None else StreamingMean(self.specs)
             with self._cv:
                 rnd = _Round(
                     number=number,
@@ -369,22 +393,31 @@ class Coordinator:
             if self.completed_round == 0:
                 self._record_untrained()
             for number in range(self.completed_round + 1, s.rounds + 1):
+                if self._budget_exhausted(number):
+                    break
                 rnd = self._run_round(number, TaskKind.TRAIN, s.min_clients)
                 if rnd.aggregator is None:  # pragma: no cover - TRAIN rounds always aggregate
                     raise RoundAborted("no aggregator")
                 mean_update = rnd.aggregator.mean()
-                self.params = self.server_step(self.params, mean_update, number)
-                last = self._record(number, rnd)
-                self.store.save(number, self.params, {"status": "running"})
+                params = self.server_step(self.params, mean_update, number)
+                rows = self._privacy_rows(number, rnd)
+                last = self._record(number, rnd, params, rows)
+                # Checkpoint (with the round's ledger rows), then the ledger entry is synced,
+                # and only then is the model released to the next cohort.
+                self.store.save(number, params, {"status": "running", "privacy_rows": rows})
+                if self.privacy is not None:
+                    self.privacy.commit(number, rows)
                 with self._cv:
+                    self.params = params
                     self.completed_round = number
                 if on_round is not None:
                     on_round(last)
             if s.final_evaluation:
                 rnd = self._run_round(s.rounds + 1, TaskKind.EVALUATE, 1)
                 self.final_client_metrics = {c: h.metrics for c, h in rnd.received.items()}
-            self.status = "completed"
-            self.stop_reason = self.stop_reason or f"{s.rounds} rounds completed"
+            if self.status != "budget_exhausted":
+                self.status = "completed"
+                self.stop_reason = self.stop_reason or f"{s.rounds} rounds completed"
         except RoundAborted as exc:
             self.status = "aborted" if not self._stop.is_set() else "stopped"
             self.stop_reason = str(exc)
@@ -406,7 +439,28 @@ class Coordinator:
         self.run_dir.truncate_metrics_after(-1)
         self.run_dir.append_metrics(record)
 
-    def _record(self, number: int, rnd: _Round) -> dict[str, Any]:
+    def _budget_exhausted(self, number: int) -> bool:
+        """Stop before round ``number`` if it would pass the privacy budget."""
+        if self.privacy is None:
+            return False
+        reason = self.privacy.budget_stop(number)
+        if reason is None:
+            return False
+        log.warning("%s", reason)
+        self.privacy.note(number, reason)
+        self.status = "budget_exhausted"
+        self.stop_reason = reason
+        return True
+
+    def _privacy_rows(self, number: int, rnd: _Round) -> list[dict[str, Any]]:
+        if self.privacy is None:
+            return []
+        metrics = {c: h.metrics for c, h in rnd.received.items()}
+        return self.privacy.round_entries(number, len(rnd.cohort), metrics)
+
+    def _record(
+        self, number: int, rnd: _Round, params: Tensors, rows: list[dict[str, Any]]
+    ) -> dict[str, Any]:
         record: dict[str, Any] = {
             "round": number,
             "attempt": rnd.attempt,
@@ -418,8 +472,11 @@ class Coordinator:
             "duration_s": round(time.monotonic() - rnd.started, 3),
             "clients": {c: h.metrics for c, h in sorted(rnd.received.items())},
         }
+        if self.privacy is not None:
+            record["privacy"] = self.privacy.preview(rows)
+            record["epsilon"] = record["privacy"]["epsilon"]
         if self.evaluator is not None:
-            record["held_out"] = self.evaluator(self.params)
+            record["held_out"] = self.evaluator(params)
         self.run_dir.append_metrics(record)
         return record
 

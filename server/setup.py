@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from fl_secure.training import (
     local_training,
     set_tensors,
 )
+from privacy.noise import NoiseSource
+from privacy.session import ServerPrivacy, open_server_privacy
 from server.coordinator import Coordinator, CoordinatorSettings
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,7 @@ def build_server(
     enrolled: set[str],
     plan: FederatedData | None = None,
     evaluate: bool = True,
+    noise: NoiseSource | None = None,
 ) -> ServerSide:
     """Initial shared parameters (same seed as the clients), evaluator and coordinator."""
     strategy = get_strategy(config.algorithm.name)
@@ -65,6 +69,18 @@ def build_server(
     model = build_model(config.model, classes, config.data.image_size, config.run.seed)
     initial = get_tensors(model, strategy.shared_names(model))
     s = config.server
+    run_id = run_dir.path.name or secrets.token_hex(4)
+    privacy = open_server_privacy(
+        config.privacy,
+        run_dir.path / "ledger.sqlite",
+        run_id,
+        rounds=config.train.rounds,
+        population=len(enrolled),
+        clients_per_round=s.clients_per_round,
+        sample_rate=s.sample_rate,
+        source=noise,
+    )
+    sent = _config_for_clients(config, privacy)
     settings = CoordinatorSettings(
         rounds=config.train.rounds,
         min_clients=s.min_clients,
@@ -77,8 +93,8 @@ def build_server(
         algorithm=strategy.name,
         training=local_training(config.train),
         lr_schedule=config.train.lr_schedule,
-        run_id=run_dir.path.name or secrets.token_hex(4),
-        run_config_toml=config_to_toml(config),
+        run_id=run_id,
+        run_config_toml=config_to_toml(sent),
     )
     coordinator = Coordinator(
         settings,
@@ -87,8 +103,31 @@ def build_server(
         run_dir=run_dir,
         server_step=strategy.server_update,
         evaluator=make_evaluator(config, plan) if evaluate and len(plan.held_out) else None,
+        privacy=privacy,
     )
     return ServerSide(coordinator=coordinator, strategy=strategy, plan=plan)
+
+
+def _config_for_clients(config: Config, privacy: ServerPrivacy | None) -> Config:
+    """The run config clients receive: with the client-level noise the server calibrated."""
+    if privacy is None or privacy.plan is None:
+        return config
+    p = privacy.plan
+    log.info(
+        "client-level DP: z = %.4f%s, C = %g, q = %.4f (%s), placement %s, %s accountant",
+        p.noise_multiplier,
+        f" (calibrated to epsilon {p.target_epsilon:g} over {p.rounds} rounds)"
+        if p.calibrated
+        else "",
+        p.clip_norm,
+        p.sample_rate,
+        p.sampling,
+        p.placement,
+        p.accountant,
+    )
+    return dataclasses.replace(
+        config, privacy=dataclasses.replace(config.privacy, noise_multiplier=p.noise_multiplier)
+    )
 
 
 def write_config(run_dir: RunDir, config: Config) -> Path:

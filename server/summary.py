@@ -50,7 +50,28 @@ def build_summary(
         ),
         "clients": per_client,
         "clients_summary": per_client_summary(per_client) if per_client else {},
+        **_privacy(coordinator),
         "version": __version__,
         "duration_s": round(time.time() - started, 1),
     }
     return summary
+
+
+def _privacy(coordinator: Coordinator) -> dict[str, Any]:
+    """The run's (epsilon, delta) statement, or an explicit "no DP"."""
+    if coordinator.privacy is None:
+        return {
+            "epsilon": None,
+            "delta": None,
+            "accountant": None,
+            "privacy_unit": "none",
+            "noise_placement": None,
+        }
+    statement = coordinator.privacy.summary()
+    return {
+        **{
+            k: statement[k]
+            for k in ("epsilon", "delta", "accountant", "privacy_unit", "noise_placement")
+        },
+        "privacy": statement,
+    }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -82,10 +83,17 @@ class Strategy(ABC):
         shared: Tensors,
         *,
         generator: torch.Generator,
+        train_fn: Callable[[FaceModel, LocalData, LocalTraining], dict[str, float]] | None = None,
     ) -> ClientUpdate:
-        """Load ``shared``, train locally, return the update of the shared parameters."""
+        """Load ``shared``, train locally, return the update of the shared parameters.
+
+        ``train_fn`` replaces the algorithm's local objective (DP-SGD in example-level runs).
+        """
         set_tensors(model, shared)
-        metrics = self.local_train(model, data, training, generator=generator)
+        if train_fn is not None:
+            metrics = train_fn(model, data, training)
+        else:
+            metrics = self.local_train(model, data, training, generator=generator)
         trained = get_tensors(model, shared.keys())
         update = OrderedDict((k, (trained[k] - shared[k]).astype(shared[k].dtype)) for k in shared)
         return ClientUpdate(update=update, num_examples=len(data.train), metrics=metrics)

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from fl_secure.tls import init_certificates
+from privacy.calibration import epsilon_for
+from privacy.ledger import Ledger
 
 pytestmark = pytest.mark.slow
 
@@ -43,6 +45,7 @@ lr = 0.05
 min_clients = {min_clients}
 round_timeout = {timeout}
 max_retries = 1
+{privacy}
 """
 
 
@@ -81,10 +84,14 @@ def _rounds(run_dir: Path) -> list[int]:
 
 
 class Federation:
-    def __init__(self, tmp: Path, *, rounds: int, min_clients: int, timeout: float) -> None:
+    def __init__(
+        self, tmp: Path, *, rounds: int, min_clients: int, timeout: float, privacy: str = ""
+    ) -> None:
         self.tmp = tmp
         self.config = tmp / "tiny.toml"
-        self.config.write_text(TINY.format(rounds=rounds, min_clients=min_clients, timeout=timeout))
+        self.config.write_text(
+            TINY.format(rounds=rounds, min_clients=min_clients, timeout=timeout, privacy=privacy)
+        )
         self.certs = tmp / "certs"
         init_certificates(self.certs, clients=3)
         self.port = _free_port()
@@ -150,7 +157,8 @@ def federation(tmp_path: Path):
 
 def test_kill_9_server_then_resume(federation) -> None:
     # Prepare: a standalone server and three client processes.
-    fed = federation(rounds=4, min_clients=3, timeout=120.0)
+    privacy = '[privacy]\nunit = "client"\nnoise_placement = "central"\nnoise_multiplier = 2.0'
+    fed = federation(rounds=4, min_clients=3, timeout=120.0, privacy=privacy)
     fed.start_server()
     fed.start_clients()
     _wait_for(lambda: 2 in _rounds(fed.run_dir), 240, "round 2 to complete\n" + fed.logs())
@@ -169,6 +177,15 @@ def test_kill_9_server_then_resume(federation) -> None:
     assert summary["status"] == "completed" and summary["rounds_completed"] == 4
     for client in fed.clients:  # the clients reconnected by themselves and finished
         assert client.wait(timeout=60) == 0, fed.logs()
+    # ... and the privacy ledger lost no round and counted none twice
+    with Ledger.read(fed.run_dir / "ledger.sqlite") as ledger:
+        assert ledger.verify().ok
+        client_rounds = [e.round for e in ledger.entries() if e.kind == "client_level"]
+    assert client_rounds == [1, 2, 3, 4], client_rounds
+    expected = epsilon_for(
+        accountant="pld", noise_multiplier=2.0, sample_rate=1.0, steps=4, delta=1e-5
+    )
+    assert summary["epsilon"] == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(("min_clients", "status"), [(2, "completed"), (3, "aborted")])

@@ -1,0 +1,190 @@
+"""A client's side of the run's differential privacy.
+
+* Client level (``privacy.unit = "client"``): every update of the shared parameters is clipped
+  to ``C`` and, with ``local`` (or ``distributed``) placement, noised before it leaves the
+  client (:mod:`privacy.client_level`). Training metrics, which depend on the data, are not
+  sent, and the example count is hidden (the aggregate does not use it).
+* Example level (``privacy.unit = "example"``): local training is DP-SGD
+  (:mod:`privacy.dpsgd`). The client keeps its own accountant, persisted in its state folder,
+  calibrates its noise to the target over the planned rounds, reports its cumulative
+  (epsilon, delta) with each update, and once another round would pass its budget it sends
+  the unchanged parameters (a data-independent, privacy-free update) instead of training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fl_secure.config import Config
+from fl_secure.errors import PrivacyError
+from fl_secure.messages import LocalTraining, Tensors
+from fl_secure.runs import atomic_write_json
+from fl_secure.training import FaceModel, LocalData, local_training
+from privacy.accountants import create_accountant
+from privacy.calibration import calibrate_noise
+from privacy.client_level import add_gaussian, client_noise_std, clip_update
+from privacy.noise import NoiseSource, SecureGaussian
+
+log = logging.getLogger(__name__)
+
+#: (model, data, training) -> metrics: the local objective a strategy runs.
+TrainFn = Callable[[FaceModel, LocalData, LocalTraining], dict[str, float]]
+
+
+class ClientPrivacy:
+    """What a client does for the run's DP before an update leaves it."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        num_examples: int,
+        state_dir: Path | None = None,
+        source: NoiseSource | None = None,
+        min_survivors: int = 1,
+    ) -> None:
+        self.cfg = config.privacy
+        if not self.cfg.enabled:
+            raise PrivacyError("ClientPrivacy is only for private runs")
+        self.source: NoiseSource = source or SecureGaussian()
+        self.min_survivors = min_survivors
+        self.state_path = state_dir / "privacy_accountant.json" if state_dir else None
+        self.accountant_name = self.cfg.accountant_name()
+        self.accountant = create_accountant(self.accountant_name)
+        self.noise_multiplier = self.cfg.noise_multiplier
+        self.sample_rate = 0.0
+        self.steps_per_round = 0
+        if self.cfg.unit == "example":
+            self._plan_example_level(config, num_examples)
+            self._load()
+        if not self.source.secure:
+            log.warning("DP noise is NOT from a CSPRNG: %s", self.source.description)
+
+    # ------------------------------------------------------------ example level
+    def _plan_example_level(self, config: Config, n: int) -> None:
+        from privacy.dpsgd import dpsgd_steps
+
+        if n < 1:
+            raise PrivacyError("a client without training images cannot run DP-SGD")
+        q = self.cfg.sample_rate or min(1.0, config.train.batch_size / n)
+        self.sample_rate = q
+        self.steps_per_round = dpsgd_steps(n, local_training(config.train), q)
+        if self.noise_multiplier == 0:
+            self.noise_multiplier = calibrate_noise(
+                target_epsilon=self.cfg.target_epsilon,
+                sample_rate=q,
+                steps=config.train.rounds * self.steps_per_round,
+                delta=self.cfg.delta,
+                accountant=self.accountant_name,
+            )
+        log.info(
+            "example-level DP-SGD: z = %.4f, C = %g, q = %.4f, %d steps per round, %s accountant",
+            self.noise_multiplier,
+            self.cfg.clip_norm,
+            q,
+            self.steps_per_round,
+            self.accountant_name,
+        )
+
+    def _load(self) -> None:
+        if self.state_path is None or not self.state_path.exists():
+            return
+        try:
+            state = json.loads(self.state_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise PrivacyError(
+                f"cannot read the accountant state {self.state_path}: {exc}"
+            ) from exc
+        self.accountant.load_state_dict(state)
+        log.info("restored the accountant: epsilon %.4f so far", self.epsilon())
+
+    def _save(self) -> None:
+        if self.state_path is not None:
+            atomic_write_json(self.state_path, self.accountant.state_dict())
+
+    def epsilon(self) -> float:
+        """This client's example-level epsilon so far."""
+        return self.accountant.get_epsilon(self.cfg.delta)
+
+    def _epsilon_after_round(self) -> float:
+        trial = create_accountant(self.accountant_name)
+        trial.load_state_dict(self.accountant.state_dict())
+        trial.step(
+            noise_multiplier=self.noise_multiplier,
+            sample_rate=self.sample_rate,
+            num_steps=self.steps_per_round,
+        )
+        return trial.get_epsilon(self.cfg.delta)
+
+    def train_fn(self) -> TrainFn | None:
+        """DP-SGD for example-level runs (``None``: the strategy's own training)."""
+        if self.cfg.unit != "example":
+            return None
+        from privacy.dpsgd import DPSGDSettings, train_local_dpsgd
+
+        settings = DPSGDSettings(
+            noise_multiplier=self.noise_multiplier,
+            max_grad_norm=self.cfg.clip_norm,
+            sample_rate=self.sample_rate,
+            max_physical_batch_size=self.cfg.max_physical_batch_size,
+        )
+
+        def train(model: FaceModel, data: LocalData, training: LocalTraining) -> dict[str, float]:
+            return train_local_dpsgd(model, data, training, settings, noise=self.source)
+
+        return train
+
+    def may_train(self) -> bool:
+        """Example level: whether another round stays within the budget."""
+        target = self.cfg.target_epsilon
+        if self.cfg.unit != "example" or target <= 0:
+            return True
+        after = self._epsilon_after_round()
+        if after > target * (1 + 1e-9):
+            log.warning(
+                "example-level budget: another round would bring epsilon to %.4f > %g; "
+                "sending the unchanged parameters instead of training",
+                after,
+                target,
+            )
+            return False
+        return True
+
+    # ------------------------------------------------------------ release
+    def release(
+        self, update: Tensors, num_examples: int, metrics: dict[str, float], trained: bool
+    ) -> tuple[Tensors, int, dict[str, float]]:
+        """The update, count and metrics that may leave this client."""
+        if self.cfg.unit == "client":
+            clipped, _ = clip_update(update, self.cfg.clip_norm)
+            std = client_noise_std(
+                self.cfg.noise_placement,
+                self.cfg.noise_multiplier,
+                self.cfg.clip_norm,
+                self.min_survivors,
+            )
+            noisy = add_gaussian(clipped, std, self.source) if std > 0 else clipped
+            # Loss, accuracy and the update norm depend on the data: they stay here.
+            return noisy, 1, {"local_steps": metrics.get("local_steps", 0.0)}
+        steps = int(metrics.get("local_steps", self.steps_per_round)) if trained else 0
+        if steps > 0:  # the accountant is saved before the update is released
+            self.accountant.step(
+                noise_multiplier=self.noise_multiplier,
+                sample_rate=self.sample_rate,
+                num_steps=steps,
+            )
+            self._save()
+        # Loss and accuracy depend on the data and are not covered by DP: they stay here.
+        out: dict[str, Any] = {
+            "local_steps": float(steps),
+            "dp_epsilon": self.epsilon(),
+            "dp_steps": float(steps),
+            "dp_noise_multiplier": self.noise_multiplier,
+            "dp_sample_rate": self.sample_rate,
+            "dp_noise_secure": 1.0 if self.source.secure else 0.0,
+        }
+        return update, num_examples, out

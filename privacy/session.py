@@ -1,0 +1,356 @@
+"""The server's privacy bookkeeping of a run: mechanism, accountant, ledger and budget.
+
+Order of a round's release (what makes the ledger the source of truth):
+
+1. before the round: :meth:`ServerPrivacy.budget_stop` computes the epsilon the round would
+   bring and stops the run if it would pass ``privacy.target_epsilon``;
+2. after aggregation: :meth:`ServerPrivacy.round_entries` computes the round's ledger
+   entries, which the coordinator stores in the round's checkpoint state;
+3. :meth:`ServerPrivacy.commit` appends and syncs them to ``ledger.sqlite``;
+4. only then does the coordinator release the model (the next round's cohort receives it).
+
+A crash between 2 and 3 leaves a checkpoint whose entries are not in the ledger:
+:meth:`ServerPrivacy.resume` appends them before anything is released. A crash before 2
+leaves neither, and the round is run again. Either way nothing is counted twice or forgotten.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from fl_secure.config import PrivacyConfig
+from fl_secure.errors import PrivacyError
+from fl_secure.messages import TensorSpec
+from privacy.accountants import create_accountant
+from privacy.accountants.accountant import ADJACENCY
+from privacy.client_level import ClientLevelPlan, NoisyClippedSum, plan_client_level
+from privacy.ledger import Entry, Ledger
+from privacy.noise import NoiseSource, SecureGaussian
+
+log = logging.getLogger(__name__)
+
+#: Metrics an example-level client reports with each update (data-independent figures).
+EXAMPLE_KEYS = ("dp_epsilon", "dp_steps", "dp_noise_multiplier", "dp_sample_rate")
+#: Budget comparisons allow this relative slack (the accountants' own numerical error).
+_BUDGET_SLACK = 1e-9
+
+LedgerRow = dict[str, Any]  # {"kind", "party", "payload"}
+
+
+class ServerPrivacy:
+    """Accounting and enforcement of one run's privacy guarantee on the server."""
+
+    def __init__(
+        self,
+        cfg: PrivacyConfig,
+        ledger: Ledger,
+        *,
+        plan: ClientLevelPlan | None = None,
+        source: NoiseSource | None = None,
+    ) -> None:
+        if cfg.unit == "client" and plan is None:
+            raise PrivacyError("client-level DP needs a ClientLevelPlan")
+        self.cfg = cfg
+        self.ledger = ledger
+        self.plan = plan
+        self.source: NoiseSource = source or SecureGaussian()
+        self.accountant_name = cfg.accountant_name()
+        self._client_history: list[dict[str, Any]] = []
+        self._example_history: dict[str, list[dict[str, Any]]] = {}
+        self.epsilon = 0.0
+
+    # ------------------------------------------------------------ properties
+    @property
+    def unit(self) -> str:
+        """``client`` or ``example``."""
+        return self.cfg.unit
+
+    @property
+    def placement(self) -> str:
+        """Where the noise is added."""
+        return self.cfg.noise_placement if self.unit == "client" else "local"
+
+    @property
+    def adjacency(self) -> str:
+        """Neighbouring relation the guarantee is stated under."""
+        if self.plan is not None:
+            return ADJACENCY[self.plan.sampling]
+        return ADJACENCY["poisson"]
+
+    # ------------------------------------------------------------ aggregation
+    def make_aggregator(self, specs: list[TensorSpec]) -> NoisyClippedSum | None:
+        """Client level: the clipped noisy sum; example level: ``None`` (plain weighted mean)."""
+        if self.plan is None:
+            return None
+        p = self.plan
+        central = p.noise_multiplier * p.clip_norm if p.placement == "central" else 0.0
+        return NoisyClippedSum(
+            specs,
+            clip_norm=p.clip_norm,
+            denominator=p.denominator,
+            central_std=central,
+            source=self.source,
+            reclip=p.placement == "central",
+        )
+
+    # ------------------------------------------------------------ accounting
+    def _epsilon_of(self, history: list[dict[str, Any]]) -> float:
+        acc = create_accountant(self.accountant_name)
+        acc.load_state_dict({"mechanism": self.accountant_name, "history": history})
+        return acc.get_epsilon(self.cfg.delta)
+
+    def _client_event(self) -> dict[str, Any]:
+        if self.plan is None:  # pragma: no cover - guarded by callers
+            raise PrivacyError("no client-level plan")
+        return self.plan.event()
+
+    def budget_stop(self, round_: int) -> str | None:
+        """Why round ``round_`` must not run (it would pass the budget), or ``None``."""
+        target = self.cfg.target_epsilon
+        if target <= 0:
+            return None
+        if self.unit == "client":
+            after = self._epsilon_of([*self._client_history, self._client_event()])
+            if after > target * (1 + _BUDGET_SLACK):
+                return self._stop_message(round_, after, "the federation")
+            return None
+        worst, who = 0.0, ""
+        for party, history in self._example_history.items():
+            if not history:
+                continue
+            after = self._epsilon_of([*history, dict(history[-1])])
+            if after > worst:
+                worst, who = after, party
+        if worst > target * (1 + _BUDGET_SLACK):
+            return self._stop_message(round_, worst, f"client {who}")
+        return None
+
+    def _stop_message(self, round_: int, after: float, whose: str) -> str:
+        return (
+            f"privacy budget reached: round {round_} would bring {whose}'s epsilon to "
+            f"{after:.4f} > target {self.cfg.target_epsilon:g} (delta {self.cfg.delta:g}, "
+            f"{self.accountant_name} accountant, {self.adjacency} adjacency); stopped after "
+            f"round {round_ - 1} with epsilon {self.epsilon:.4f}"
+        )
+
+    def round_entries(
+        self, round_: int, cohort_size: int, client_metrics: Mapping[str, Mapping[str, float]]
+    ) -> list[LedgerRow]:
+        """The ledger rows of a completed round (not yet committed)."""
+        if self.unit == "client":
+            event = self._client_event()
+            epsilon = self._epsilon_of([*self._client_history, event])
+            p = self.plan
+            assert p is not None
+            payload: dict[str, Any] = {
+                "noise_multiplier": p.noise_multiplier,
+                "clip_norm": p.clip_norm,
+                "sample_rate": p.sample_rate,
+                "sampling": p.sampling,
+                "population": p.population,
+                "cohort_size": cohort_size,
+                "accountant": self.accountant_name,
+                "epsilon": epsilon,
+                "delta": self.cfg.delta,
+                "noise_placement": p.placement,
+                "adjacency": self.adjacency,
+                "privacy_unit": "client",
+                "noise_secure": bool(self.source.secure),
+            }
+            return [{"kind": "client_level", "party": "server", "payload": payload}]
+        rows: list[LedgerRow] = []
+        for party, metrics in sorted(client_metrics.items()):
+            missing = [k for k in EXAMPLE_KEYS if k not in metrics]
+            if missing:
+                raise PrivacyError(
+                    f"client {party} sent no example-level accounting ({', '.join(missing)}); "
+                    "its update cannot be released under example-level DP"
+                )
+            payload = {
+                "epsilon": float(metrics["dp_epsilon"]),
+                "delta": self.cfg.delta,
+                "accountant": self.accountant_name,
+                "steps": int(metrics["dp_steps"]),
+                "noise_multiplier": float(metrics["dp_noise_multiplier"]),
+                "sample_rate": float(metrics["dp_sample_rate"]),
+                "clip_norm": self.cfg.clip_norm,
+                "adjacency": ADJACENCY["poisson"],
+                "privacy_unit": "example",
+                "noise_secure": bool(metrics.get("dp_noise_secure", 0.0) > 0),
+            }
+            rows.append({"kind": "example_level", "party": party, "payload": payload})
+        return rows
+
+    def commit(self, round_: int, rows: list[LedgerRow]) -> dict[str, Any]:
+        """Append and sync the round's rows, update the running epsilon; metrics to record."""
+        for row in rows:
+            entry = self.ledger.append(
+                row["kind"], round=round_, party=row["party"], payload=row["payload"]
+            )
+            self._absorb(entry)
+        return self.metrics()
+
+    def _absorb(self, entry: Entry) -> None:
+        payload = entry.payload
+        if not isinstance(payload, dict):  # pragma: no cover - validated by the ledger
+            raise PrivacyError(f"ledger entry {entry.seq} has no payload")
+        if entry.kind == "client_level":
+            self._client_history.append(
+                {
+                    "noise_multiplier": payload["noise_multiplier"],
+                    "sample_rate": payload["sample_rate"],
+                    "num_steps": 1,
+                    "sampling": payload.get("sampling", "poisson"),
+                    "population": payload["population"]
+                    if payload.get("sampling") == "fixed_size"
+                    else None,
+                }
+            )
+            self.epsilon = float(payload["epsilon"])  # type: ignore[arg-type]
+        elif entry.kind == "example_level":
+            steps = payload["steps"]
+            assert isinstance(steps, int)
+            if steps > 0:
+                self._example_history.setdefault(entry.party, []).append(
+                    {
+                        "noise_multiplier": payload["noise_multiplier"],
+                        "sample_rate": payload["sample_rate"],
+                        "num_steps": steps,
+                    }
+                )
+            eps = float(payload["epsilon"])  # type: ignore[arg-type]
+            self.epsilon = max(self.epsilon, eps)
+
+    def preview(self, rows: list[LedgerRow]) -> dict[str, Any]:
+        """What :meth:`metrics` will say once ``rows`` are committed."""
+        out = self.metrics()
+        for row in rows:
+            eps = float(row["payload"]["epsilon"])
+            out["epsilon"] = eps if row["kind"] == "client_level" else max(out["epsilon"], eps)
+        return out
+
+    def metrics(self) -> dict[str, Any]:
+        """What ``metrics.jsonl`` and ``summary.json`` carry about privacy."""
+        return {
+            "epsilon": self.epsilon,
+            "delta": self.cfg.delta,
+            "accountant": self.accountant_name,
+            "privacy_unit": self.unit,
+            "noise_placement": self.placement,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """Final privacy statement of the run."""
+        out = self.metrics()
+        out.update(
+            {
+                "adjacency": self.adjacency,
+                "target_epsilon": self.cfg.target_epsilon or None,
+                "clip_norm": self.cfg.clip_norm,
+                "noise_secure": bool(self.source.secure),
+                "noise_generator": self.source.description,
+                "ledger": str(self.ledger.path.name),
+                "ledger_entries": len(self.ledger.entries()),
+                "ledger_head": self.ledger.head(),
+                "covers": "every released global model; not the client-reported metrics",
+            }
+        )
+        if self.plan is not None:
+            out.update(
+                {
+                    "noise_multiplier": self.plan.noise_multiplier,
+                    "noise_calibrated_to_target": self.plan.calibrated,
+                    "client_sample_rate": self.plan.sample_rate,
+                    "client_sampling": self.plan.sampling,
+                    "aggregate_denominator": self.plan.denominator,
+                    "rounds_accounted": len(self._client_history),
+                }
+            )
+        else:
+            out["clients_epsilon"] = {
+                party: self._epsilon_of(h) if h else 0.0
+                for party, h in sorted(self._example_history.items())
+            }
+        return out
+
+    # ------------------------------------------------------------ resume
+    def resume(self, completed_round: int, pending: list[LedgerRow]) -> None:
+        """Rebuild the accountant from the ledger; append a checkpointed round's lost rows.
+
+        Raises:
+            PrivacyError: The ledger's chain is broken, or it records rounds after the last
+                checkpoint (it does not belong to this run's checkpoints).
+        """
+        check = self.ledger.verify()
+        if not check.ok:
+            raise PrivacyError(
+                f"the privacy ledger {self.ledger.path} fails verification; refusing to resume "
+                f"on it: {'; '.join(check.problems[:3])}"
+            )
+        entries = self.ledger.entries()
+        later = sorted({e.round for e in entries if e.round > completed_round})
+        if later:
+            raise PrivacyError(
+                f"the ledger records rounds {later} after the last checkpoint (round "
+                f"{completed_round}); it does not match this run's checkpoints"
+            )
+        recorded = {(e.kind, e.round, e.party) for e in entries}
+        for entry in entries:
+            self._absorb(entry)
+        missing = [r for r in pending if (r["kind"], completed_round, r["party"]) not in recorded]
+        if missing:
+            log.warning(
+                "round %d was checkpointed but %d ledger entries were not written before the "
+                "crash; writing them now, before the model is released",
+                completed_round,
+                len(missing),
+            )
+            self.commit(completed_round, missing)
+        if self.unit == "client" and self.plan is not None:
+            expected = completed_round
+            if len(self._client_history) != expected:
+                raise PrivacyError(
+                    f"the ledger accounts {len(self._client_history)} client-level rounds but "
+                    f"the run completed {expected}"
+                )
+
+    def note(self, round_: int, message: str) -> None:
+        """Record a free-text event (for example a budget stop)."""
+        self.ledger.append("note", round=round_, party="server", payload={"message": message})
+
+
+def open_server_privacy(
+    cfg: PrivacyConfig,
+    ledger_path: Any,
+    run_id: str,
+    *,
+    rounds: int,
+    population: int,
+    clients_per_round: int,
+    sample_rate: float,
+    source: NoiseSource | None = None,
+) -> ServerPrivacy | None:
+    """The run's :class:`ServerPrivacy`, or ``None`` for a non-private run."""
+    if not cfg.enabled:
+        return None
+    plan = None
+    if cfg.unit == "client":
+        plan = plan_client_level(
+            noise_multiplier=cfg.noise_multiplier,
+            clip_norm=cfg.clip_norm,
+            target_epsilon=cfg.target_epsilon,
+            delta=cfg.delta,
+            accountant=cfg.accountant_name(),
+            placement=cfg.noise_placement,
+            rounds=rounds,
+            population=population,
+            clients_per_round=clients_per_round,
+            sample_rate=sample_rate,
+        )
+        if not math.isfinite(plan.noise_multiplier):  # pragma: no cover - calibration guards
+            raise PrivacyError("calibration returned a non-finite noise multiplier")
+    ledger = Ledger.open(ledger_path, run_id)
+    return ServerPrivacy(cfg, ledger, plan=plan, source=source)

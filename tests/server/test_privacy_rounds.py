@@ -1,0 +1,174 @@
+"""Client-level DP in the round loop: ledger before release, epsilon per round, budget, resume."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fl_secure.config import PrivacyConfig
+from fl_secure.messages import TaskKind, UpdateHeader
+from fl_secure.runs import RunDir
+from privacy.calibration import epsilon_for
+from privacy.ledger import Ledger
+from privacy.noise import SeededGaussian
+from privacy.session import open_server_privacy
+from server.coordinator import Coordinator, CoordinatorSettings
+
+CLIENTS = ("c0", "c1", "c2")
+
+
+def _coordinator(tmp_path: Path, privacy_cfg: PrivacyConfig, rounds: int) -> Coordinator:
+    run_dir = RunDir(tmp_path)
+    privacy = open_server_privacy(
+        privacy_cfg,
+        tmp_path / "ledger.sqlite",
+        "test-run",
+        rounds=rounds,
+        population=len(CLIENTS),
+        clients_per_round=0,
+        sample_rate=0.0,
+        source=SeededGaussian(0),
+    )
+    settings = CoordinatorSettings(
+        rounds=rounds, min_clients=3, round_timeout=100.0, poll_wait=0.05, final_evaluation=False
+    )
+    initial = OrderedDict([("w", np.zeros((2, 2), np.float32))])
+    return Coordinator(
+        settings,
+        initial,
+        enrolled=set(CLIENTS),
+        run_dir=run_dir,
+        server_step=lambda p, u, r: OrderedDict((k, p[k] + u[k]) for k in p),
+        privacy=privacy,
+    )
+
+
+def _submit(coord: Coordinator, cid: str) -> None:
+    while True:
+        task = coord.poll(cid, 0)
+        if task.kind is TaskKind.TRAIN:
+            break
+        if task.kind is TaskKind.FINISHED:
+            return
+    _, params = coord.parameters(cid, task.round, task.nonce)
+    update = OrderedDict((k, np.full_like(v, 10.0)) for k, v in params.items())  # norm 20 > C
+    ticket = coord.open_upload(cid, UpdateHeader(task.round, task.nonce, 1, {}, 1, 16))
+    try:
+        coord.commit_upload(ticket, update)
+    finally:
+        coord.release_upload(ticket)
+
+
+def _drive(coord: Coordinator, rounds: int) -> None:
+    for c in CLIENTS:
+        coord.join(c, 10)
+    driver = threading.Thread(target=coord.run)
+    driver.start()
+    for _ in range(rounds):
+        workers = [threading.Thread(target=_submit, args=(coord, c)) for c in CLIENTS]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=30)
+    driver.join(timeout=30)
+
+
+def test_central_dp_rounds_write_the_ledger_and_epsilon_per_round(tmp_path: Path) -> None:
+    # Prepare: central noise z = 2, C = 1, every client every round (q = 1)
+    cfg = PrivacyConfig(unit="client", noise_placement="central", noise_multiplier=2.0)
+    coord = _coordinator(tmp_path, cfg, rounds=3)
+    # Execute
+    _drive(coord, 3)
+    # Assert: one client_level entry per round, epsilon = PLD of r rounds (the reference)
+    assert coord.status == "completed"
+    records = RunDir(tmp_path).read_metrics()
+    expected = [
+        epsilon_for(accountant="pld", noise_multiplier=2.0, sample_rate=1.0, steps=r, delta=1e-5)
+        for r in (1, 2, 3)
+    ]
+    assert [r["epsilon"] for r in records[1:]] == pytest.approx(expected, rel=1e-9)
+    assert records[3]["privacy"]["privacy_unit"] == "client"
+    assert records[3]["privacy"]["noise_placement"] == "central"
+    with Ledger.read(tmp_path / "ledger.sqlite") as ledger:
+        entries = ledger.entries()
+        assert ledger.verify().ok
+    assert [(e.kind, e.round) for e in entries] == [("client_level", r) for r in (1, 2, 3)]
+    assert entries[0].payload["cohort_size"] == 3
+    # The released average is clipped (three updates of norm 20 -> norm 1 each) / W = 3, plus
+    # noise of std z C / W = 2/3 per coordinate: far from the un-noised 10 per coordinate.
+    assert np.abs(coord.params["w"]).max() < 5.0
+    summary = coord.privacy.summary() if coord.privacy else {}
+    assert summary["epsilon"] == pytest.approx(expected[-1])
+    assert summary["noise_secure"] is False  # the test injected a seeded generator
+
+
+def test_small_budget_stops_early_within_the_target(tmp_path: Path) -> None:
+    # Prepare: a target between the epsilon of 2 and of 3 rounds
+    eps2 = epsilon_for(accountant="pld", noise_multiplier=3.0, sample_rate=1.0, steps=2, delta=1e-5)
+    eps3 = epsilon_for(accountant="pld", noise_multiplier=3.0, sample_rate=1.0, steps=3, delta=1e-5)
+    target = (eps2 + eps3) / 2
+    cfg = PrivacyConfig(
+        unit="client", noise_placement="local", noise_multiplier=3.0, target_epsilon=target
+    )
+    coord = _coordinator(tmp_path, cfg, rounds=10)
+    # Execute
+    _drive(coord, 3)
+    # Assert: stopped after round 2 with epsilon <= target, and says why
+    assert coord.status == "budget_exhausted"
+    assert coord.completed_round == 2
+    assert "privacy budget reached: round 3 would bring" in coord.stop_reason
+    assert coord.privacy is not None
+    assert coord.privacy.epsilon == pytest.approx(eps2) and coord.privacy.epsilon <= target
+    with Ledger.read(tmp_path / "ledger.sqlite") as ledger:
+        kinds = [(e.kind, e.round) for e in ledger.entries()]
+    assert kinds == [("client_level", 1), ("client_level", 2), ("note", 3)]
+
+
+def test_resume_writes_a_checkpointed_rounds_lost_entry_once(tmp_path: Path) -> None:
+    # Prepare: two rounds done; then simulate a crash after round 3's checkpoint was saved
+    # but before its ledger entry was synced
+    cfg = PrivacyConfig(unit="client", noise_placement="central", noise_multiplier=2.0)
+    coord = _coordinator(tmp_path, cfg, rounds=2)
+    _drive(coord, 2)
+    assert coord.privacy is not None
+    rows = coord.privacy.round_entries(3, 3, {})
+    coord.store.save(3, coord.params, {"status": "running", "privacy_rows": rows})
+    coord.privacy.ledger.close()
+    # Execute: resume twice (a second crash right after resuming)
+    for _ in range(2):
+        again = _coordinator(tmp_path, cfg, rounds=5)
+        assert again.resume() == 3
+        assert again.privacy is not None
+        again.privacy.ledger.close()
+    # Assert: round 3 counted exactly once; epsilon of 3 rounds
+    with Ledger.read(tmp_path / "ledger.sqlite") as ledger:
+        rounds = [e.round for e in ledger.entries() if e.kind == "client_level"]
+        last = ledger.last("client_level")
+    assert rounds == [1, 2, 3]
+    assert last is not None
+    expected = epsilon_for(
+        accountant="pld", noise_multiplier=2.0, sample_rate=1.0, steps=3, delta=1e-5
+    )
+    assert last.payload["epsilon"] == pytest.approx(expected)
+
+
+def test_resume_refuses_a_tampered_ledger(tmp_path: Path) -> None:
+    import sqlite3
+
+    cfg = PrivacyConfig(unit="client", noise_placement="central", noise_multiplier=2.0)
+    coord = _coordinator(tmp_path, cfg, rounds=2)
+    _drive(coord, 2)
+    assert coord.privacy is not None
+    coord.privacy.ledger.close()
+    with sqlite3.connect(tmp_path / "ledger.sqlite") as conn:
+        conn.execute(
+            "UPDATE entries SET payload = replace(payload, '\"cohort_size\":3', "
+            "'\"cohort_size\":30') WHERE seq = 1"
+        )
+    again = _coordinator(tmp_path, cfg, rounds=5)
+    with pytest.raises(Exception, match="fails verification"):
+        again.resume()
