@@ -68,3 +68,58 @@ def test_orl_fedpe_over_mtls(tmp_path: Path) -> None:
     written = {p.suffix for p in run_dir.rglob("*") if p.is_file()}
     assert written <= {".toml", ".jsonl", ".json", ".safetensors", ".pem", ".key", ".log"}
     assert (run_dir / "certs" / "ca.pem").exists()  # the run used mutual TLS
+
+
+@pytest.mark.parametrize(
+    ("unit", "overrides"),
+    [
+        ("client", ["privacy.noise_placement=local"]),
+        ("example", ["privacy.max_physical_batch_size=32"]),
+    ],
+)
+def test_orl_with_differential_privacy(tmp_path: Path, unit: str, overrides: list[str]) -> None:
+    # Prepare: ORL, 4 clients over gRPC + mTLS, 4 rounds, budget epsilon 8 at delta 1e-5
+    rounds, target = 4, 8.0
+    cmd = [
+        sys.executable, "-m", "fl_secure.cli", "train",
+        "--config", str(ROOT / "examples" / "orl.toml"),
+        "--out", str(tmp_path), "--json", "--quiet",
+        "--set", f"train.rounds={rounds}", "--set", "train.local_epochs=1",
+        "--set", f"privacy.unit={unit}", "--set", f"privacy.target_epsilon={target}",
+    ]  # fmt: skip
+    for o in overrides:
+        cmd += ["--set", o]
+    # Execute
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    run_dir = Path(summary["run_dir"])
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # Assert: epsilon per round in metrics.jsonl, growing, within the budget
+    assert summary["status"] == "completed"
+    eps = [r["epsilon"] for r in records if r["round"] > 0]
+    assert len(eps) == rounds and all(0 < a < b for a, b in zip(eps, eps[1:], strict=False))
+    assert eps[-1] <= target
+    # ... the final statement in summary.json under the agreed keys
+    assert summary["epsilon"] == pytest.approx(eps[-1])
+    assert summary["delta"] == 1e-5 and summary["privacy_unit"] == unit
+    assert summary["accountant"] == ("pld" if unit == "client" else "prv")
+    assert summary["noise_placement"] == "local"
+    assert summary["privacy"]["noise_secure"] is True
+    # ... and a verified ledger with the entries of every round (per client at example level)
+    ledger = subprocess.run(
+        [sys.executable, "-m", "fl_secure.cli", "privacy", "ledger", "--run", str(run_dir),
+         "--verify", "--json"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert ledger.returncode == 0, ledger.stdout + ledger.stderr
+    entries = json.loads(ledger.stdout)["entries"]
+    if unit == "client":
+        assert [(e["kind"], e["round"]) for e in entries] == [
+            ("client_level", r) for r in range(1, rounds + 1)
+        ]
+    else:
+        assert sorted((e["round"], e["party"]) for e in entries) == [
+            (r, f"client-{i}") for r in range(1, rounds + 1) for i in range(4)
+        ]
+        assert max(e["payload"]["epsilon"] for e in entries) == pytest.approx(eps[-1])

@@ -1,0 +1,222 @@
+"""DP-SGD benchmark: prints one JSON object.
+
+Part ``throughput`` (default): local training of the default ``cnn`` backbone (CosFace head)
+on 64x64 synthetic faces (40 identities x 20 images), plain ``train_local`` (batch 32) vs
+``train_local_dpsgd`` (Opacus, Poisson sampling with expected batch 32, ChaCha20 noise), the
+same number of steps on both sides. Every measurement runs in a fresh child process
+(multiprocessing "spawn", one torch thread), alternating plain and DP-SGD, so each side's
+peak memory is its own process's max RSS (``ru_maxrss``) and both sides see the same machine
+load. Reports the medians over repeats and the ratios DP-SGD / plain (throughput goal: >= 0.5).
+
+Usage: python benchmarks/dp.py [--part throughput] [--repeats 3] [--steps 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from fl_secure.models.heads import HeadKind
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+THROUGHPUT_GOAL = 0.5
+
+
+@dataclass(frozen=True)
+class ThroughputSetup:
+    """What both sides train on."""
+
+    backbone: str = "cnn"
+    head: HeadKind = "cosface"
+    image_size: int = 64
+    identities: int = 40
+    images_per_identity: int = 20
+    batch_size: int = 32  # plain batch = DP-SGD expected batch (q * n)
+    steps: int = 25  # one epoch of either side at 800 examples
+    learning_rate: float = 0.1
+    noise_multiplier: float = 1.0
+    max_grad_norm: float = 1.0
+    max_physical_batch_size: int = 64  # DPSGDSettings' default
+
+    @property
+    def examples(self) -> int:
+        return self.identities * self.images_per_identity
+
+    @property
+    def sample_rate(self) -> float:
+        return self.batch_size / self.examples
+
+
+class CountingNoise:
+    """A NoiseSource that counts the examples its uniforms include at sample rate ``q``."""
+
+    def __init__(self, inner: Any, q: float) -> None:
+        self.inner, self.q, self.sampled = inner, q, 0
+        self.secure: bool = inner.secure
+        self.description: str = inner.description
+
+    def standard_normal(self, n: int) -> np.ndarray:
+        return self.inner.standard_normal(n)  # type: ignore[no-any-return]
+
+    def uniform(self, n: int) -> np.ndarray:
+        draws: np.ndarray = self.inner.uniform(n)
+        self.sampled += int((draws < self.q).sum())
+        return draws
+
+
+def _max_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def make_faces(setup: ThroughputSetup, directory: Path) -> None:
+    """Render the synthetic faces once and store them as .npy for the child processes."""
+    from fl_secure.data.synthetic import SyntheticFaceConfig, generate_synthetic_faces
+
+    faces = generate_synthetic_faces(
+        SyntheticFaceConfig(setup.identities, setup.images_per_identity, setup.image_size)
+    )
+    np.save(directory / "images.npy", faces.images.numpy())
+    np.save(directory / "labels.npy", faces.labels.numpy())
+
+
+def measure_training(side: str, setup: ThroughputSetup, directory: Path) -> dict[str, Any]:
+    """In a fresh process: load data, build the model, train ``setup.steps`` steps; time, RSS."""
+    import torch
+
+    torch.set_num_threads(1)
+    from fl_secure.config import ModelConfig
+    from fl_secure.data.types import FaceDataset
+    from fl_secure.messages import LocalTraining
+    from fl_secure.training import LocalData, build_model, train_local
+    from privacy.dpsgd import DPSGDSettings, train_local_dpsgd
+    from privacy.noise import SecureGaussian
+
+    labels = torch.from_numpy(np.load(directory / "labels.npy"))
+    names = tuple(f"synthetic-{k:06d}" for k in range(setup.identities))
+    faces = FaceDataset(torch.from_numpy(np.load(directory / "images.npy")), labels, names)
+    data = LocalData(train=faces, test=faces, train_targets=faces.labels, class_mask=None)
+    cfg = ModelConfig(backbone=setup.backbone, head=setup.head)
+    model = build_model(cfg, setup.identities, setup.image_size, seed=0)
+    training = LocalTraining(
+        local_steps=setup.steps, batch_size=setup.batch_size, learning_rate=setup.learning_rate
+    )
+    settings = DPSGDSettings(
+        setup.noise_multiplier,
+        setup.max_grad_norm,
+        setup.sample_rate,
+        setup.max_physical_batch_size,
+    )
+    noise = CountingNoise(SecureGaussian(), setup.sample_rate)
+    setup_rss = _max_rss_mb()
+    start = time.perf_counter()
+    if side == "plain":
+        train_local(model, data, training, generator=torch.Generator().manual_seed(0))
+        examples = setup.steps * setup.batch_size
+    else:
+        train_local_dpsgd(model, data, training, settings, noise=noise)
+        examples = noise.sampled
+    seconds = time.perf_counter() - start
+    return {
+        "side": side,
+        "seconds": round(seconds, 3),
+        "examples": examples,
+        "examples_per_s": round(examples / seconds, 1),
+        "setup_rss_mb": round(setup_rss, 1),
+        "peak_rss_mb": round(_max_rss_mb(), 1),
+        "noise": noise.description,
+    }
+
+
+def _in_child(fn: Callable[..., Any], *args: Any) -> Any:
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def throughput(args: argparse.Namespace) -> dict[str, Any]:
+    """Part 1: throughput and peak memory of plain vs DP-SGD local training."""
+    setup = ThroughputSetup(steps=args.steps)
+    with tempfile.TemporaryDirectory() as tmp:
+        _in_child(make_faces, setup, Path(tmp))
+        runs = [
+            _in_child(measure_training, side, setup, Path(tmp))
+            for _ in range(args.repeats)
+            for side in ("plain", "dpsgd")
+        ]
+
+    def median(side: str, key: str) -> float:
+        return float(statistics.median(r[key] for r in runs if r["side"] == side))
+
+    plain_rate, dp_rate = median("plain", "examples_per_s"), median("dpsgd", "examples_per_s")
+    plain_rss, dp_rss = median("plain", "peak_rss_mb"), median("dpsgd", "peak_rss_mb")
+    setup_rss = median("plain", "setup_rss_mb")
+    ratio = dp_rate / plain_rate
+    return {
+        "setup": {
+            **asdict(setup),
+            "examples": setup.examples,
+            "sample_rate": setup.sample_rate,
+            "noise": runs[1]["noise"],
+            "repeats": args.repeats,
+        },
+        "plain_examples_per_s": plain_rate,
+        "dpsgd_examples_per_s": dp_rate,
+        "dpsgd_throughput_ratio": round(ratio, 3),
+        "goal": THROUGHPUT_GOAL,
+        "meets_goal": ratio >= THROUGHPUT_GOAL,
+        "plain_peak_rss_mb": plain_rss,
+        "dpsgd_peak_rss_mb": dp_rss,
+        "dpsgd_peak_memory_ratio": round(dp_rss / plain_rss, 3),
+        "setup_rss_mb": setup_rss,  # data loaded and model built, before training
+        "dpsgd_training_memory_ratio": round((dp_rss - setup_rss) / (plain_rss - setup_rss), 3),
+        "runs": runs,
+        "machine": {"cpus": os.cpu_count(), "torch_threads": 1},
+    }
+
+
+# Parts by name. The utility-privacy curve (TAR@FAR=1e-2 at epsilon 1, 4, 8 and without DP)
+# is a later part: add its function above and register it here.
+PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {"throughput": throughput}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="Prints one JSON object with the part's measurements.",
+    )
+    parser.add_argument(
+        "--part",
+        choices=sorted(PARTS),
+        default="throughput",
+        help="which measurement to run (default: throughput: plain vs DP-SGD local "
+        "training, examples/s and peak RSS)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="child processes per side (default: 3)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=25, help="training steps per measurement (default: 25)"
+    )
+    args = parser.parse_args()
+    print(json.dumps({"part": args.part, **PARTS[args.part](args)}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
