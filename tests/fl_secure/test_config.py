@@ -51,3 +51,24 @@ def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
     bad.write_text("[train\nrounds = 1")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(bad)
+
+
+def test_privacy_section_is_validated_with_clear_errors() -> None:
+    # A private run needs noise or a budget to calibrate it to
+    with pytest.raises(ConfigError, match="needs privacy.noise_multiplier > 0 or"):
+        config_from_dict({"privacy": {"unit": "client"}})
+    # distributed noise without secure aggregation would leave an un-noised sum on the server
+    with pytest.raises(ConfigError, match="'distributed' needs secure aggregation"):
+        config_from_dict(
+            {"privacy": {"unit": "client", "noise_placement": "distributed", "target_epsilon": 8}}
+        )
+    with pytest.raises(ConfigError, match="privacy.delta"):
+        config_from_dict({"privacy": {"delta": 1.5}})
+    with pytest.raises(ConfigError, match="privacy.unit = 'user' is not allowed"):
+        config_from_dict({"privacy": {"unit": "user"}})
+    # Defaults: no DP; accountant by unit (PLD client level, PRV example level)
+    assert not config_from_dict({}).privacy.enabled
+    client = config_from_dict({"privacy": {"unit": "client", "target_epsilon": 8}})
+    example = config_from_dict({"privacy": {"unit": "example", "noise_multiplier": 1.0}})
+    assert client.privacy.accountant_name() == "pld"
+    assert example.privacy.accountant_name() == "prv"

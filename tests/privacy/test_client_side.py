@@ -1,0 +1,77 @@
+"""A client's DP before release: clip + noise (client level), own accountant (example level)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fl_secure.config import config_from_dict
+from privacy.calibration import epsilon_for
+from privacy.client_level import update_norm
+from privacy.client_side import ClientPrivacy
+from privacy.noise import SeededGaussian
+
+
+def test_client_level_release_clips_noises_and_keeps_metrics_home() -> None:
+    # Prepare: z = 0.5, C = 2, local placement; an update of norm 50
+    cfg = config_from_dict(
+        {"privacy": {"unit": "client", "noise_multiplier": 0.5, "clip_norm": 2.0}}
+    )
+    privacy = ClientPrivacy(cfg, num_examples=100, source=SeededGaussian(1))
+    update = OrderedDict(w=np.full((50_000,), 50 / np.sqrt(50_000), np.float32))
+    # Execute
+    out, examples, metrics = privacy.release(
+        update, 100, {"train_loss": 1.2, "train_accuracy": 0.7, "local_steps": 10.0},
+        trained=True,
+    )  # fmt: skip
+    # Assert: the clipped signal has norm C, the noise has std z C per coordinate
+    noise = out["w"].astype(np.float64) - update["w"] * (2.0 / 50.0)
+    assert noise.std() == pytest.approx(0.5 * 2.0, rel=0.02)
+    assert update_norm(OrderedDict(w=out["w"] - noise.astype(np.float32))) == pytest.approx(
+        2.0, rel=1e-4
+    )
+    assert examples == 1 and metrics == {"local_steps": 10.0}
+
+
+def test_example_level_accountant_persists_and_stops_at_the_budget(tmp_path: Path) -> None:
+    # Prepare: 640 images, batch 32 (q = 0.05), 1 epoch = 20 steps per round, z = 1.0
+    table = {
+        "train": {"rounds": 10, "local_epochs": 1, "batch_size": 32},
+        "privacy": {"unit": "example", "noise_multiplier": 1.0, "target_epsilon": 2.2},
+    }
+    cfg = config_from_dict(table)
+    privacy = ClientPrivacy(cfg, num_examples=640, state_dir=tmp_path, source=SeededGaussian(0))
+    assert (privacy.sample_rate, privacy.steps_per_round) == (0.05, 20)
+    one_round = epsilon_for(accountant="prv", noise_multiplier=1.0, sample_rate=0.05,
+                            steps=20, delta=1e-5)  # fmt: skip
+    two_rounds = epsilon_for(accountant="prv", noise_multiplier=1.0, sample_rate=0.05,
+                             steps=40, delta=1e-5)  # fmt: skip
+    assert one_round <= 2.2 < two_rounds  # so exactly one round fits the budget
+    zero = OrderedDict(w=np.zeros(3, np.float32))
+    # Execute: one round, then a restarted client (same state folder)
+    assert privacy.may_train()
+    _, _, metrics = privacy.release(zero, 640, {"local_steps": 20.0, "train_loss": 3.0}, True)
+    restarted = ClientPrivacy(cfg, num_examples=640, state_dir=tmp_path)
+    # Assert: the accountant survived the restart; another round would pass the budget
+    assert metrics["dp_epsilon"] == pytest.approx(one_round, rel=1e-6)
+    assert "train_loss" not in metrics
+    assert restarted.epsilon() == pytest.approx(one_round, rel=1e-6)
+    assert not restarted.may_train()
+    _, _, idle = restarted.release(zero, 640, {}, trained=False)
+    assert idle["dp_steps"] == 0.0 and idle["dp_epsilon"] == pytest.approx(one_round, rel=1e-6)
+
+
+def test_example_level_calibrates_to_the_target_over_the_planned_rounds() -> None:
+    cfg = config_from_dict(
+        {
+            "train": {"rounds": 5, "local_epochs": 1, "batch_size": 32},
+            "privacy": {"unit": "example", "target_epsilon": 4.0},
+        }
+    )
+    privacy = ClientPrivacy(cfg, num_examples=640)
+    total = epsilon_for(accountant="prv", noise_multiplier=privacy.noise_multiplier,
+                        sample_rate=0.05, steps=5 * 20, delta=1e-5)  # fmt: skip
+    assert 0.99 * 4.0 <= total <= 4.0
