@@ -5,6 +5,10 @@ Runs ``fl-secure train`` (embedded: server + 4 client processes over gRPC + mTLS
 reports held-out TAR@FAR for both, the untrained model's, and the ratio (goal: federated >= 0.8
 at FAR=1e-2 and >= 0.9x centralized; untrained < 0.3).
 
+Both sides run without differential privacy (``privacy.unit=none`` is applied first; the
+centralized baseline has no DP), so this measures what federation costs; the price of DP is
+measured by ``benchmarks/dp.py --part curve``.
+
 Usage: python benchmarks/learning.py [--config examples/quickstart.toml] [--set key=value ...]
 """
 
@@ -39,6 +43,7 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=ROOT / "examples" / "quickstart.toml")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
+    args.set = ["privacy.unit=none", *args.set]
     with tempfile.TemporaryDirectory() as tmp:
         fed = train(args.config, args.set, Path(tmp))
         cen = train(args.config, args.set, Path(tmp), "--centralized")

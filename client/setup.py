@@ -25,6 +25,7 @@ from fl_secure.errors import ConfigError
 from fl_secure.messages import JoinReply
 from fl_secure.training import build_model
 from privacy.client_side import ClientPrivacy
+from privacy.noise import seeded_source
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,9 @@ def trainer_factory(
                 num_examples=len(local.train),
                 state_dir=state_dir,
                 min_survivors=run_config.server.min_clients,
+                source=None
+                if run_config.privacy.secure_rng
+                else seeded_source(run_config.run.seed, reply.client_id),
             )
         return LocalTrainer(
             strategy,

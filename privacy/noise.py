@@ -120,3 +120,11 @@ def gaussian_tensor_like(source: NoiseSource, tensor: torch.Tensor, std: float) 
         raise ValueError(f"noise std = {std!r}: expected a finite number >= 0")
     noise = source.standard_normal(tensor.numel()) * std
     return torch.from_numpy(noise).reshape(tensor.shape).to(tensor.dtype).to(tensor.device)
+
+
+def seeded_source(seed: int, party: str) -> SeededGaussian:
+    """A reproducible source for one party of a run (``privacy.secure_rng = false``)."""
+    import hashlib
+
+    digest = hashlib.sha256(f"{seed}:{party}:dp-noise".encode()).digest()
+    return SeededGaussian(int.from_bytes(digest[:8], "little"))

@@ -21,7 +21,7 @@ from fl_secure.training import (
     local_training,
     set_tensors,
 )
-from privacy.noise import NoiseSource
+from privacy.noise import NoiseSource, seeded_source
 from privacy.session import ServerPrivacy, open_server_privacy
 from server.coordinator import Coordinator, CoordinatorSettings
 
@@ -78,7 +78,7 @@ def build_server(
         population=len(enrolled),
         clients_per_round=s.clients_per_round,
         sample_rate=s.sample_rate,
-        source=noise,
+        source=noise or _noise_source(config, "server"),
     )
     sent = _config_for_clients(config, privacy)
     settings = CoordinatorSettings(
@@ -106,6 +106,14 @@ def build_server(
         privacy=privacy,
     )
     return ServerSide(coordinator=coordinator, strategy=strategy, plan=plan)
+
+
+def _noise_source(config: Config, party: str) -> NoiseSource | None:
+    """``None`` (the CSPRNG) unless ``privacy.secure_rng = false`` asks for reproducible noise."""
+    if config.privacy.secure_rng:
+        return None
+    log.warning("privacy.secure_rng = false: DP noise is reproducible, NOT cryptographic")
+    return seeded_source(config.run.seed, party)
 
 
 def _config_for_clients(config: Config, privacy: ServerPrivacy | None) -> Config:
