@@ -546,13 +546,23 @@ def ledger_json(
 ) -> dict[str, JsonValue]:
     """JSON-ready form of a ledger for ``fl-secure privacy ledger --json``."""
     client = [e for e in entries if e.kind == "client_level"]
+    example = [e for e in entries if e.kind == "example_level"]
+    recorded = client or example
+    epsilon: JsonValue = None
+    delta: JsonValue = None
+    if client:
+        epsilon, delta = client[-1].payload.get("epsilon"), client[-1].payload.get("delta")
+    elif example:  # the run's guarantee is the worst client's (each reports its cumulative)
+        worst = max(example, key=lambda e: float(e.payload.get("epsilon") or 0.0))  # type: ignore[arg-type]
+        epsilon, delta = worst.payload.get("epsilon"), worst.payload.get("delta")
     out: dict[str, JsonValue] = {
         "format_version": FORMAT_VERSION,
         "run_id": run_id,
         "entries": [e.to_dict() for e in entries],
-        "rounds_recorded": list[JsonValue](sorted({e.round for e in client})),
-        "epsilon": client[-1].payload.get("epsilon") if client else None,
-        "delta": client[-1].payload.get("delta") if client else None,
+        "rounds_recorded": list[JsonValue](sorted({e.round for e in recorded})),
+        "privacy_unit": "client" if client else "example" if example else None,
+        "epsilon": epsilon,
+        "delta": delta,
     }
     if verify_result is not None:
         out["verify"] = {"ok": verify_result.ok, "problems": list(verify_result.problems)}

@@ -113,7 +113,10 @@ def test_orl_with_differential_privacy(tmp_path: Path, unit: str, overrides: lis
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert ledger.returncode == 0, ledger.stdout + ledger.stderr
-    entries = json.loads(ledger.stdout)["entries"]
+    report = json.loads(ledger.stdout)
+    entries = report["entries"]
+    assert report["privacy_unit"] == unit and report["epsilon"] == pytest.approx(eps[-1])
+    assert report["verify"]["ok"] is True
     if unit == "client":
         assert [(e["kind"], e["round"]) for e in entries] == [
             ("client_level", r) for r in range(1, rounds + 1)
