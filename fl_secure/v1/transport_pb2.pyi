@@ -39,6 +39,8 @@ class _DTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DType.ValueType
     DTYPE_INT32: _DType.ValueType  # 5
     DTYPE_UINT8: _DType.ValueType  # 6
     DTYPE_BOOL: _DType.ValueType  # 7
+    DTYPE_UINT64: _DType.ValueType  # 8
+    """secure aggregation: masked fixed-point vectors mod 2^k"""
 
 class DType(_DType, metaclass=_DTypeEnumTypeWrapper): ...
 
@@ -50,6 +52,8 @@ DTYPE_INT64: DType.ValueType  # 4
 DTYPE_INT32: DType.ValueType  # 5
 DTYPE_UINT8: DType.ValueType  # 6
 DTYPE_BOOL: DType.ValueType  # 7
+DTYPE_UINT64: DType.ValueType  # 8
+"""secure aggregation: masked fixed-point vectors mod 2^k"""
 Global___DType: _TypeAlias = DType  # noqa: Y015
 
 class _TaskKind:
@@ -80,6 +84,35 @@ TASK_KIND_EVALUATE: TaskKind.ValueType  # 3
 TASK_KIND_FINISHED: TaskKind.ValueType  # 4
 """the run is over"""
 Global___TaskKind: _TypeAlias = TaskKind  # noqa: Y015
+
+class _SecAggStage:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SecAggStageEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SecAggStage.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SECAGG_STAGE_UNSPECIFIED: _SecAggStage.ValueType  # 0
+    SECAGG_STAGE_ADVERTISE_KEYS: _SecAggStage.ValueType  # 1
+    """send: signed public keys; reply: the cohort's keys"""
+    SECAGG_STAGE_SHARE_KEYS: _SecAggStage.ValueType  # 2
+    """send: encrypted shares; reply: the shares sent to you"""
+    SECAGG_STAGE_UNMASK: _SecAggStage.ValueType  # 3
+    """send: nothing; reply: which shares to reveal"""
+    SECAGG_STAGE_UNMASK_REPLY: _SecAggStage.ValueType  # 4
+    """send: the revealed shares; reply: acknowledgement"""
+
+class SecAggStage(_SecAggStage, metaclass=_SecAggStageEnumTypeWrapper): ...
+
+SECAGG_STAGE_UNSPECIFIED: SecAggStage.ValueType  # 0
+SECAGG_STAGE_ADVERTISE_KEYS: SecAggStage.ValueType  # 1
+"""send: signed public keys; reply: the cohort's keys"""
+SECAGG_STAGE_SHARE_KEYS: SecAggStage.ValueType  # 2
+"""send: encrypted shares; reply: the shares sent to you"""
+SECAGG_STAGE_UNMASK: SecAggStage.ValueType  # 3
+"""send: nothing; reply: which shares to reveal"""
+SECAGG_STAGE_UNMASK_REPLY: SecAggStage.ValueType  # 4
+"""send: the revealed shares; reply: acknowledgement"""
+Global___SecAggStage: _TypeAlias = SecAggStage  # noqa: Y015
 
 @_typing.final
 class TensorHeader(_message.Message):
@@ -486,3 +519,33 @@ class SubmitReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SubmitReply: _TypeAlias = SubmitReply  # noqa: Y015
+
+@_typing.final
+class SecAggMessage(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROUND_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
+    STAGE_FIELD_NUMBER: _builtins.int
+    PAYLOAD_FIELD_NUMBER: _builtins.int
+    round: _builtins.int
+    nonce: _builtins.bytes
+    """the task's nonce: only cohort members take part"""
+    stage: Global___SecAggStage.ValueType
+    payload: _builtins.bytes
+    """versioned encoding of privacy.secagg messages (never pickle)"""
+    def __init__(
+        self,
+        *,
+        round: _builtins.int = ...,
+        nonce: _builtins.bytes = ...,
+        stage: Global___SecAggStage.ValueType = ...,
+        payload: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["nonce", b"nonce", "payload", b"payload", "round", b"round", "stage", b"stage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SecAggMessage: _TypeAlias = SecAggMessage  # noqa: Y015

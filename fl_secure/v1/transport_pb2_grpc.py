@@ -54,6 +54,11 @@ class FlSecureStub:
                 request_serializer=fl__secure_dot_v1_dot_transport__pb2.UpdateChunk.SerializeToString,
                 response_deserializer=fl__secure_dot_v1_dot_transport__pb2.SubmitReply.FromString,
                 _registered_method=True)
+        self.SecAggExchange = channel.unary_unary(
+                '/fl_secure.v1.FlSecure/SecAggExchange',
+                request_serializer=fl__secure_dot_v1_dot_transport__pb2.SecAggMessage.SerializeToString,
+                response_deserializer=fl__secure_dot_v1_dot_transport__pb2.SecAggMessage.FromString,
+                _registered_method=True)
 
 
 class FlSecureServicer:
@@ -84,6 +89,16 @@ class FlSecureServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SecAggExchange(self, request, context):
+        """Secure aggregation stages of a TRAIN round (SecAgg / SecAgg+). Each call waits until the
+        stage has closed for the cohort (everyone answered or the deadline passed) and returns
+        what the server relays to this client for the next stage. The masked input itself is
+        uploaded with SubmitUpdate as one DTYPE_UINT64 tensor.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FlSecureServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +121,11 @@ def add_FlSecureServicer_to_server(servicer, server):
                     servicer.SubmitUpdate,
                     request_deserializer=fl__secure_dot_v1_dot_transport__pb2.UpdateChunk.FromString,
                     response_serializer=fl__secure_dot_v1_dot_transport__pb2.SubmitReply.SerializeToString,
+            ),
+            'SecAggExchange': grpc.unary_unary_rpc_method_handler(
+                    servicer.SecAggExchange,
+                    request_deserializer=fl__secure_dot_v1_dot_transport__pb2.SecAggMessage.FromString,
+                    response_serializer=fl__secure_dot_v1_dot_transport__pb2.SecAggMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +236,33 @@ class FlSecure:
             '/fl_secure.v1.FlSecure/SubmitUpdate',
             fl__secure_dot_v1_dot_transport__pb2.UpdateChunk.SerializeToString,
             fl__secure_dot_v1_dot_transport__pb2.SubmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SecAggExchange(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fl_secure.v1.FlSecure/SecAggExchange',
+            fl__secure_dot_v1_dot_transport__pb2.SecAggMessage.SerializeToString,
+            fl__secure_dot_v1_dot_transport__pb2.SecAggMessage.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,6 +42,12 @@ class FlSecureStub:
     """Long poll: the server answers when a task is ready or after a short wait."""
     GetParameters: _grpc.UnaryStreamMultiCallable[_transport_pb2.ParametersRequest, _transport_pb2.ParameterChunk]
     SubmitUpdate: _grpc.StreamUnaryMultiCallable[_transport_pb2.UpdateChunk, _transport_pb2.SubmitReply]
+    SecAggExchange: _grpc.UnaryUnaryMultiCallable[_transport_pb2.SecAggMessage, _transport_pb2.SecAggMessage]
+    """Secure aggregation stages of a TRAIN round (SecAgg / SecAgg+). Each call waits until the
+    stage has closed for the cohort (everyone answered or the deadline passed) and returns
+    what the server relays to this client for the next stage. The masked input itself is
+    uploaded with SubmitUpdate as one DTYPE_UINT64 tensor.
+    """
 
 @_typing.type_check_only
 class FlSecureAsyncStub(FlSecureStub):
@@ -51,6 +57,12 @@ class FlSecureAsyncStub(FlSecureStub):
     """Long poll: the server answers when a task is ready or after a short wait."""
     GetParameters: _aio.UnaryStreamMultiCallable[_transport_pb2.ParametersRequest, _transport_pb2.ParameterChunk]  # type: ignore[assignment]
     SubmitUpdate: _aio.StreamUnaryMultiCallable[_transport_pb2.UpdateChunk, _transport_pb2.SubmitReply]  # type: ignore[assignment]
+    SecAggExchange: _aio.UnaryUnaryMultiCallable[_transport_pb2.SecAggMessage, _transport_pb2.SecAggMessage]  # type: ignore[assignment]
+    """Secure aggregation stages of a TRAIN round (SecAgg / SecAgg+). Each call waits until the
+    stage has closed for the cohort (everyone answered or the deadline passed) and returns
+    what the server relays to this client for the next stage. The masked input itself is
+    uploaded with SubmitUpdate as one DTYPE_UINT64 tensor.
+    """
 
 class FlSecureServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -81,5 +93,17 @@ class FlSecureServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_transport_pb2.UpdateChunk],
         context: _ServicerContext,
     ) -> _typing.Union[_transport_pb2.SubmitReply, _abc.Awaitable[_transport_pb2.SubmitReply]]: ...
+
+    @_abc_1.abstractmethod
+    def SecAggExchange(
+        self,
+        request: _transport_pb2.SecAggMessage,
+        context: _ServicerContext,
+    ) -> _typing.Union[_transport_pb2.SecAggMessage, _abc.Awaitable[_transport_pb2.SecAggMessage]]:
+        """Secure aggregation stages of a TRAIN round (SecAgg / SecAgg+). Each call waits until the
+        stage has closed for the cohort (everyone answered or the deadline passed) and returns
+        what the server relays to this client for the next stage. The masked input itself is
+        uploaded with SubmitUpdate as one DTYPE_UINT64 tensor.
+        """
 
 def add_FlSecureServicer_to_server(servicer: FlSecureServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
