@@ -87,3 +87,14 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
             log.warning("update from %s in round %d rejected: %s", client_id, header.round, error)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         return pb.SubmitReply(accepted=True, message=f"round {header.round} update accepted")
+
+    def SecAggExchange(  # noqa: N802
+        self, request: pb.SecAggMessage, context: grpc.ServicerContext
+    ) -> pb.SecAggMessage:
+        """Secure-aggregation stages: not offered by this server yet."""
+        client_id = self.authenticate(context)
+        log.warning("SecAggExchange from %s refused: secure aggregation is not enabled", client_id)
+        context.abort(
+            grpc.StatusCode.UNIMPLEMENTED, "secure aggregation is not enabled on this server"
+        )
+        return pb.SecAggMessage()  # not reached: abort raises
