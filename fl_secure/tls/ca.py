@@ -22,6 +22,7 @@ from fl_secure.tls.certs import (
     make_certificate,
 )
 from fl_secure.tls.enrollment import EnrollmentList, certificate_fingerprint
+from fl_secure.tls.identity import write_signing_keys
 from fl_secure.tls.layout import CertificateSet, validate_client_id
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ def init_certificates(
         cert.write(paths.client_cert(client_id), paths.client_key(client_id))
         enrollment = enrollment.with_client(client_id, certificate_fingerprint(cert.certificate))
     enrollment.save(paths.enrollment)
+    write_signing_keys(paths, ids)  # Ed25519 identities for secure aggregation, CA-signed list
     logger.info("wrote a CA, a server and %d client certificates to %s", len(ids), out_dir)
     logger.warning("move %s OFFLINE: whoever holds it can mint client identities", paths.ca_key)
     return paths
@@ -142,6 +144,7 @@ def issue_client_certificate(
     cert.write(cert_path, paths.client_key(client_id))
     fingerprint = certificate_fingerprint(cert.certificate)
     enrollment.with_client(client_id, fingerprint).save(paths.enrollment)
+    write_signing_keys(paths, [client_id], ca_key=Path(ca_key) if ca_key else None)
     return cert
 
 

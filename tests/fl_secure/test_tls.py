@@ -236,6 +236,8 @@ def test_key_files_are_private_and_certificates_readable(certs: CertificateSet) 
         "enrolled.json",
         "server.key",
         "server.pem",
+        "signing_keys.json",
+        "signing_keys.sig",
     ]
 
 

@@ -1,0 +1,142 @@
+"""Long-term Ed25519 signing keys of the clients and the CA-signed registry of their public keys.
+
+Secure aggregation signs each client's per-round key advertisement with a long-term identity
+key, so that a server relaying the advertisements cannot substitute its own keys (Bonawitz et
+al. 2017, the actively-secure variant's signatures). Every client, not only the server, must
+know the enrolled public keys, and the server must not be able to forge that list: it is
+written as ``signing_keys.json`` and signed by the CA (``signing_keys.sig``, ECDSA/RSA with
+SHA-256 over the exact file bytes). A party with ``ca.pem`` verifies it before use.
+
+Files (next to the TLS files of :class:`~fl_secure.tls.layout.CertificateSet`)::
+
+    signing_keys.json           {"version": 1, "keys": {"client-0": "<hex Ed25519 public>", ...}}
+    signing_keys.sig            CA signature of signing_keys.json
+    clients/<id>.sign.key       the client's Ed25519 private key (PKCS#8 PEM, mode 0600)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from fl_secure.errors import TlsError
+from fl_secure.tls.layout import (
+    CLIENTS_DIR,
+    CertificateSet,
+    read_bytes,
+    validate_client_id,
+    write_atomic,
+)
+
+REGISTRY_FILE = "signing_keys.json"
+REGISTRY_SIGNATURE = "signing_keys.sig"
+
+
+def signing_key_path(directory: Path, client_id: str) -> Path:
+    """Where a client's Ed25519 private key lives."""
+    return directory / CLIENTS_DIR / f"{validate_client_id(client_id)}.sign.key"
+
+
+def write_signing_keys(
+    paths: CertificateSet, client_ids: Sequence[str], *, ca_key: Path | None = None
+) -> dict[str, str]:
+    """Create an Ed25519 key per client and the CA-signed registry; return id -> hex public.
+
+    Clients already in the registry keep their key; the registry is re-signed with ``ca.key``.
+    """
+    directory = paths.directory
+    registry = _read_registry_unverified(directory) if (directory / REGISTRY_FILE).exists() else {}
+    for client_id in client_ids:
+        key_path = signing_key_path(directory, client_id)
+        if client_id in registry and key_path.exists():
+            continue
+        key = Ed25519PrivateKey.generate()
+        pem = key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        write_atomic(key_path, pem, mode=0o600)
+        registry[client_id] = key.public_key().public_bytes_raw().hex()
+    text = json.dumps({"version": 1, "keys": dict(sorted(registry.items()))}, indent=2) + "\n"
+    signer = serialization.load_pem_private_key(read_bytes(ca_key or paths.ca_key, "CA key"), None)
+    body = text.encode()
+    if isinstance(signer, ec.EllipticCurvePrivateKey):
+        signature = signer.sign(body, ec.ECDSA(hashes.SHA256()))
+    elif isinstance(signer, rsa.RSAPrivateKey):
+        signature = signer.sign(body, padding.PKCS1v15(), hashes.SHA256())
+    else:  # pragma: no cover - the CA is made with one of the two
+        raise TlsError(f"unsupported CA key type {type(signer).__name__}")
+    write_atomic(directory / REGISTRY_FILE, body, mode=0o644)
+    write_atomic(directory / REGISTRY_SIGNATURE, signature, mode=0o644)
+    return registry
+
+
+def _read_registry_unverified(directory: Path) -> dict[str, str]:
+    raw = read_bytes(directory / REGISTRY_FILE, "signing-key registry")
+    try:
+        doc = json.loads(raw)
+        keys = {str(k): str(v) for k, v in doc["keys"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise TlsError(f"{directory / REGISTRY_FILE} is not a valid signing-key registry") from exc
+    return keys
+
+
+def load_signing_registry(directory: Path) -> dict[str, Ed25519PublicKey]:
+    """The enrolled Ed25519 public keys, after checking the CA's signature of the registry.
+
+    Raises:
+        TlsError: The registry or its signature is missing, or the signature does not verify
+            against ``ca.pem`` (the list was altered or signed by someone else).
+    """
+    directory = Path(directory)
+    body = read_bytes(directory / REGISTRY_FILE, "signing-key registry")
+    signature = read_bytes(directory / REGISTRY_SIGNATURE, "signing-key registry signature")
+    ca = x509.load_pem_x509_certificate(read_bytes(directory / "ca.pem", "CA certificate"))
+    public = ca.public_key()
+    try:
+        if isinstance(public, ec.EllipticCurvePublicKey):
+            public.verify(signature, body, ec.ECDSA(hashes.SHA256()))
+        elif isinstance(public, rsa.RSAPublicKey):
+            public.verify(signature, body, padding.PKCS1v15(), hashes.SHA256())
+        else:  # pragma: no cover
+            raise TlsError(f"unsupported CA key type {type(public).__name__}")
+    except InvalidSignature as exc:
+        raise TlsError(
+            f"{directory / REGISTRY_FILE} is not signed by the CA in {directory / 'ca.pem'}: "
+            "the list of client signing keys was altered; refusing to use it"
+        ) from exc
+    out: dict[str, Ed25519PublicKey] = {}
+    for client_id, hex_key in _read_registry_unverified(directory).items():
+        try:
+            out[validate_client_id(client_id)] = Ed25519PublicKey.from_public_bytes(
+                bytes.fromhex(hex_key)
+            )
+        except ValueError as exc:
+            raise TlsError(f"signing key of {client_id!r} is not an Ed25519 key") from exc
+    return out
+
+
+def load_signing_key(directory: Path, client_id: str) -> Ed25519PrivateKey:
+    """A client's Ed25519 private key.
+
+    Raises:
+        TlsError: The file is missing or is not an Ed25519 private key.
+    """
+    path = signing_key_path(Path(directory), client_id)
+    key = serialization.load_pem_private_key(read_bytes(path, "signing key"), password=None)
+    if not isinstance(key, Ed25519PrivateKey):
+        raise TlsError(f"{path} is not an Ed25519 private key")
+    return key
+
+
+def registry_matches(registry: Mapping[str, Ed25519PublicKey], ids: Sequence[str]) -> list[str]:
+    """Ids of ``ids`` without an enrolled signing key."""
+    return [i for i in ids if i not in registry]

@@ -1,0 +1,45 @@
+"""Ed25519 signing identities for secure aggregation: CA-signed registry, tampering refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fl_secure.errors import TlsError
+from fl_secure.tls import init_certificates, issue_client_certificate
+from fl_secure.tls.identity import REGISTRY_FILE, load_signing_key, load_signing_registry
+
+
+def test_registry_holds_every_client_key_and_verifies(tmp_path: Path) -> None:
+    # Prepare / Execute
+    init_certificates(tmp_path, clients=3)
+    registry = load_signing_registry(tmp_path)
+    # Assert: each client's private key matches its enrolled public key, and signs verifiably
+    assert sorted(registry) == ["client-0", "client-1", "client-2"]
+    for client_id, public in registry.items():
+        key = load_signing_key(tmp_path, client_id)
+        assert key.public_key().public_bytes_raw() == public.public_bytes_raw()
+        public.verify(key.sign(b"advert"), b"advert")
+    assert (tmp_path / "clients" / "client-0.sign.key").stat().st_mode & 0o077 == 0
+
+
+def test_a_client_added_later_is_in_the_re_signed_registry(tmp_path: Path) -> None:
+    init_certificates(tmp_path, clients=2)
+    before = load_signing_registry(tmp_path)
+    issue_client_certificate(tmp_path, "late-site")
+    after = load_signing_registry(tmp_path)
+    assert sorted(after) == ["client-0", "client-1", "late-site"]
+    assert after["client-0"].public_bytes_raw() == before["client-0"].public_bytes_raw()
+
+
+def test_an_altered_registry_is_refused(tmp_path: Path) -> None:
+    # Prepare: swap client-1's key for client-0's (a server substituting keys)
+    init_certificates(tmp_path, clients=2)
+    doc = json.loads((tmp_path / REGISTRY_FILE).read_text())
+    doc["keys"]["client-1"] = doc["keys"]["client-0"]
+    (tmp_path / REGISTRY_FILE).write_text(json.dumps(doc, indent=2) + "\n")
+    # Execute / Assert
+    with pytest.raises(TlsError, match="not signed by the CA"):
+        load_signing_registry(tmp_path)
