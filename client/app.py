@@ -9,17 +9,21 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from client.trainer import LocalTrainer
 from fl_secure import __version__, serde
-from fl_secure.errors import ProtocolError, TlsError
-from fl_secure.messages import JoinReply, Task, TaskKind, UpdateHeader
+from fl_secure.errors import FlSecureError, ProtocolError, TlsError
+from fl_secure.messages import JoinReply, Task, TaskKind, Tensors, UpdateHeader
 from fl_secure.tls import channel_credentials, warn_insecure
+from fl_secure.tls.identity import load_signing_key, load_signing_registry
 from fl_secure.v1 import transport_pb2 as pb
 from fl_secure.v1 import transport_pb2_grpc as pb_grpc
 
@@ -97,6 +101,7 @@ class FlClient:
         self.max_wait = max_wait  # give up after this long without reaching the server
         self.sleep = sleep
         self.trainer: LocalTrainer | None = None
+        self._signing: tuple[Ed25519PrivateKey, dict[str, Ed25519PublicKey]] | None = None
         self.last_round = 0
         self.rounds_done = 0
         self._metadata = ((INSECURE_ID_HEADER, conn.client_id),) if conn.insecure else ()
@@ -174,6 +179,9 @@ class FlClient:
         limit = max(task.parameters_bytes, 1) + 1024
         _, shared = serde.parameters_from_chunks(chunks, max_bytes=limit)
         started = time.monotonic()
+        if task.kind is TaskKind.TRAIN and task.secagg_setup:
+            self._secure_round(stub, task, shared, started)
+            return
         if task.kind is TaskKind.TRAIN:
             update, examples, metrics = trainer.train(shared, task.training)
         else:
@@ -196,6 +204,77 @@ class FlClient:
                 log.warning("round %d: update refused: %s", task.round, exc.details())
                 return
             raise
+        self.last_round = task.round
+        self.rounds_done += 1
+
+    def _secure_round(
+        self, stub: pb_grpc.FlSecureStub, task: Task, shared: Tensors, started: float
+    ) -> None:
+        """A TRAIN round under secure aggregation: the server only learns the cohort's sum."""
+        from privacy.secagg_session import MASKED_TENSOR, RoundSetup, client_secure_update
+
+        trainer = self.trainer
+        assert trainer is not None
+        if self.conn.cert_dir is None:
+            raise TlsError("secure aggregation needs the certificate folder (signing keys)")
+        if self._signing is None:
+            self._signing = (
+                load_signing_key(self.conn.cert_dir, self.conn.client_id),
+                load_signing_registry(self.conn.cert_dir),
+            )
+        identity, registry = self._signing
+        setup = RoundSetup.from_bytes(task.secagg_setup)
+        metrics: dict[str, float] = {}
+        timeout = max(60.0, (task.deadline_unix_ms / 1000.0) - time.time() + 60.0)
+
+        def exchange(stage: int, payload: bytes) -> bytes:
+            reply = stub.SecAggExchange(
+                pb.SecAggMessage(
+                    round=task.round,
+                    nonce=task.nonce,
+                    stage=pb.SecAggStage.ValueType(stage + 1),
+                    payload=payload,
+                ),
+                metadata=self._metadata,
+                timeout=timeout,
+            )
+            return bytes(reply.payload)
+
+        def compute() -> Tensors:
+            update, _, found = trainer.train(shared, task.training)
+            metrics.update(found)
+            return update
+
+        def upload(vector: np.ndarray) -> None:
+            # The example count is not sent: the secure sum is an unweighted one.
+            header = UpdateHeader(
+                round=task.round,
+                nonce=task.nonce,
+                num_examples=1,
+                metrics={**metrics, "local_seconds": time.monotonic() - started},
+            )
+            tensors = OrderedDict([(MASKED_TENSOR, vector.astype(np.uint64))])
+            stub.SubmitUpdate(
+                serde.update_to_chunks(header, tensors), metadata=self._metadata, timeout=600
+            )
+
+        try:
+            client_secure_update(
+                setup, self.conn.client_id, identity, registry, exchange, compute, upload
+            )
+        except grpc.RpcError as exc:
+            if exc.code() in (
+                grpc.StatusCode.ABORTED,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.INVALID_ARGUMENT,
+            ):
+                log.warning("round %d: secure aggregation ended: %s", task.round, exc.details())
+                return
+            raise
+        except FlSecureError as exc:  # a peer's bad key or share: this round is lost to us
+            log.warning("round %d: secure aggregation refused: %s", task.round, exc)
+            return
+        log.info("round %d: masked update in the secure sum", task.round)
         self.last_round = task.round
         self.rounds_done += 1
 

@@ -136,7 +136,13 @@ def cmd_server(args: argparse.Namespace) -> int:
         if args.certs is None:
             raise FlSecureError("server needs --certs DIR (made by `fl-secure certs init`)")
         enrolled = set(load_enrollment(args.certs).fingerprints)
-    side = build_server(config, run, enrolled=enrolled, evaluate=not args.no_eval)
+    side = build_server(
+        config,
+        run,
+        enrolled=enrolled,
+        evaluate=not args.no_eval,
+        cert_dir=None if args.insecure else args.certs,
+    )
     side.coordinator.resume()
     address = args.address or config.server.address
     server, port = start_server(

@@ -26,6 +26,7 @@ LrSchedule = Literal["constant", "cosine"]
 PrivacyUnit = Literal["none", "client", "example"]
 NoisePlacement = Literal["local", "distributed", "central"]
 AccountantName = Literal["", "rdp", "prv", "pld"]
+SecAggScheme = Literal["none", "secagg", "secagg+"]
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,47 @@ class PrivacyConfig:
 
 
 @dataclass(frozen=True)
+class SecureAggregationConfig:
+    """Secure aggregation: the server learns only the sum of the cohort's updates.
+
+    ``secagg`` is Bonawitz et al. (CCS 2017), every client masks against every other;
+    ``secagg+`` is Bell et al. (CCS 2020), each client has ``neighbours`` neighbours in a
+    random k-regular graph. Updates are clipped per coordinate to ``clip_range``, encoded with
+    ``scale_bits`` fractional bits and summed mod ``2^modulus_bits`` (a configuration whose sum
+    could wrap is refused when the round starts).
+    """
+
+    scheme: SecAggScheme = "none"
+    neighbours: int = 0  # secagg+: k neighbours per client (0 with secagg: all others)
+    threshold: int = 0  # t of k shares rebuild a secret (0 = the smallest majority k//2 + 1)
+    modulus_bits: int = 32  # arithmetic mod 2^modulus_bits (up to 64)
+    clip_range: float = 1.0  # per-coordinate bound of the fixed-point encoding
+    scale_bits: int = 20  # fractional bits: resolution 2^-scale_bits
+    stage_timeout: float = 120.0  # seconds for key advertisement, key sharing and unmasking
+
+    def __post_init__(self) -> None:
+        """Check ranges."""
+        _check(self.neighbours >= 0, "secure_aggregation.neighbours", "an integer >= 0")
+        _check(self.threshold >= 0, "secure_aggregation.threshold", "an integer >= 0")
+        _check(
+            1 <= self.modulus_bits <= 64, "secure_aggregation.modulus_bits", "an integer in 1..64"
+        )
+        _check(self.clip_range > 0, "secure_aggregation.clip_range", "a number > 0")
+        _check(0 <= self.scale_bits <= 52, "secure_aggregation.scale_bits", "an integer in 0..52")
+        _check(self.stage_timeout > 0, "secure_aggregation.stage_timeout", "seconds > 0")
+        if self.scheme == "secagg+" and self.neighbours == 0:
+            raise ConfigError(
+                "secure_aggregation.scheme = 'secagg+' needs secure_aggregation.neighbours > 0 "
+                "(the k of its k-regular graph); 'secagg' connects every pair of clients"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether updates are securely aggregated."""
+        return self.scheme != "none"
+
+
+@dataclass(frozen=True)
 class Config:
     """A whole run."""
 
@@ -218,6 +260,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    secure_aggregation: SecureAggregationConfig = field(default_factory=SecureAggregationConfig)
 
     def __post_init__(self) -> None:
         """Cross-section checks."""

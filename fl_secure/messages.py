@@ -71,6 +71,7 @@ class Task:
     retry_after_ms: int = 0
     message: str = ""
     parameters_bytes: int = 0
+    secagg_setup: bytes = b""
 
 
 @dataclass(frozen=True)

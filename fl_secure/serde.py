@@ -330,6 +330,7 @@ def task_to_proto(task: Task) -> pb.Task:
         retry_after_ms=task.retry_after_ms,
         message=task.message,
         parameters_bytes=task.parameters_bytes,
+        secagg_setup=task.secagg_setup,
     )
 
 
@@ -348,6 +349,7 @@ def task_from_proto(msg: pb.Task) -> Task:
         retry_after_ms=int(msg.retry_after_ms),
         message=msg.message,
         parameters_bytes=int(msg.parameters_bytes),
+        secagg_setup=bytes(msg.secagg_setup),
     )
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from fl_secure.config import PrivacyConfig
 from fl_secure.errors import PrivacyError
-from fl_secure.messages import TensorSpec
+from fl_secure.messages import Tensors, TensorSpec
 from privacy.accountants import create_accountant
 from privacy.accountants.accountant import ADJACENCY
 from privacy.client_level import ClientLevelPlan, NoisyClippedSum, plan_client_level
@@ -95,6 +95,27 @@ class ServerPrivacy:
             source=self.source,
             reclip=p.placement == "central",
         )
+
+    def finish_sum(self, total: Mapping[str, Any], specs: list[TensorSpec]) -> Tensors:
+        """A securely aggregated sum of clipped updates: ``(sum + central noise) / W``."""
+        if self.plan is None:
+            raise PrivacyError(
+                "example-level DP with secure aggregation: average on the clients' side"
+            )
+        agg = NoisyClippedSum(
+            specs,
+            clip_norm=self.plan.clip_norm,
+            denominator=self.plan.denominator,
+            central_std=(
+                self.plan.noise_multiplier * self.plan.clip_norm
+                if self.plan.placement == "central"
+                else 0.0
+            ),
+            source=self.source,
+            reclip=False,  # the server never sees an individual update
+        )
+        agg.add(total, 1.0)
+        return agg.mean()
 
     # ------------------------------------------------------------ accounting
     def _epsilon_of(self, history: list[dict[str, Any]]) -> float:

@@ -13,6 +13,7 @@ import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -35,6 +36,10 @@ from fl_secure.training import round_learning_rate
 from server.aggregate import StreamingMean
 
 if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    from fl_secure.config import SecureAggregationConfig
+    from privacy.secagg_session import ServerSecureRound
     from privacy.session import ServerPrivacy
 
 log = logging.getLogger(__name__)
@@ -78,6 +83,7 @@ class CoordinatorSettings:
     online_timeout: float = 30.0  # a client not heard of for this long is offline
     final_evaluation: bool = True
     lr_schedule: str = "constant"
+    secure_aggregation: SecureAggregationConfig | None = None
 
 
 @dataclass
@@ -92,6 +98,7 @@ class _Round:
     failed: dict[str, str] = field(default_factory=dict)
     uploading: set[str] = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
+    secure: ServerSecureRound | None = None
 
     @property
     def pending(self) -> set[str]:
@@ -123,6 +130,7 @@ class Coordinator:
         evaluator: Evaluator | None = None,
         clock: Callable[[], float] = time.monotonic,
         privacy: ServerPrivacy | None = None,
+        signing_registry: Mapping[str, Ed25519PublicKey] | None = None,
     ) -> None:
         self.settings = settings
         self.enrolled = set(enrolled)
@@ -131,6 +139,7 @@ class Coordinator:
         self.server_step = server_step
         self.evaluator = evaluator
         self.privacy = privacy
+        self.signing_registry = dict(signing_registry or {})
         self.clock = clock
         self.params: Tensors = initial
         self.specs = [TensorSpec.of(k, v) for k, v in initial.items()]
@@ -214,6 +223,7 @@ class Coordinator:
             algorithm_params=s.algorithm_params,
             deadline_unix_ms=int(time.time() * 1000) + remaining_ms,
             parameters_bytes=sum(sp.num_bytes for sp in self.specs),
+            secagg_setup=rnd.secure.setup.to_bytes() if rnd.secure is not None else b"",
         )
 
     def parameters(self, client_id: str, round_: int, nonce: bytes) -> tuple[int, Tensors]:
@@ -241,6 +251,8 @@ class Coordinator:
                 raise ProtocolError("num_examples must be positive")
             train = rnd.kind is TaskKind.TRAIN
             expected = self.specs if train else []
+            if train and rnd.secure is not None:
+                expected = rnd.secure.upload_specs
             model_bytes = sum(s.num_bytes for s in expected)
             max_bytes = int(model_bytes * self.settings.max_upload_factor)
             if header.total_bytes > max_bytes:
@@ -264,10 +276,55 @@ class Coordinator:
             rnd = self._round
             if rnd is None or rnd.number != ticket.round or ticket.client_id not in rnd.pending:
                 raise ProtocolError(f"round {ticket.round} closed before the upload completed")
-            if rnd.aggregator is not None:
+            if rnd.secure is not None:
+                from privacy.secagg_session import MASKED_TENSOR
+
+                rnd.secure.add_masked(ticket.client_id, np.asarray(tensors[MASKED_TENSOR]))
+            elif rnd.aggregator is not None:
                 rnd.aggregator.add(tensors, float(ticket.header.num_examples))
             rnd.received[ticket.client_id] = ticket.header
             self._last_seen[ticket.client_id] = self.clock()
+            self._cv.notify_all()
+
+    def secagg_exchange(
+        self, client_id: str, round_: int, nonce: bytes, stage: int, payload: bytes
+    ) -> bytes:
+        """One secure-aggregation stage message; waits until the stage has closed.
+
+        ``stage`` is the internal stage number of :mod:`privacy.secagg_session` (advertise,
+        share: submit then wait; masked: wait for the unmask request; unmask: submit).
+        """
+        from privacy.secagg_session import ADVERTISE, SHARE, UNMASK
+
+        with self._cv:
+            rnd = self._check_member(client_id, round_, nonce)
+            sec = rnd.secure
+            if sec is None:
+                raise ProtocolError(f"round {round_} is not securely aggregated")
+            if stage in (ADVERTISE, SHARE, UNMASK):
+                sec.submit(stage, client_id, payload)
+                self._cv.notify_all()
+                if stage == UNMASK:
+                    return sec.reply(stage, client_id)
+            while sec.stage <= stage and not sec.aborted and not self._stop.is_set():
+                if self._round is not rnd:
+                    raise RoundAborted(f"round {round_} closed before its secure stages ended")
+                if stage in (ADVERTISE, SHARE) and sec.stage == stage and sec.ready():
+                    self._close_secure_stage(rnd)
+                    break
+                self._cv.wait(timeout=0.25)
+            return sec.reply(stage, client_id)
+
+    def _close_secure_stage(self, rnd: _Round) -> None:
+        """Close the open secure stage (under the lock); late clients count as dropped."""
+        sec = rnd.secure
+        assert sec is not None
+        try:
+            sec.close_stage()
+        finally:
+            for client, where in sec.dropped.items():
+                if client in rnd.pending and client not in rnd.uploading:
+                    rnd.failed[client] = f"dropped at secure-aggregation stage {where}"
             self._cv.notify_all()
 
     def record_failure(self, client_id: str, round_: int, error: str) -> None:
@@ -339,7 +396,10 @@ class Coordinator:
                 log.warning("round %d: cohort of %d < %d, resampling", number, len(cohort), needed)
                 continue
             aggregator: Aggregator | None = None
-            if kind is TaskKind.TRAIN:
+            secure = None
+            if kind is TaskKind.TRAIN and self._secure_enabled():
+                secure = self._secure_round(number, attempt, cohort)
+            elif kind is TaskKind.TRAIN:
                 dp = self.privacy.make_aggregator(self.specs) if self.privacy else None
                 aggregator = dp if dp is not None else StreamingMean(self.specs)
             with self._cv:
@@ -350,12 +410,23 @@ class Coordinator:
                     cohort={c: secrets.token_bytes(16) for c in cohort},
                     deadline=self.clock() + self.settings.round_timeout,
                     aggregator=aggregator,
+                    secure=secure,
                 )
                 self._round = rnd
                 self._cv.notify_all()
                 log.info("round %d (%s) started with cohort %s", number, kind.value, cohort)
+                secure_error = ""
                 while not self._stop.is_set() and rnd.pending and self.clock() < rnd.deadline:
+                    sec = rnd.secure
+                    if sec is not None and sec.stage < 2 and sec.ready():  # advertise, share
+                        try:
+                            self._close_secure_stage(rnd)
+                        except RoundAborted as exc:
+                            secure_error = str(exc)
+                            break
                     self._cv.wait(timeout=0.25)
+                if rnd.secure is not None and not secure_error and not self._stop.is_set():
+                    secure_error = self._unmask(rnd)
                 self._round = None
                 self._cv.notify_all()
             if self._stop.is_set():
@@ -369,8 +440,12 @@ class Coordinator:
                 "failed": rnd.failed,
                 "dropped": sorted(rnd.pending),
             }
+            if rnd.secure is not None:
+                event["secure_aggregation"] = self._secure_record(rnd, secure_error)
             self.events.append(event)
-            if len(rnd.received) >= needed:
+            if secure_error:
+                log.warning("round %d attempt %d: %s", number, attempt, secure_error)
+            elif len(rnd.received) >= needed:
                 return rnd
             log.warning(
                 "round %d attempt %d: %d of %d needed updates arrived; %s",
@@ -385,6 +460,75 @@ class Coordinator:
             f"{self.settings.max_retries + 1} attempts"
         )
 
+    # ------------------------------------------------------- secure aggregation
+    def _secure_enabled(self) -> bool:
+        cfg = self.settings.secure_aggregation
+        return cfg is not None and cfg.enabled
+
+    def _secure_round(self, number: int, attempt: int, cohort: list[str]) -> ServerSecureRound:
+        from fl_secure.errors import PrivacyError
+        from privacy.secagg_session import ServerSecureRound, make_setup
+
+        cfg = self.settings.secure_aggregation
+        assert cfg is not None
+        length = sum(int(np.prod(sp.shape, dtype=np.int64)) for sp in self.specs)
+        try:
+            setup = make_setup(
+                cfg,
+                run_id=self.settings.run_id,
+                round_=number,
+                attempt=attempt,
+                cohort=cohort,
+                vector_length=length,
+            )
+            return ServerSecureRound(setup, self.signing_registry, cfg.stage_timeout, self.clock)
+        except PrivacyError as exc:
+            raise RoundAborted(f"round {number}: secure aggregation cannot start: {exc}") from exc
+
+    def _unmask(self, rnd: _Round) -> str:
+        """After the masked inputs: ask for shares, wait for them, unmask (under the lock)."""
+        sec = rnd.secure
+        assert sec is not None
+        try:
+            if sec.stage < 2:
+                raise RoundAborted("the round ended before the key stages completed")
+            self._close_secure_stage(rnd)  # masked input -> unmask request
+            while not self._stop.is_set() and not sec.ready():
+                self._cv.wait(timeout=0.25)
+            self._close_secure_stage(rnd)  # unmask -> the sum
+        except RoundAborted as exc:
+            return str(exc)
+        return ""
+
+    def _secure_record(self, rnd: _Round, error: str) -> dict[str, Any]:
+        sec = rnd.secure
+        assert sec is not None
+        setup = sec.setup
+        return {
+            "scheme": "secagg" if setup.neighbours == 0 else "secagg+",
+            "cohort": list(setup.cohort),
+            "neighbours": setup.neighbours or len(setup.cohort) - 1,
+            "threshold": setup.threshold,
+            "modulus_bits": setup.modulus_bits,
+            "survivors": list(sec.survivors()) if not error else [],
+            "dropped": dict(sorted(sec.dropped.items())),
+            "aborted": error,
+        }
+
+    def _aggregate(self, rnd: _Round) -> Tensors:
+        """The round's aggregate update (from the unmasked sum, or the aggregator)."""
+        if rnd.secure is None:
+            if rnd.aggregator is None:  # pragma: no cover - TRAIN rounds always aggregate
+                raise RoundAborted("no aggregator")
+            return rnd.aggregator.mean()
+        from privacy.secagg_session import unflatten
+
+        total = unflatten(rnd.secure.decoded_sum(), self.specs)
+        count = len(rnd.secure.survivors())
+        if self.privacy is not None and self.privacy.plan is not None:  # client-level DP
+            return self.privacy.finish_sum(total, self.specs)
+        return OrderedDict((s.name, (total[s.name] / count).astype(s.dtype)) for s in self.specs)
+
     def run(self, on_round: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """Run every remaining round, then a final evaluation; return the last metrics."""
         s = self.settings
@@ -396,9 +540,7 @@ class Coordinator:
                 if self._budget_exhausted(number):
                     break
                 rnd = self._run_round(number, TaskKind.TRAIN, s.min_clients)
-                if rnd.aggregator is None:  # pragma: no cover - TRAIN rounds always aggregate
-                    raise RoundAborted("no aggregator")
-                mean_update = rnd.aggregator.mean()
+                mean_update = self._aggregate(rnd)
                 params = self.server_step(self.params, mean_update, number)
                 rows = self._privacy_rows(number, rnd)
                 last = self._record(number, rnd, params, rows)
@@ -472,6 +614,8 @@ class Coordinator:
             "duration_s": round(time.monotonic() - rnd.started, 3),
             "clients": {c: h.metrics for c, h in sorted(rnd.received.items())},
         }
+        if rnd.secure is not None:
+            record["secure_aggregation"] = self._secure_record(rnd, "")
         if self.privacy is not None:
             record["privacy"] = self.privacy.preview(rows)
             record["epsilon"] = record["privacy"]["epsilon"]

@@ -104,7 +104,7 @@ def run_embedded(
         init_certificates(run.certs, clients=config.partition.num_clients)
     enrolled = set(load_enrollment(run.certs).fingerprints)
     started = time.time()
-    side = build_server(config, run, enrolled=enrolled)
+    side = build_server(config, run, enrolled=enrolled, cert_dir=None if insecure else run.certs)
     coordinator = side.coordinator
     done = coordinator.resume()
     server, port = start_server(

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from fl_secure import serde
-from fl_secure.errors import ProtocolError
+from fl_secure.errors import FlSecureError, ProtocolError, RoundAborted
 from fl_secure.v1 import transport_pb2 as pb
 from fl_secure.v1 import transport_pb2_grpc as pb_grpc
 from server.coordinator import Coordinator
@@ -91,10 +91,19 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
     def SecAggExchange(  # noqa: N802
         self, request: pb.SecAggMessage, context: grpc.ServicerContext
     ) -> pb.SecAggMessage:
-        """Secure-aggregation stages: not offered by this server yet."""
+        """One secure-aggregation stage; answers when the stage has closed for the cohort."""
         client_id = self.authenticate(context)
-        log.warning("SecAggExchange from %s refused: secure aggregation is not enabled", client_id)
-        context.abort(
-            grpc.StatusCode.UNIMPLEMENTED, "secure aggregation is not enabled on this server"
+        stage = int(request.stage) - 1  # wire stages start at 1, privacy.secagg_session at 0
+        try:
+            payload = self.coordinator.secagg_exchange(
+                client_id, int(request.round), bytes(request.nonce), stage, bytes(request.payload)
+            )
+        except RoundAborted as exc:
+            context.abort(grpc.StatusCode.ABORTED, str(exc))
+        except FlSecureError as exc:  # malformed, unsigned, out of order: this client drops
+            log.warning("secure aggregation message from %s refused: %s", client_id, exc)
+            self.coordinator.record_failure(client_id, int(request.round), str(exc))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return pb.SecAggMessage(
+            round=request.round, nonce=request.nonce, stage=request.stage, payload=payload
         )
-        return pb.SecAggMessage()  # not reached: abort raises

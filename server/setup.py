@@ -9,11 +9,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
 from fl_secure.algorithms import Strategy, get_strategy
 from fl_secure.config import Config, config_to_toml
 from fl_secure.data.plan import FederatedData, plan_federation
+from fl_secure.errors import ConfigError
 from fl_secure.messages import Tensors
 from fl_secure.runs import RunDir, atomic_write_bytes
+from fl_secure.tls.identity import load_signing_registry
 from fl_secure.training import (
     build_model,
     evaluate_verification,
@@ -61,6 +65,7 @@ def build_server(
     plan: FederatedData | None = None,
     evaluate: bool = True,
     noise: NoiseSource | None = None,
+    cert_dir: Path | None = None,
 ) -> ServerSide:
     """Initial shared parameters (same seed as the clients), evaluator and coordinator."""
     strategy = get_strategy(config.algorithm.name)
@@ -81,6 +86,7 @@ def build_server(
         source=noise or _noise_source(config, "server"),
     )
     sent = _config_for_clients(config, privacy)
+    registry = _signing_registry(config, cert_dir, enrolled)
     settings = CoordinatorSettings(
         rounds=config.train.rounds,
         min_clients=s.min_clients,
@@ -93,6 +99,7 @@ def build_server(
         algorithm=strategy.name,
         training=local_training(config.train),
         lr_schedule=config.train.lr_schedule,
+        secure_aggregation=config.secure_aggregation,
         run_id=run_id,
         run_config_toml=config_to_toml(sent),
     )
@@ -104,8 +111,30 @@ def build_server(
         server_step=strategy.server_update,
         evaluator=make_evaluator(config, plan) if evaluate and len(plan.held_out) else None,
         privacy=privacy,
+        signing_registry=registry,
     )
     return ServerSide(coordinator=coordinator, strategy=strategy, plan=plan)
+
+
+def _signing_registry(
+    config: Config, cert_dir: Path | None, enrolled: set[str]
+) -> dict[str, Ed25519PublicKey]:
+    """The CA-signed client signing keys, needed when updates are securely aggregated."""
+    if not config.secure_aggregation.enabled:
+        return {}
+    if cert_dir is None:
+        raise ConfigError(
+            "secure aggregation needs the certificate folder (signing_keys.json signed by the "
+            "CA); it cannot run with --insecure"
+        )
+    registry = load_signing_registry(cert_dir)
+    missing = sorted(enrolled - set(registry))
+    if missing:
+        raise ConfigError(
+            f"enrolled clients {missing} have no signing key in {cert_dir}/signing_keys.json; "
+            "re-issue their certificates with `fl-secure certs`"
+        )
+    return registry
 
 
 def _noise_source(config: Config, party: str) -> NoiseSource | None:

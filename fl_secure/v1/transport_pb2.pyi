@@ -353,6 +353,7 @@ class Task(_message.Message):
     RETRY_AFTER_MS_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     PARAMETERS_BYTES_FIELD_NUMBER: _builtins.int
+    SECAGG_SETUP_FIELD_NUMBER: _builtins.int
     kind: Global___TaskKind.ValueType
     round: _builtins.int
     nonce: _builtins.bytes
@@ -363,6 +364,10 @@ class Task(_message.Message):
     message: _builtins.str
     """human-readable reason for WAIT / FINISHED"""
     parameters_bytes: _builtins.int
+    secagg_setup: _builtins.bytes
+    """Secure aggregation of this TRAIN round: privacy.secagg.RoundSetup bytes (round id, cohort,
+    threshold, neighbours, modulus, encoding); empty when updates are sent in the clear.
+    """
     @_builtins.property
     def training(self) -> Global___LocalTraining: ...
     @_builtins.property
@@ -380,10 +385,11 @@ class Task(_message.Message):
         retry_after_ms: _builtins.int = ...,
         message: _builtins.str = ...,
         parameters_bytes: _builtins.int = ...,
+        secagg_setup: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["training", b"training"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "algorithm_params", b"algorithm_params", "deadline_unix_ms", b"deadline_unix_ms", "kind", b"kind", "message", b"message", "nonce", b"nonce", "parameters_bytes", b"parameters_bytes", "retry_after_ms", b"retry_after_ms", "round", b"round", "training", b"training"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "algorithm_params", b"algorithm_params", "deadline_unix_ms", b"deadline_unix_ms", "kind", b"kind", "message", b"message", "nonce", b"nonce", "parameters_bytes", b"parameters_bytes", "retry_after_ms", b"retry_after_ms", "round", b"round", "secagg_setup", b"secagg_setup", "training", b"training"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

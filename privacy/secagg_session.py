@@ -1,0 +1,363 @@
+"""Secure aggregation of one TRAIN round over the wire: the setup, the stages, both sides.
+
+The protocol itself is :mod:`privacy.secagg` (transport-free). This module is what the
+coordinator and the client loop use to run it through ``SecAggExchange`` and
+``SubmitUpdate``:
+
+* :class:`RoundSetup` travels in the task (``Task.secagg_setup``): round id, cohort,
+  threshold, neighbours, modulus and encoding; every client derives the same
+  :class:`~privacy.secagg.SecAggConfig` from it.
+* :class:`ServerSecureRound` holds the server's :class:`~privacy.secagg.SecAggServer` and
+  the stage bookkeeping: which stage is open, its deadline, who answered; a stage closes when
+  everyone expected has answered or its deadline passes, and the late ones count as dropped.
+* :func:`client_secure_update` runs a client's side: advertise keys, share keys, train,
+  upload the masked input, reveal shares.
+
+Payloads are the protocol messages' own strict encodings; lists of them are packed as a
+``u32`` count followed by ``u32``-length-prefixed items (:func:`pack`, :func:`unpack`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from fl_secure.config import SecureAggregationConfig
+from fl_secure.errors import FlSecureError, PrivacyError, ProtocolError, RoundAborted
+from fl_secure.messages import Tensors, TensorSpec
+from privacy.secagg import (
+    AdvertiseKeys,
+    EncryptedShare,
+    MaskedInput,
+    SecAggClient,
+    SecAggConfig,
+    SecAggServer,
+    UnmaskRequest,
+    UnmaskResponse,
+)
+
+#: Name of the single tensor a masked upload carries.
+MASKED_TENSOR = "secagg.masked"
+#: Stages of :class:`ServerSecureRound`, in order.
+ADVERTISE, SHARE, MASKED, UNMASK, DONE = range(5)
+STAGE_NAMES = {ADVERTISE: "advertise keys", SHARE: "share keys", MASKED: "masked input",
+               UNMASK: "unmasking", DONE: "done"}  # fmt: skip
+_MAX_ITEMS = 100_000
+
+
+def pack(items: Sequence[bytes]) -> bytes:
+    """``u32`` count, then each item as ``u32`` length + bytes."""
+    out = [struct.pack(">I", len(items))]
+    for item in items:
+        out += [struct.pack(">I", len(item)), item]
+    return b"".join(out)
+
+
+def unpack(data: bytes, what: str) -> list[bytes]:
+    """Inverse of :func:`pack`; strict about lengths and trailing bytes."""
+    if len(data) < 4:
+        raise ProtocolError(f"{what}: truncated list")
+    (count,) = struct.unpack_from(">I", data, 0)
+    if count > _MAX_ITEMS:
+        raise ProtocolError(f"{what}: {count} items is more than allowed")
+    pos, items = 4, []
+    for _ in range(count):
+        if pos + 4 > len(data):
+            raise ProtocolError(f"{what}: truncated list")
+        (n,) = struct.unpack_from(">I", data, pos)
+        pos += 4
+        if pos + n > len(data):
+            raise ProtocolError(f"{what}: truncated item")
+        items.append(data[pos : pos + n])
+        pos += n
+    if pos != len(data):
+        raise ProtocolError(f"{what}: {len(data) - pos} trailing bytes")
+    return items
+
+
+@dataclass(frozen=True)
+class RoundSetup:
+    """What every cohort member must agree on before a secure round starts."""
+
+    round_id: bytes
+    cohort: tuple[str, ...]
+    threshold: int
+    neighbours: int
+    modulus_bits: int
+    clip_range: float
+    scale: float
+    vector_length: int
+
+    def config(self) -> SecAggConfig:
+        """The protocol configuration (validates threshold, graph and modulus)."""
+        return SecAggConfig(
+            round_id=self.round_id,
+            cohort=self.cohort,
+            threshold=self.threshold,
+            clip_range=self.clip_range,
+            scale=self.scale,
+            neighbours=self.neighbours,
+            modulus_bits=self.modulus_bits,
+        )
+
+    def to_bytes(self) -> bytes:
+        """Canonical JSON (version 1)."""
+        doc = {
+            "version": 1,
+            "round_id": self.round_id.hex(),
+            "cohort": list(self.cohort),
+            "threshold": self.threshold,
+            "neighbours": self.neighbours,
+            "modulus_bits": self.modulus_bits,
+            "clip_range": self.clip_range,
+            "scale": self.scale,
+            "vector_length": self.vector_length,
+        }
+        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RoundSetup:
+        """Strict inverse of :meth:`to_bytes`."""
+        try:
+            doc = json.loads(data)
+            if doc.pop("version") != 1:
+                raise ValueError("unsupported version")
+            keys = {"round_id", "cohort", "threshold", "neighbours", "modulus_bits",
+                    "clip_range", "scale", "vector_length"}  # fmt: skip
+            if set(doc) != keys:
+                raise ValueError(f"keys {sorted(doc)}")
+            setup = cls(
+                round_id=bytes.fromhex(doc["round_id"]),
+                cohort=tuple(str(c) for c in doc["cohort"]),
+                threshold=int(doc["threshold"]),
+                neighbours=int(doc["neighbours"]),
+                modulus_bits=int(doc["modulus_bits"]),
+                clip_range=float(doc["clip_range"]),
+                scale=float(doc["scale"]),
+                vector_length=int(doc["vector_length"]),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ProtocolError(f"invalid secure-aggregation setup: {exc}") from exc
+        if setup.vector_length < 1:
+            raise ProtocolError("invalid secure-aggregation setup: vector_length < 1")
+        return setup
+
+
+def make_setup(
+    cfg: SecureAggregationConfig,
+    *,
+    run_id: str,
+    round_: int,
+    attempt: int,
+    cohort: Sequence[str],
+    vector_length: int,
+) -> RoundSetup:
+    """The setup of one attempt of a round (a fresh round id for every attempt)."""
+    n = len(cohort)
+    k = n - 1 if cfg.neighbours == 0 or cfg.neighbours >= n - 1 else cfg.neighbours
+    neighbours = 0 if k == n - 1 else k
+    threshold = cfg.threshold or k // 2 + 1
+    if threshold > k:
+        raise PrivacyError(
+            f"secure_aggregation.threshold = {threshold} exceeds the {k} neighbours each "
+            f"client has in a cohort of {n}"
+        )
+    round_id = hashlib.sha256(f"fl-secure/secagg/{run_id}/{round_}/{attempt}".encode()).digest()
+    return RoundSetup(
+        round_id=round_id[:16],
+        cohort=tuple(sorted(cohort)),
+        threshold=threshold,
+        neighbours=neighbours,
+        modulus_bits=cfg.modulus_bits,
+        clip_range=cfg.clip_range,
+        scale=float(2**cfg.scale_bits),
+        vector_length=vector_length,
+    )
+
+
+def flatten(tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+    """All tensors as one float64 vector, in order."""
+    return np.concatenate([np.asarray(v, dtype=np.float64).ravel() for v in tensors.values()])
+
+
+def unflatten(vector: np.ndarray, specs: Sequence[TensorSpec]) -> Tensors:
+    """Inverse of :func:`flatten` for tensors of ``specs`` (float64 values)."""
+    out: Tensors = OrderedDict()
+    pos = 0
+    for s in specs:
+        n = math.prod(s.shape)
+        out[s.name] = vector[pos : pos + n].reshape(s.shape)
+        pos += n
+    if pos != vector.size:
+        raise ProtocolError(f"aggregate has {vector.size} values, the model {pos}")
+    return out
+
+
+@dataclass
+class ServerSecureRound:
+    """The server's side of one secure round: stages, deadlines, the protocol state."""
+
+    setup: RoundSetup
+    registry: Mapping[str, Ed25519PublicKey]
+    stage_timeout: float
+    clock: Callable[[], float] = time.monotonic
+    stage: int = ADVERTISE
+    deadline: float = 0.0
+    answered: set[str] = field(default_factory=set)
+    routed: dict[str, bytes] = field(default_factory=dict)
+    unmask_payload: bytes = b""
+    aborted: str = ""
+    dropped: dict[str, str] = field(default_factory=dict)  # client -> the stage it missed
+    result: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        self.server = SecAggServer(self.setup.config(), self.registry, self.setup.vector_length)
+        self.deadline = self.clock() + self.stage_timeout
+
+    @property
+    def upload_specs(self) -> list[TensorSpec]:
+        """What a masked upload must contain."""
+        return [TensorSpec(MASKED_TENSOR, np.dtype("<u8"), (self.setup.vector_length,))]
+
+    def expected(self) -> set[str]:
+        """Who must answer the open stage."""
+        if self.stage == ADVERTISE:
+            return set(self.setup.cohort)
+        if self.stage == SHARE:
+            return set(self.routed)
+        return set(self.server.survivors) if self.stage == UNMASK else set()
+
+    def submit(self, stage: int, client_id: str, payload: bytes) -> None:
+        """One client's message of ``stage`` (advertise, share, or unmask reply)."""
+        if self.aborted:
+            raise RoundAborted(self.aborted)
+        if stage != self.stage:
+            raise ProtocolError(
+                f"{STAGE_NAMES.get(stage, stage)} message from {client_id} while the round is "
+                f"at {STAGE_NAMES[self.stage]}"
+            )
+        if client_id in self.answered:
+            raise ProtocolError(f"client {client_id} already answered {STAGE_NAMES[stage]}")
+        if stage == ADVERTISE:
+            advert = AdvertiseKeys.from_bytes(payload)
+            if advert.client_id != client_id:
+                raise ProtocolError(f"{client_id} sent the advertisement of {advert.client_id}")
+            self.server.add_advert(advert)
+        elif stage == SHARE:
+            shares = [EncryptedShare.from_bytes(b) for b in unpack(payload, "shares")]
+            self.server.add_shares(client_id, shares)
+        elif stage == UNMASK:
+            response = UnmaskResponse.from_bytes(payload)
+            if response.client_id != client_id:
+                raise ProtocolError(f"{client_id} sent the unmask reply of {response.client_id}")
+            self.server.add_unmask_response(response)
+        else:
+            raise ProtocolError(f"no messages are taken at {STAGE_NAMES.get(stage, stage)}")
+        self.answered.add(client_id)
+
+    def add_masked(self, client_id: str, vector: np.ndarray) -> None:
+        """A masked input uploaded through ``SubmitUpdate``."""
+        if self.aborted:
+            raise RoundAborted(self.aborted)
+        if self.stage != MASKED:
+            raise ProtocolError(f"masked input from {client_id} outside the masked-input stage")
+        masked = MaskedInput(client_id, self.setup.round_id, self.setup.modulus_bits, vector)
+        self.server.add_masked_input(masked)
+
+    def ready(self) -> bool:
+        """Whether the open (advertise/share/unmask) stage may close now."""
+        return self.expected() <= self.answered or self.clock() >= self.deadline
+
+    def close_stage(self) -> None:
+        """Close the open stage: route its messages, record who dropped, open the next."""
+        missing = self.expected() - self.answered
+        for c in missing:
+            self.dropped.setdefault(c, STAGE_NAMES[self.stage])
+        try:
+            if self.stage == ADVERTISE:
+                routed = self.server.route_adverts()
+                self.routed = {c: pack([a.to_bytes() for a in ads]) for c, ads in routed.items()}
+            elif self.stage == SHARE:
+                shares = self.server.route_shares()
+                self.routed = {c: pack([s.to_bytes() for s in sh]) for c, sh in shares.items()}
+            elif self.stage == MASKED:
+                request: UnmaskRequest = self.server.unmask_request()
+                self.unmask_payload = request.to_bytes()
+            elif self.stage == UNMASK:
+                self.result = self.server.finish()
+        except (RoundAborted, PrivacyError, ProtocolError) as exc:
+            self.aborted = str(exc)
+            raise RoundAborted(f"secure aggregation aborted: {exc}") from exc
+        self.stage += 1
+        self.answered = set()
+        self.deadline = self.clock() + self.stage_timeout
+
+    def reply(self, stage: int, client_id: str) -> bytes:
+        """What ``client_id`` receives once ``stage`` has closed."""
+        if self.aborted:
+            raise RoundAborted(self.aborted)
+        if stage in (ADVERTISE, SHARE):
+            if client_id not in self.routed:
+                raise ProtocolError(f"client {client_id} was dropped from the secure round")
+            return self.routed[client_id]
+        if stage == MASKED:
+            return self.unmask_payload
+        return b"ok"
+
+    def survivors(self) -> tuple[str, ...]:
+        """Clients whose input is in the sum."""
+        return self.server.survivors
+
+    def decoded_sum(self) -> np.ndarray:
+        """The float64 sum of the survivors' (clipped, fixed-point) updates."""
+        if self.result is None:
+            raise RoundAborted(self.aborted or "the secure round has no result")
+        return self.setup.config().decode(self.result, len(self.server.survivors))
+
+
+#: (stage, payload) -> the server's reply payload (one SecAggExchange call).
+Exchange = Callable[[int, bytes], bytes]
+
+
+def client_secure_update(
+    setup: RoundSetup,
+    client_id: str,
+    identity_key: Ed25519PrivateKey,
+    registry: Mapping[str, Ed25519PublicKey],
+    exchange: Exchange,
+    compute_update: Callable[[], Tensors],
+    upload: Callable[[np.ndarray], None],
+) -> None:
+    """A client's whole secure round: keys, shares, local training, masked upload, unmasking.
+
+    Keys are exchanged before training, so a client that drops while training is recovered
+    by its neighbours' shares.
+    """
+    client = SecAggClient(client_id, identity_key, setup.config(), registry, setup.vector_length)
+    adverts = [
+        AdvertiseKeys.from_bytes(b)
+        for b in unpack(exchange(ADVERTISE, client.advertise_keys().to_bytes()), "adverts")
+    ]
+    shares = client.share_keys(adverts)
+    incoming = [
+        EncryptedShare.from_bytes(b)
+        for b in unpack(exchange(SHARE, pack([s.to_bytes() for s in shares])), "shares")
+    ]
+    vector = flatten(compute_update())
+    if vector.size != setup.vector_length:
+        raise FlSecureError(
+            f"update has {vector.size} values, the round expects {setup.vector_length}"
+        )
+    masked = client.masked_input(incoming, vector)
+    upload(masked.vector)
+    request = UnmaskRequest.from_bytes(exchange(MASKED, b""))
+    exchange(UNMASK, client.unmask(request).to_bytes())
