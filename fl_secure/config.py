@@ -188,12 +188,6 @@ class PrivacyConfig:
                 f"privacy.unit = {self.unit!r} needs privacy.noise_multiplier > 0 or "
                 "privacy.target_epsilon > 0 (the noise is then calibrated to the budget)"
             )
-        if self.unit == "client" and self.noise_placement == "distributed":
-            raise ConfigError(
-                "privacy.noise_placement = 'distributed' needs secure aggregation (the server "
-                "must never hold an un-noised sum), which this version does not have yet; "
-                "use 'local' (each update private by itself) or 'central' (trusts the server)"
-            )
 
     @property
     def enabled(self) -> bool:
@@ -264,6 +258,14 @@ class Config:
 
     def __post_init__(self) -> None:
         """Cross-section checks."""
+        p = self.privacy
+        if p.unit == "client" and p.noise_placement == "distributed":
+            if not self.secure_aggregation.enabled:
+                raise ConfigError(
+                    "privacy.noise_placement = 'distributed' needs secure aggregation "
+                    "(secure_aggregation.scheme = 'secagg' or 'secagg+'): each client adds only "
+                    "a share of the noise, so the server must never see an individual update"
+                )
         if self.server.min_clients > self.partition.num_clients:
             raise ConfigError(
                 f"server.min_clients = {self.server.min_clients} exceeds "

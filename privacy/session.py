@@ -26,7 +26,12 @@ from fl_secure.errors import PrivacyError
 from fl_secure.messages import Tensors, TensorSpec
 from privacy.accountants import create_accountant
 from privacy.accountants.accountant import ADJACENCY
-from privacy.client_level import ClientLevelPlan, NoisyClippedSum, plan_client_level
+from privacy.client_level import (
+    ClientLevelPlan,
+    NoisyClippedSum,
+    effective_noise_multiplier,
+    plan_client_level,
+)
 from privacy.ledger import Entry, Ledger
 from privacy.noise import NoiseSource, SecureGaussian
 
@@ -50,6 +55,7 @@ class ServerPrivacy:
         *,
         plan: ClientLevelPlan | None = None,
         source: NoiseSource | None = None,
+        min_survivors: int = 1,
     ) -> None:
         if cfg.unit == "client" and plan is None:
             raise PrivacyError("client-level DP needs a ClientLevelPlan")
@@ -58,6 +64,7 @@ class ServerPrivacy:
         self.plan = plan
         self.source: NoiseSource = source or SecureGaussian()
         self.accountant_name = cfg.accountant_name()
+        self.min_survivors = min_survivors
         self._client_history: list[dict[str, Any]] = []
         self._example_history: dict[str, list[dict[str, Any]]] = {}
         self.epsilon = 0.0
@@ -173,6 +180,13 @@ class ServerPrivacy:
                 "sampling": p.sampling,
                 "population": p.population,
                 "cohort_size": cohort_size,
+                "updates": len(client_metrics),
+                # noise the released sum carries (>= z): sqrt(m / t) z for distributed shares
+                "effective_noise_multiplier": effective_noise_multiplier(
+                    p.placement, p.noise_multiplier, len(client_metrics), self.min_survivors
+                )
+                if p.placement == "distributed"
+                else p.noise_multiplier,
                 "accountant": self.accountant_name,
                 "epsilon": epsilon,
                 "delta": self.cfg.delta,
@@ -353,6 +367,7 @@ def open_server_privacy(
     clients_per_round: int,
     sample_rate: float,
     source: NoiseSource | None = None,
+    min_survivors: int = 1,
 ) -> ServerPrivacy | None:
     """The run's :class:`ServerPrivacy`, or ``None`` for a non-private run."""
     if not cfg.enabled:
@@ -374,4 +389,4 @@ def open_server_privacy(
         if not math.isfinite(plan.noise_multiplier):  # pragma: no cover - calibration guards
             raise PrivacyError("calibration returned a non-finite noise multiplier")
     ledger = Ledger.open(ledger_path, run_id)
-    return ServerPrivacy(cfg, ledger, plan=plan, source=source)
+    return ServerPrivacy(cfg, ledger, plan=plan, source=source, min_survivors=min_survivors)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from fl_secure.training import (
     local_training,
     set_tensors,
 )
+from privacy.client_level import client_noise_std
 from privacy.noise import NoiseSource, seeded_source
 from privacy.session import ServerPrivacy, open_server_privacy
 from server.coordinator import Coordinator, CoordinatorSettings
@@ -84,7 +86,9 @@ def build_server(
         clients_per_round=s.clients_per_round,
         sample_rate=s.sample_rate,
         source=noise or _noise_source(config, "server"),
+        min_survivors=s.min_clients,
     )
+    _check_encoding_range(config, privacy)
     sent = _config_for_clients(config, privacy)
     registry = _signing_registry(config, cert_dir, enrolled)
     settings = CoordinatorSettings(
@@ -114,6 +118,28 @@ def build_server(
         signing_registry=registry,
     )
     return ServerSide(coordinator=coordinator, strategy=strategy, plan=plan)
+
+
+#: A noisy coordinate beyond this many standard deviations is clipped by the fixed-point
+#: encoding; at 8 sigma that happens with probability ~1e-15 per coordinate.
+ENCODING_SIGMAS = 8.0
+
+
+def _check_encoding_range(config: Config, privacy: ServerPrivacy | None) -> None:
+    """Under secure aggregation, clipped + noised updates must fit the encoding's range."""
+    sa = config.secure_aggregation
+    if not sa.enabled or privacy is None or privacy.plan is None:
+        return
+    p = privacy.plan
+    std = client_noise_std(p.placement, p.noise_multiplier, p.clip_norm, config.server.min_clients)
+    needed = p.clip_norm + ENCODING_SIGMAS * std
+    if sa.clip_range < needed:
+        raise ConfigError(
+            f"secure_aggregation.clip_range = {sa.clip_range:g} would clip the noisy updates: "
+            f"clip norm {p.clip_norm:g} plus {ENCODING_SIGMAS:g} x the clients' noise std "
+            f"{std:.4g} needs at least {needed:.4g} (set secure_aggregation.clip_range = "
+            f"{math.ceil(needed)})"
+        )
 
 
 def _signing_registry(

@@ -58,10 +58,13 @@ def test_privacy_section_is_validated_with_clear_errors() -> None:
     with pytest.raises(ConfigError, match="needs privacy.noise_multiplier > 0 or"):
         config_from_dict({"privacy": {"unit": "client"}})
     # distributed noise without secure aggregation would leave an un-noised sum on the server
+    distributed = {"unit": "client", "noise_placement": "distributed", "target_epsilon": 8}
     with pytest.raises(ConfigError, match="'distributed' needs secure aggregation"):
-        config_from_dict(
-            {"privacy": {"unit": "client", "noise_placement": "distributed", "target_epsilon": 8}}
-        )
+        config_from_dict({"privacy": distributed})
+    both = config_from_dict(
+        {"privacy": distributed, "secure_aggregation": {"scheme": "secagg", "clip_range": 8.0}}
+    )
+    assert both.privacy.noise_placement == "distributed"
     with pytest.raises(ConfigError, match="privacy.delta"):
         config_from_dict({"privacy": {"delta": 1.5}})
     with pytest.raises(ConfigError, match="privacy.unit = 'user' is not allowed"):
