@@ -389,6 +389,7 @@ class Coordinator:
 
     def _run_round(self, number: int, kind: TaskKind, needed: int) -> _Round:
         """Run one round with retries; the returned round has >= needed results."""
+        last_secure_error = ""
         for attempt in range(self.settings.max_retries + 1):
             online = self._wait_for_clients(needed)
             cohort = self._sample_cohort(online)
@@ -443,21 +444,29 @@ class Coordinator:
             if rnd.secure is not None:
                 event["secure_aggregation"] = self._secure_record(rnd, secure_error)
             self.events.append(event)
+            then = "retrying" if attempt < self.settings.max_retries else "aborting"
             if secure_error:
-                log.warning("round %d attempt %d: %s", number, attempt, secure_error)
-            elif len(rnd.received) >= needed:
+                last_secure_error = secure_error
+                log.warning("round %d attempt %d: %s; %s", number, attempt, secure_error, then)
+                continue
+            if len(rnd.received) >= needed:
                 return rnd
+            last_secure_error = ""
             log.warning(
                 "round %d attempt %d: %d of %d needed updates arrived; %s",
                 number,
                 attempt,
                 len(rnd.received),
                 needed,
-                "retrying" if attempt < self.settings.max_retries else "aborting",
+                then,
+            )
+        attempts = self.settings.max_retries + 1
+        if last_secure_error:
+            raise RoundAborted(
+                f"round {number} aborted after {attempts} attempts: {last_secure_error}"
             )
         raise RoundAborted(
-            f"round {number} aborted: fewer than {needed} updates after "
-            f"{self.settings.max_retries + 1} attempts"
+            f"round {number} aborted: fewer than {needed} updates after {attempts} attempts"
         )
 
     # ------------------------------------------------------- secure aggregation

@@ -34,19 +34,52 @@ class ShiftTrainer:
         return self.num_examples, {}
 
 
-def _run(tmp_path: Path, shifts: list[float], failing: set[int]) -> Coordinator:
+class _Killed(BaseException):
+    """Ends a client thread like a kill -9 would end its process (no goodbye)."""
+
+
+def _die_after_masked_input(monkeypatch, dying: set[str]) -> None:
+    """Clients in ``dying`` vanish right after uploading their masked input."""
+    import privacy.secagg_session as session
+
+    real = session.client_secure_update
+
+    def wrapped(setup, client_id, identity, registry, exchange, compute, upload):
+        def exchange_or_die(stage: int, payload: bytes) -> bytes:
+            if client_id in dying and stage == session.MASKED:
+                raise _Killed(client_id)
+            return exchange(stage, payload)
+
+        return real(setup, client_id, identity, registry, exchange_or_die, compute, upload)
+
+    monkeypatch.setattr(session, "client_secure_update", wrapped)
+
+
+def _run(
+    tmp_path: Path,
+    shifts: list[float],
+    failing: set[int],
+    *,
+    min_clients: int | None = None,
+    neighbours: int = 0,
+    scheme: str = "secagg",
+) -> Coordinator:
     certs = tmp_path / "certs"
     init_certificates(certs, clients=len(shifts))
     initial = OrderedDict([("w", np.zeros((50, 40), np.float32)), ("b", np.zeros(7, np.float32))])
     settings = CoordinatorSettings(
         rounds=1,
-        min_clients=len(shifts) - len(failing),
+        min_clients=min_clients or len(shifts) - len(failing),
         round_timeout=15.0 if failing else 60.0,  # a dead client is noticed at the deadline
+        max_retries=0,
         poll_wait=0.5,
         final_evaluation=False,
         run_id="secagg-test",
         secure_aggregation=SecureAggregationConfig(
-            scheme="secagg", clip_range=4.0, stage_timeout=20
+            scheme=scheme,  # type: ignore[arg-type]
+            neighbours=neighbours,
+            clip_range=4.0,
+            stage_timeout=10,
         ),
     )
     coord = Coordinator(
@@ -79,7 +112,7 @@ def _run(tmp_path: Path, shifts: list[float], failing: set[int]) -> Coordinator:
 def _quiet(fn) -> None:
     try:
         fn()
-    except Exception:  # noqa: BLE001, S110 - the failing client's thread just dies
+    except (Exception, _Killed):  # noqa: BLE001, S110 - a failing client's thread just dies
         pass
 
 
@@ -110,3 +143,35 @@ def test_a_client_dropping_after_sharing_keys_is_recovered(tmp_path: Path) -> No
     np.testing.assert_allclose(coord.params["w"], np.mean(shifts[:3]), atol=4 * 2.0**-20)
     sa = RunDir(tmp_path / "run").read_metrics()[-1]["secure_aggregation"]
     assert sa["survivors"] == ["client-0", "client-1", "client-2"]
+
+
+def test_ten_clients_two_killed_after_their_masked_input(tmp_path: Path, monkeypatch) -> None:
+    # Prepare: SecAgg+ with 6 neighbours each (t = 4, so any client keeps >= t surviving
+    # neighbours); client-3 and client-7 vanish after uploading their masked input, before
+    # revealing any share
+    shifts = [0.1 * (i + 1) for i in range(10)]
+    _die_after_masked_input(monkeypatch, {"client-3", "client-7"})
+    # Execute
+    coord = _run(tmp_path, shifts, failing=set(), min_clients=8, neighbours=6, scheme="secagg+")
+    # Assert: their inputs are in the sum (their self masks rebuilt from the others' shares),
+    # so the mean is exact over all ten
+    assert coord.status == "completed", coord.stop_reason
+    np.testing.assert_allclose(coord.params["w"], np.mean(shifts), atol=10 * 2.0**-20)
+    sa = RunDir(tmp_path / "run").read_metrics()[-1]["secure_aggregation"]
+    assert (sa["scheme"], sa["neighbours"], sa["threshold"]) == ("secagg+", 6, 4), sa
+    assert len(sa["survivors"]) == 10
+
+
+def test_too_few_survivors_abort_without_a_result(tmp_path: Path, monkeypatch) -> None:
+    # Prepare: 4 clients (t = 2 of 3), three vanish after their masked input: one survivor
+    # cannot reveal t shares of anybody
+    _die_after_masked_input(monkeypatch, {"client-1", "client-2", "client-3"})
+    # Execute
+    coord = _run(tmp_path, [0.5, 1.0, -0.25, 2.0], failing=set(), min_clients=2)
+    # Assert: the round aborted cleanly: no model update, nothing recorded as trained
+    assert coord.status == "aborted"
+    assert coord.completed_round == 0
+    np.testing.assert_array_equal(coord.params["w"], np.zeros((50, 40), np.float32))
+    event = coord.events[-1]["secure_aggregation"]
+    assert "aborted" in event["aborted"] and event["survivors"] == []
+    assert "too few" in coord.stop_reason
