@@ -211,7 +211,12 @@ class FlClient:
         self, stub: pb_grpc.FlSecureStub, task: Task, shared: Tensors, started: float
     ) -> None:
         """A TRAIN round under secure aggregation: the server only learns the cohort's sum."""
-        from privacy.secagg_session import MASKED_TENSOR, RoundSetup, client_secure_update
+        from privacy.secagg_session import (
+            MASKED_TENSOR,
+            RoundSetup,
+            client_secure_update,
+            wire_dtype,
+        )
 
         trainer = self.trainer
         assert trainer is not None
@@ -253,7 +258,7 @@ class FlClient:
                 num_examples=1,
                 metrics={**metrics, "local_seconds": time.monotonic() - started},
             )
-            tensors = OrderedDict([(MASKED_TENSOR, vector.astype(np.uint64))])
+            tensors = OrderedDict([(MASKED_TENSOR, vector.astype(wire_dtype(setup)))])
             stub.SubmitUpdate(
                 serde.update_to_chunks(header, tensors), metadata=self._metadata, timeout=600
             )

@@ -38,6 +38,7 @@ _DTYPES: dict[pb.DType.ValueType, np.dtype] = {
     pb.DTYPE_UINT8: np.dtype("u1"),
     pb.DTYPE_BOOL: np.dtype("?"),
     pb.DTYPE_UINT64: np.dtype("<u8"),
+    pb.DTYPE_UINT32: np.dtype("<u4"),
 }
 _DTYPE_CODES: dict[str, pb.DType.ValueType] = {
     dt.str.lstrip("<|"): code for code, dt in _DTYPES.items()

@@ -184,6 +184,11 @@ def make_setup(
     )
 
 
+def wire_dtype(setup: RoundSetup) -> np.dtype:
+    """Masked vectors travel as 32-bit words when the modulus allows (half the bytes)."""
+    return np.dtype("<u4") if setup.modulus_bits <= 32 else np.dtype("<u8")
+
+
 def flatten(tensors: Mapping[str, np.ndarray]) -> np.ndarray:
     """All tensors as one float64 vector, in order."""
     return np.concatenate([np.asarray(v, dtype=np.float64).ravel() for v in tensors.values()])
@@ -226,7 +231,7 @@ class ServerSecureRound:
     @property
     def upload_specs(self) -> list[TensorSpec]:
         """What a masked upload must contain."""
-        return [TensorSpec(MASKED_TENSOR, np.dtype("<u8"), (self.setup.vector_length,))]
+        return [TensorSpec(MASKED_TENSOR, wire_dtype(self.setup), (self.setup.vector_length,))]
 
     def expected(self) -> set[str]:
         """Who must answer the open stage."""
@@ -270,7 +275,9 @@ class ServerSecureRound:
             raise RoundAborted(self.aborted)
         if self.stage != MASKED:
             raise ProtocolError(f"masked input from {client_id} outside the masked-input stage")
-        masked = MaskedInput(client_id, self.setup.round_id, self.setup.modulus_bits, vector)
+        masked = MaskedInput(
+            client_id, self.setup.round_id, self.setup.modulus_bits, vector.astype(np.uint64)
+        )
         self.server.add_masked_input(masked)
 
     def ready(self) -> bool:

@@ -41,6 +41,8 @@ class _DTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DType.ValueType
     DTYPE_BOOL: _DType.ValueType  # 7
     DTYPE_UINT64: _DType.ValueType  # 8
     """secure aggregation: masked fixed-point vectors mod 2^k"""
+    DTYPE_UINT32: _DType.ValueType  # 9
+    """... when k <= 32 (half the bytes)"""
 
 class DType(_DType, metaclass=_DTypeEnumTypeWrapper): ...
 
@@ -54,6 +56,8 @@ DTYPE_UINT8: DType.ValueType  # 6
 DTYPE_BOOL: DType.ValueType  # 7
 DTYPE_UINT64: DType.ValueType  # 8
 """secure aggregation: masked fixed-point vectors mod 2^k"""
+DTYPE_UINT32: DType.ValueType  # 9
+"""... when k <= 32 (half the bytes)"""
 Global___DType: _TypeAlias = DType  # noqa: Y015
 
 class _TaskKind:

@@ -93,7 +93,7 @@ class FlSecureServicer:
         """Secure aggregation stages of a TRAIN round (SecAgg / SecAgg+). Each call waits until the
         stage has closed for the cohort (everyone answered or the deadline passed) and returns
         what the server relays to this client for the next stage. The masked input itself is
-        uploaded with SubmitUpdate as one DTYPE_UINT64 tensor.
+        uploaded with SubmitUpdate as one DTYPE_UINT32 (k <= 32) or DTYPE_UINT64 tensor.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -46,7 +46,7 @@ class FlSecureStub:
     """Secure aggregation stages of a TRAIN round (SecAgg / SecAgg+). Each call waits until the
     stage has closed for the cohort (everyone answered or the deadline passed) and returns
     what the server relays to this client for the next stage. The masked input itself is
-    uploaded with SubmitUpdate as one DTYPE_UINT64 tensor.
+    uploaded with SubmitUpdate as one DTYPE_UINT32 (k <= 32) or DTYPE_UINT64 tensor.
     """
 
 @_typing.type_check_only
@@ -61,7 +61,7 @@ class FlSecureAsyncStub(FlSecureStub):
     """Secure aggregation stages of a TRAIN round (SecAgg / SecAgg+). Each call waits until the
     stage has closed for the cohort (everyone answered or the deadline passed) and returns
     what the server relays to this client for the next stage. The masked input itself is
-    uploaded with SubmitUpdate as one DTYPE_UINT64 tensor.
+    uploaded with SubmitUpdate as one DTYPE_UINT32 (k <= 32) or DTYPE_UINT64 tensor.
     """
 
 class FlSecureServicer(metaclass=_abc_1.ABCMeta):
@@ -103,7 +103,7 @@ class FlSecureServicer(metaclass=_abc_1.ABCMeta):
         """Secure aggregation stages of a TRAIN round (SecAgg / SecAgg+). Each call waits until the
         stage has closed for the cohort (everyone answered or the deadline passed) and returns
         what the server relays to this client for the next stage. The masked input itself is
-        uploaded with SubmitUpdate as one DTYPE_UINT64 tensor.
+        uploaded with SubmitUpdate as one DTYPE_UINT32 (k <= 32) or DTYPE_UINT64 tensor.
         """
 
 def add_FlSecureServicer_to_server(servicer: FlSecureServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
