@@ -51,6 +51,7 @@ def build_summary(
         "clients": per_client,
         "clients_summary": per_client_summary(per_client) if per_client else {},
         **_privacy(coordinator),
+        "secure_aggregation": _secure_aggregation(config, metrics),
         "version": __version__,
         "duration_s": round(time.time() - started, 1),
     }
@@ -74,4 +75,21 @@ def _privacy(coordinator: Coordinator) -> dict[str, Any]:
             for k in ("epsilon", "delta", "accountant", "privacy_unit", "noise_placement")
         },
         "privacy": statement,
+    }
+
+
+def _secure_aggregation(config: Config, metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """Scheme and, per trained round, how many clients were in the unmasked sum."""
+    sa = config.secure_aggregation
+    if not sa.enabled:
+        return {"scheme": "none", "server_sees": "every client's update"}
+    rounds = [m for m in metrics if "secure_aggregation" in m]
+    return {
+        "scheme": sa.scheme,
+        "server_sees": "only the sum of the surviving clients' masked updates",
+        "modulus_bits": sa.modulus_bits,
+        "clip_range": sa.clip_range,
+        "scale_bits": sa.scale_bits,
+        "survivors_per_round": [len(m["secure_aggregation"]["survivors"]) for m in rounds],
+        "threshold_per_round": [m["secure_aggregation"]["threshold"] for m in rounds],
     }

@@ -213,3 +213,30 @@ def test_kill_a_client_mid_round(federation, min_clients: int, status: str) -> N
         assert "aborted" in summary["reason"]
         assert max(r["round"] for r in records) < 3  # nothing half-applied was recorded
         assert (fed.run_dir / "checkpoints" / "latest.json").exists()
+
+
+def test_secure_aggregation_with_distributed_noise_in_processes(federation) -> None:
+    # Prepare: a server and three client processes; SecAgg + client-level DP whose noise
+    # each client adds in shares before masking
+    section = (
+        '[privacy]\nunit = "client"\nnoise_placement = "distributed"\nnoise_multiplier = 1.0\n'
+        '[secure_aggregation]\nscheme = "secagg"\nclip_range = 8.0'
+    )
+    fed = federation(rounds=2, min_clients=3, timeout=120.0, privacy=section)
+    # Execute
+    fed.start_server()
+    fed.start_clients()
+    assert fed.server is not None
+    assert fed.server.wait(timeout=300) == 0, fed.logs()
+    # Assert: every round unmasked with all three in the sum; privacy accounted per round
+    summary = json.loads((fed.run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    sa = summary["secure_aggregation"]
+    assert sa["scheme"] == "secagg" and sa["survivors_per_round"] == [3, 3]
+    assert summary["noise_placement"] == "distributed"
+    expected = epsilon_for(
+        accountant="pld", noise_multiplier=1.0, sample_rate=1.0, steps=2, delta=1e-5
+    )
+    assert summary["epsilon"] == pytest.approx(expected)
+    for client in fed.clients:
+        assert client.wait(timeout=60) == 0, fed.logs()
