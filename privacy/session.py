@@ -275,6 +275,7 @@ class ServerPrivacy:
             "accountant": self.accountant_name,
             "privacy_unit": self.unit,
             "noise_placement": self.placement,
+            "adjacency": self.adjacency,
         }
 
     def summary(self) -> dict[str, Any]:
