@@ -167,6 +167,8 @@ class ClientPrivacy:
                 self.cfg.clip_norm,
                 self.min_survivors,
             )
+            if self.cfg.noise_placement == "distributed":
+                std = 0.0  # integer noise is added when encoding for secure aggregation
             noisy = add_gaussian(clipped, std, self.source) if std > 0 else clipped
             # Loss, accuracy and the update norm depend on the data: they stay here.
             return noisy, 1, {"local_steps": metrics.get("local_steps", 0.0)}

@@ -1065,7 +1065,13 @@ class SecAggClient:
             raise ProtocolError(f"share from {sender!r} names the wrong parties or abscissa")
         return x, b_y, s_y
 
-    def masked_input(self, shares: Sequence[EncryptedShare], update: np.ndarray) -> MaskedInput:
+    def masked_input(
+        self,
+        shares: Sequence[EncryptedShare],
+        update: np.ndarray,
+        *,
+        encoded: np.ndarray | None = None,
+    ) -> MaskedInput:
         """Round 2 (*MaskedInputCollection*): store the shares received, send ``y_u``.
 
         ``y_u = encode(x_u) + PRG(b_u) + sum_{v > u} PRG(s_uv) - sum_{v < u} PRG(s_uv)``
@@ -1075,6 +1081,8 @@ class SecAggClient:
         Args:
             shares: The encrypted shares the server routed to this client.
             update: The float update (``vector_length`` values, any shape).
+            encoded: The update already encoded as integers mod ``2^bits`` (for example by
+                the distributed discrete Gaussian); replaces the fixed-point encoding.
 
         Returns:
             The masked input.
@@ -1100,7 +1108,13 @@ class SecAggClient:
                 f"{self.client_id!r}: only {len(self._held)} neighbours shared keys, fewer "
                 f"than the threshold t = {t}"
             )
-        acc = self.config.encode(update, self._rounding)
+        if encoded is None:
+            acc = self.config.encode(update, self._rounding)
+        else:
+            acc = _check_vector(
+                np.array(encoded, dtype=np.uint64), self.config.modulus_bits,
+                self.vector_length, "encoded update",
+            ).copy()  # fmt: skip
         _add_keystream(acc, self._b)
         for v in sorted(self._held):
             shared = _agree(self._s_sk, self._peers[v].s_pk, v)

@@ -96,6 +96,9 @@ class RoundSetup:
     clip_range: float
     scale: float
     vector_length: int
+    encoding: str = "fixed_point"  # or "ddg": distributed discrete Gaussian (integers)
+    ddg_sigma: float = 0.0  # ddg: each client's N_Z(0, sigma^2), in units of 1 / scale
+    clip_norm: float = 0.0  # ddg: the L2 bound C every client's update is clipped to
 
     def config(self) -> SecAggConfig:
         """The protocol configuration (validates threshold, graph and modulus)."""
@@ -121,6 +124,9 @@ class RoundSetup:
             "clip_range": self.clip_range,
             "scale": self.scale,
             "vector_length": self.vector_length,
+            "encoding": self.encoding,
+            "ddg_sigma": self.ddg_sigma,
+            "clip_norm": self.clip_norm,
         }
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
@@ -132,7 +138,8 @@ class RoundSetup:
             if doc.pop("version") != 1:
                 raise ValueError("unsupported version")
             keys = {"round_id", "cohort", "threshold", "neighbours", "modulus_bits",
-                    "clip_range", "scale", "vector_length"}  # fmt: skip
+                    "clip_range", "scale", "vector_length", "encoding", "ddg_sigma",
+                    "clip_norm"}  # fmt: skip
             if set(doc) != keys:
                 raise ValueError(f"keys {sorted(doc)}")
             setup = cls(
@@ -144,11 +151,18 @@ class RoundSetup:
                 clip_range=float(doc["clip_range"]),
                 scale=float(doc["scale"]),
                 vector_length=int(doc["vector_length"]),
+                encoding=str(doc["encoding"]),
+                ddg_sigma=float(doc["ddg_sigma"]),
+                clip_norm=float(doc["clip_norm"]),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ProtocolError(f"invalid secure-aggregation setup: {exc}") from exc
         if setup.vector_length < 1:
             raise ProtocolError("invalid secure-aggregation setup: vector_length < 1")
+        if setup.encoding not in ("fixed_point", "ddg") or (
+            setup.encoding == "ddg" and not (setup.ddg_sigma > 0 and setup.clip_norm > 0)
+        ):
+            raise ProtocolError("invalid secure-aggregation setup: encoding parameters")
         return setup
 
 
@@ -160,8 +174,14 @@ def make_setup(
     attempt: int,
     cohort: Sequence[str],
     vector_length: int,
+    ddg: tuple[float, float, int] | None = None,
 ) -> RoundSetup:
-    """The setup of one attempt of a round (a fresh round id for every attempt)."""
+    """The setup of one attempt of a round (a fresh round id for every attempt).
+
+    ``ddg = (noise_multiplier z, clip norm C, min_survivors t)`` selects the distributed
+    discrete Gaussian: each client adds ``N_Z(0, sigma^2)`` with ``sigma = z D2 / sqrt(t)``,
+    ``D2 = C / gamma + sqrt(d)`` the L2 bound of its rounded integer vector (KLS21).
+    """
     n = len(cohort)
     k = n - 1 if cfg.neighbours == 0 or cfg.neighbours >= n - 1 else cfg.neighbours
     neighbours = 0 if k == n - 1 else k
@@ -172,6 +192,10 @@ def make_setup(
             f"client has in a cohort of {n}"
         )
     round_id = hashlib.sha256(f"fl-secure/secagg/{run_id}/{round_}/{attempt}".encode()).digest()
+    encoding, sigma, clip_norm = "fixed_point", 0.0, 0.0
+    if ddg is not None:
+        encoding = "ddg"
+        sigma, clip_norm = check_ddg(ddg, cfg, n, vector_length)
     return RoundSetup(
         round_id=round_id[:16],
         cohort=tuple(sorted(cohort)),
@@ -181,7 +205,43 @@ def make_setup(
         clip_range=cfg.clip_range,
         scale=float(2**cfg.scale_bits),
         vector_length=vector_length,
+        encoding=encoding,
+        ddg_sigma=sigma,
+        clip_norm=clip_norm,
     )
+
+
+def check_ddg(
+    ddg: tuple[float, float, int], cfg: SecureAggregationConfig, n: int, d: int
+) -> tuple[float, float]:
+    """``(sigma, C)`` of the distributed discrete Gaussian, after two checks.
+
+    The sum of any ``t`` clients' noise must be at least as private as the Gaussian the run
+    is accounted with (KLS21's ``tau`` term negligible), and the cohort's noisy sum must not
+    wrap mod ``2^bits`` (10 standard deviations of headroom).
+    """
+    from privacy.discrete_gaussian import (
+        ddg_client_sigma,
+        ddg_noise_multiplier,
+        integer_l2_bound,
+    )
+
+    z, clip_norm, t = ddg
+    gamma = 2.0**-cfg.scale_bits
+    bound = integer_l2_bound(clip_norm, gamma, d)
+    sigma = ddg_client_sigma(z, bound, t)
+    if ddg_noise_multiplier(sigma, t, bound, d) < z * (1 - 1e-9):
+        raise PrivacyError(
+            f"the discrete Gaussian with sigma {sigma:.3g} is not as private as z = {z:g} "
+            "(KLS21 tau term); raise secure_aggregation.scale_bits"
+        )
+    peak = n * (clip_norm / gamma + 1) + 10 * math.sqrt(n) * sigma
+    if 2 * peak >= 2.0 ** min(cfg.modulus_bits, 62):
+        raise PrivacyError(
+            f"a cohort of {n} noisy sums could wrap mod 2^{cfg.modulus_bits} (peak {peak:.3g}); "
+            "raise secure_aggregation.modulus_bits (up to 62) or lower scale_bits"
+        )
+    return sigma, clip_norm
 
 
 def wire_dtype(setup: RoundSetup) -> np.dtype:
@@ -328,6 +388,12 @@ class ServerSecureRound:
         """The float64 sum of the survivors' (clipped, fixed-point) updates."""
         if self.result is None:
             raise RoundAborted(self.aborted or "the secure round has no result")
+        if self.setup.encoding == "ddg":
+            from privacy.discrete_gaussian import ddg_decode
+
+            return ddg_decode(
+                self.result, gamma=1.0 / self.setup.scale, modulus_bits=self.setup.modulus_bits
+            )
         return self.setup.config().decode(self.result, len(self.server.survivors))
 
 
@@ -364,7 +430,22 @@ def client_secure_update(
         raise FlSecureError(
             f"update has {vector.size} values, the round expects {setup.vector_length}"
         )
-    masked = client.masked_input(incoming, vector)
+    encoded = None
+    if setup.encoding == "ddg":  # integer noise: round, add N_Z(0, sigma^2), reduce mod 2^k
+        from privacy.discrete_gaussian import ddg_encode
+        from privacy.noise import SecureGaussian
+
+        norm = float(np.linalg.norm(vector))
+        if norm > setup.clip_norm:  # the sensitivity bound D2 assumes ||x|| <= C
+            vector = vector * (setup.clip_norm / norm)
+        encoded = ddg_encode(
+            SecureGaussian(),
+            vector,
+            gamma=1.0 / setup.scale,
+            sigma=setup.ddg_sigma,
+            modulus_bits=setup.modulus_bits,
+        )
+    masked = client.masked_input(incoming, vector, encoded=encoded)
     upload(masked.vector)
     request = UnmaskRequest.from_bytes(exchange(MASKED, b""))
     exchange(UNMASK, client.unmask(request).to_bytes())

@@ -191,6 +191,10 @@ class ServerPrivacy:
                 "epsilon": epsilon,
                 "delta": self.cfg.delta,
                 "noise_placement": p.placement,
+                # distributed shares are integers under secure aggregation (KLS21)
+                "noise_distribution": "discrete_gaussian"
+                if p.placement == "distributed"
+                else "gaussian",
                 "adjacency": self.adjacency,
                 "privacy_unit": "client",
                 "noise_secure": bool(self.source.secure),

@@ -489,10 +489,18 @@ class Coordinator:
                 attempt=attempt,
                 cohort=cohort,
                 vector_length=length,
+                ddg=self._ddg(),
             )
             return ServerSecureRound(setup, self.signing_registry, cfg.stage_timeout, self.clock)
         except PrivacyError as exc:
             raise RoundAborted(f"round {number}: secure aggregation cannot start: {exc}") from exc
+
+    def _ddg(self) -> tuple[float, float, int] | None:
+        """(z, C, t) when client-level DP noise is distributed: integer noise under SecAgg."""
+        plan = self.privacy.plan if self.privacy is not None else None
+        if plan is None or plan.placement != "distributed":
+            return None
+        return plan.noise_multiplier, plan.clip_norm, self.settings.min_clients
 
     def _unmask(self, rnd: _Round) -> str:
         """After the masked inputs: ask for shares, wait for them, unmask (under the lock)."""

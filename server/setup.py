@@ -130,6 +130,8 @@ def _check_encoding_range(config: Config, privacy: ServerPrivacy | None) -> None
     sa = config.secure_aggregation
     if not sa.enabled or privacy is None or privacy.plan is None:
         return
+    if privacy.plan.placement == "distributed":  # integer noise: no per-coordinate clipping
+        return
     p = privacy.plan
     std = client_noise_std(p.placement, p.noise_multiplier, p.clip_norm, config.server.min_clients)
     needed = p.clip_norm + ENCODING_SIGMAS * std

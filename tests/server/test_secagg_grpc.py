@@ -7,9 +7,10 @@ from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from client.app import Connection, FlClient
-from fl_secure.config import SecureAggregationConfig
+from fl_secure.config import PrivacyConfig, SecureAggregationConfig
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import RunDir
 from fl_secure.tls import init_certificates
@@ -63,6 +64,7 @@ def _run(
     min_clients: int | None = None,
     neighbours: int = 0,
     scheme: str = "secagg",
+    privacy=None,
 ) -> Coordinator:
     certs = tmp_path / "certs"
     init_certificates(certs, clients=len(shifts))
@@ -89,6 +91,7 @@ def _run(
         run_dir=RunDir(tmp_path / "run"),
         server_step=lambda p, u, r: OrderedDict((k, p[k] + u[k]) for k in p),
         signing_registry=load_signing_registry(certs),
+        privacy=privacy,
     )
     server, port = start_server(coord, "127.0.0.1:0", cert_dir=certs)
     driver = threading.Thread(target=coord.run, daemon=True)
@@ -175,3 +178,30 @@ def test_too_few_survivors_abort_without_a_result(tmp_path: Path, monkeypatch) -
     event = coord.events[-1]["secure_aggregation"]
     assert "aborted" in event["aborted"] and event["survivors"] == []
     assert "too few" in coord.stop_reason
+
+
+def test_distributed_discrete_gaussian_noise_on_the_secure_sum(tmp_path: Path) -> None:
+    # Prepare: client-level DP, distributed placement: every client clips to C = 1 and adds
+    # discrete Gaussian noise to its integer vector; any t = 3 shares carry z C
+    from privacy.discrete_gaussian import ddg_client_sigma, integer_l2_bound
+    from privacy.session import open_server_privacy
+
+    z, d = 0.05, 50 * 40 + 7
+    cfg = PrivacyConfig(unit="client", noise_placement="distributed", noise_multiplier=z)
+    privacy = open_server_privacy(
+        cfg, tmp_path / "ledger.sqlite", "secagg-test", rounds=1, population=4,
+        clients_per_round=0, sample_rate=0.0, min_survivors=3,
+    )  # fmt: skip
+    shifts = [0.5, 1.0, -0.25, 2.0]
+    # Execute
+    coord = _run(tmp_path, shifts, failing=set(), min_clients=3, privacy=privacy)
+    # Assert: released = (sum of clipped updates + integer noise) / W, W = 4
+    assert coord.status == "completed", coord.stop_reason
+    clipped = sum(np.sign(s) / np.sqrt(d) for s in shifts)  # each update: norm C = 1
+    released = np.concatenate([coord.params["w"].ravel(), coord.params["b"].ravel()])
+    noise = released.astype(np.float64) - clipped / 4
+    sigma = ddg_client_sigma(z, integer_l2_bound(1.0, 2.0**-20, d), 3) * 2.0**-20
+    assert noise.std() == pytest.approx(np.sqrt(4) * sigma / 4, rel=0.1)
+    assert abs(noise.mean()) < 5 * noise.std() / np.sqrt(d)
+    entry = privacy.ledger.last("client_level") if privacy else None
+    assert entry is not None and entry.payload["noise_distribution"] == "discrete_gaussian"
