@@ -19,7 +19,7 @@ from fl_secure.errors import ConfigError
 from fl_secure.models.heads import HeadKind
 
 DataSource = Literal["synthetic", "folders"]
-PartitionKind = Literal["equal"]
+PartitionKind = Literal["equal", "lognormal", "dirichlet"]
 AlgorithmName = Literal["fedavg", "fedpe"]
 Optimizer = Literal["sgd", "adam"]
 LrSchedule = Literal["constant", "cosine"]
@@ -67,12 +67,17 @@ class DataConfig:
 class PartitionConfig:
     """How the training identities are spread over clients."""
 
-    kind: PartitionKind = "equal"
+    kind: PartitionKind = "equal"  # equal, lognormal (HF-MAML Eq. 5) or dirichlet
     num_clients: int = 4
+    mu: float = 3.0  # lognormal: mu of S_i (HF-MAML: 3)
+    sigma: float = 3.0  # lognormal: sigma of S_i (HF-MAML: 3)
+    alpha: float = 0.5  # dirichlet: concentration (smaller: more skewed)
 
     def __post_init__(self) -> None:
         """Check ranges."""
         _check(1 <= self.num_clients <= 1000, "partition.num_clients", "an integer in [1, 1000]")
+        _check(self.sigma > 0, "partition.sigma", "a number > 0")
+        _check(self.alpha > 0, "partition.alpha", "a number > 0")
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fl_secure.config import Config, DataConfig
+from fl_secure.config import Config, DataConfig, PartitionConfig
 from fl_secure.data.folders import load_identity_folders
-from fl_secure.data.splits import equal_partition, held_out_identities, stratified_split
+from fl_secure.data.splits import (
+    dirichlet_partition,
+    equal_partition,
+    held_out_identities,
+    lognormal_partition,
+    stratified_split,
+)
 from fl_secure.data.synthetic import SyntheticFaceConfig, generate_synthetic_faces
 from fl_secure.data.types import FaceDataset
 from fl_secure.errors import DataError
@@ -62,6 +68,17 @@ def load_dataset(cfg: DataConfig, seed: int) -> FaceDataset:
     )
 
 
+def partition_identities(
+    train_ids: np.ndarray, cfg: PartitionConfig, seed: int
+) -> list[np.ndarray]:
+    """Identities of each client under the configured partition (deterministic by seed)."""
+    if cfg.kind == "lognormal":
+        return lognormal_partition(train_ids, cfg.num_clients, seed, mu=cfg.mu, sigma=cfg.sigma)
+    if cfg.kind == "dirichlet":
+        return dirichlet_partition(train_ids, cfg.num_clients, seed, alpha=cfg.alpha)
+    return equal_partition(train_ids, cfg.num_clients, seed)
+
+
 def plan_federation(config: Config, dataset: FaceDataset | None = None) -> FederatedData:
     """Split ``dataset`` (default: :func:`load_dataset`) into held-out and client shares."""
     seed = config.run.seed
@@ -79,7 +96,7 @@ def plan_federation(config: Config, dataset: FaceDataset | None = None) -> Feder
     held_out = data.subset(np.flatnonzero(np.isin(labels, held_ids)))
     fractions = (1.0 - config.data.test_fraction, config.data.test_fraction)
     shares: list[ClientShare] = []
-    for k, ids in enumerate(equal_partition(train_ids, config.partition.num_clients, seed)):
+    for k, ids in enumerate(partition_identities(train_ids, config.partition, seed)):
         mine = data.subset(np.flatnonzero(np.isin(labels, ids)))
         train_idx, test_idx = stratified_split(mine, fractions=fractions, seed=seed + 1 + k)
         shares.append(ClientShare(train=mine.subset(train_idx), test=mine.subset(test_idx)))

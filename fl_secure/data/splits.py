@@ -150,3 +150,69 @@ def equal_partition(
         )
     shuffled = np.random.default_rng(seed).permutation(ids)
     return [np.sort(part) for part in np.array_split(shuffled, num_clients)]
+
+
+def _check_partition_ids(ids: np.ndarray, num_clients: int) -> None:
+    if ids.ndim != 1:
+        raise DataError(f"identity_ids must be 1-d, got shape {ids.shape}")
+    if num_clients < 1:
+        raise DataError(f"num_clients must be >= 1, got {num_clients}")
+    if len(np.unique(ids)) != len(ids):
+        raise DataError("identity_ids contains duplicates; each identity goes to one client")
+    if num_clients > len(ids):
+        raise DataError(
+            f"cannot give {len(ids)} identities to {num_clients} clients: each needs at least one"
+        )
+
+
+def _deal(ids: np.ndarray, counts: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
+    shuffled = rng.permutation(ids)
+    bounds = np.cumsum(counts)[:-1]
+    return [np.sort(part) for part in np.split(shuffled, bounds)]
+
+
+def lognormal_partition(
+    identity_ids: Sequence[int] | np.ndarray,
+    num_clients: int,
+    seed: int,
+    *,
+    mu: float = 3.0,
+    sigma: float = 3.0,
+) -> list[np.ndarray]:
+    """HF-MAML's lognormal class partition (Eq. 5): identity counts ``C S_i / sum_j S_j``.
+
+    ``S_i ~ lognormal(mu, sigma)`` once per client (the paper: mu = sigma = 3), ``C`` the
+    number of identities; counts are rounded by largest remainder and every client keeps at
+    least one identity. A few clients get many identities, many get few.
+
+    Raises:
+        DataError: as :func:`equal_partition`.
+    """
+    ids = np.asarray(identity_ids, dtype=np.int64)
+    _check_partition_ids(ids, num_clients)
+    rng = np.random.default_rng(seed)
+    weights = rng.lognormal(mean=mu, sigma=sigma, size=num_clients)
+    counts = _allocate(len(ids), weights / weights.sum())
+    return _deal(ids, counts, rng)
+
+
+def dirichlet_partition(
+    identity_ids: Sequence[int] | np.ndarray,
+    num_clients: int,
+    seed: int,
+    *,
+    alpha: float = 0.5,
+) -> list[np.ndarray]:
+    """Identity counts from client shares ``p ~ Dirichlet(alpha 1)`` (smaller alpha: more skew).
+
+    Raises:
+        DataError: as :func:`equal_partition`, or ``alpha <= 0``.
+    """
+    if not alpha > 0:
+        raise DataError(f"alpha must be > 0, got {alpha}")
+    ids = np.asarray(identity_ids, dtype=np.int64)
+    _check_partition_ids(ids, num_clients)
+    rng = np.random.default_rng(seed)
+    shares = rng.dirichlet(np.full(num_clients, alpha))
+    counts = _allocate(len(ids), shares)
+    return _deal(ids, counts, rng)

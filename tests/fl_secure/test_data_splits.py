@@ -143,3 +143,42 @@ def test_equal_partition_rejects_impossible_requests(
 def test_identity_indices_selects_images_of_identities() -> None:
     labels = np.array([3, 1, 2, 3, 0, 1])
     np.testing.assert_array_equal(identity_indices(labels, [1, 3]), [0, 1, 3, 5])
+
+
+@pytest.mark.parametrize("kind", ["lognormal", "dirichlet"])
+def test_skewed_partitions_are_disjoint_covering_and_deterministic(kind: str) -> None:
+    # Prepare
+    from fl_secure.data.splits import dirichlet_partition, lognormal_partition
+
+    make = lognormal_partition if kind == "lognormal" else dirichlet_partition
+    ids = np.arange(100, 1100)
+    # Execute
+    parts = make(ids, 20, seed=3)
+    again = make(ids.tolist(), 20, seed=3)
+    # Assert: every identity exactly once, every client at least one, reproducible, skewed
+    assert sorted(np.concatenate(parts).tolist()) == ids.tolist()
+    assert all(len(p) >= 1 for p in parts)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=True))
+    sizes = np.array([len(p) for p in parts])
+    assert sizes.max() > 5 * np.median(sizes)  # a few clients hold most identities
+
+
+def test_lognormal_counts_follow_eq5() -> None:
+    # HF-MAML Eq. 5: client i gets C S_i / sum_j S_j identities, S_i ~ lognormal(3, 3)
+    from fl_secure.data.splits import lognormal_partition
+
+    ids = np.arange(5000)
+    parts = lognormal_partition(ids, 10, seed=0)
+    weights = np.random.default_rng(0).lognormal(mean=3.0, sigma=3.0, size=10)
+    expected = 5000 * weights / weights.sum()
+    sizes = np.array([len(p) for p in parts])
+    assert np.all(np.abs(sizes - expected) <= 1.0 + (expected < 1))  # rounding, min one each
+
+
+def test_dirichlet_with_large_alpha_is_nearly_equal() -> None:
+    from fl_secure.data.splits import dirichlet_partition
+
+    sizes = [len(p) for p in dirichlet_partition(np.arange(1000), 10, seed=1, alpha=1e4)]
+    assert max(sizes) - min(sizes) <= 10
+    with pytest.raises(DataError, match="alpha"):
+        dirichlet_partition(np.arange(10), 2, seed=0, alpha=0.0)
