@@ -49,7 +49,7 @@ def trainer_factory(
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"the server sent an invalid run config: {exc}") from exc
         torch.set_num_threads(threads or run_config.train.threads)
-        strategy = get_strategy(run_config.algorithm.name)
+        strategy = get_strategy(run_config.algorithm.name, run_config.algorithm)
         if source.plan_index >= 0:
             cfg = source.local_config or run_config
             plan = plan_federation(cfg)

@@ -20,7 +20,7 @@ from fl_secure.models.heads import HeadKind
 
 DataSource = Literal["synthetic", "folders"]
 PartitionKind = Literal["equal", "lognormal", "dirichlet"]
-AlgorithmName = Literal["fedavg", "fedpe"]
+AlgorithmName = Literal["fedavg", "fedpe", "hfmaml", "hfmaml-global"]
 Optimizer = Literal["sgd", "adam"]
 LrSchedule = Literal["constant", "cosine"]
 PrivacyUnit = Literal["none", "client", "example"]
@@ -103,6 +103,17 @@ class AlgorithmConfig:
     """Federated algorithm."""
 
     name: AlgorithmName = "fedpe"
+    alpha: float = 0.01  # hfmaml: inner step (Eq. 2)
+    beta: float = 0.1  # hfmaml: outer step (Eq. 1)
+    delta: float = 0.001  # hfmaml: finite-difference width (Eq. 3)
+    embedding_reg: float = 0.0  # hfmaml: C of the embedding regularization (Eq. 4)
+
+    def __post_init__(self) -> None:
+        """Check ranges."""
+        _check(self.alpha >= 0, "algorithm.alpha", "a number >= 0")
+        _check(self.beta > 0, "algorithm.beta", "a number > 0")
+        _check(self.delta > 0, "algorithm.delta", "a number > 0")
+        _check(self.embedding_reg >= 0, "algorithm.embedding_reg", "a number >= 0")
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ def build_server(
     cert_dir: Path | None = None,
 ) -> ServerSide:
     """Initial shared parameters (same seed as the clients), evaluator and coordinator."""
-    strategy = get_strategy(config.algorithm.name)
+    strategy = get_strategy(config.algorithm.name, config.algorithm)
     plan = plan or plan_federation(config)
     classes = len(plan.train_identities) if strategy.shares_head else 1
     model = build_model(config.model, classes, config.data.image_size, config.run.seed)

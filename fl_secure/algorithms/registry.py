@@ -5,13 +5,23 @@ from __future__ import annotations
 from fl_secure.algorithms.base import Strategy
 from fl_secure.algorithms.fedavg import FedAvg
 from fl_secure.algorithms.fedpe import FedPE
+from fl_secure.algorithms.hfmaml import HFMAML, HFMAMLGlobal
+from fl_secure.config import AlgorithmConfig
 from fl_secure.errors import ConfigError
 
-ALGORITHMS: dict[str, type[Strategy]] = {cls.name: cls for cls in (FedAvg, FedPE)}
+ALGORITHMS: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (FedAvg, FedPE, HFMAML, HFMAMLGlobal)
+}
 
 
-def get_strategy(name: str) -> Strategy:
-    """A strategy instance by name; unknown names list the allowed ones."""
+def get_strategy(name: str, params: AlgorithmConfig | None = None) -> Strategy:
+    """A strategy instance by name, with the run's algorithm settings.
+
+    Unknown names list the allowed ones.
+    """
+    if name in ("hfmaml", "hfmaml-global") and params is not None:
+        cls = HFMAMLGlobal if name == "hfmaml-global" else HFMAML
+        return cls(params.alpha, params.beta, params.delta, params.embedding_reg)
     try:
         return ALGORITHMS[name]()
     except KeyError:
