@@ -21,6 +21,7 @@ from fl_secure.config import Config, DataConfig, config_from_dict
 from fl_secure.data.folders import load_identity_folders
 from fl_secure.data.plan import plan_federation
 from fl_secure.data.splits import stratified_split
+from fl_secure.data.types import FaceDataset
 from fl_secure.errors import ConfigError
 from fl_secure.messages import JoinReply
 from fl_secure.training import build_model
@@ -75,33 +76,59 @@ def trainer_factory(
             identities = np.unique(train.labels.numpy())
         else:
             raise ConfigError("a client needs --data DIR or --config FILE --plan-index N")
-        classes = strategy.num_head_classes(len(identities), np.unique(train.labels.numpy()))
-        model = build_model(run_config.model, classes, image_size, run_config.run.seed)
-        local = strategy.local_data(train, test, identities)
-        # Batch order only (not security-sensitive): derived from the run seed and the
-        # client id so that a run can be reproduced.
-        digest = hashlib.sha256(f"{run_config.run.seed}:{reply.client_id}".encode()).digest()
-        privacy = None
-        if run_config.privacy.enabled:
-            privacy = ClientPrivacy(
-                run_config,
-                num_examples=len(local.train),
-                state_dir=state_dir,
-                min_survivors=run_config.server.min_clients,
-                source=None
-                if run_config.privacy.secure_rng
-                else seeded_source(run_config.run.seed, reply.client_id),
-            )
-        return LocalTrainer(
-            strategy,
-            model,
-            local,
+        return build_local_trainer(
+            run_config,
+            train,
+            test,
+            identities,
+            client_id=reply.client_id,
+            image_size=image_size,
             state_dir=state_dir,
-            seed=int.from_bytes(digest[:8], "little") >> 1,
-            privacy=privacy,
         )
 
     return make
+
+
+def build_local_trainer(
+    run_config: Config,
+    train: FaceDataset,
+    test: FaceDataset,
+    identities: np.ndarray,
+    *,
+    client_id: str,
+    image_size: int,
+    state_dir: Path | None = None,
+) -> LocalTrainer:
+    """One client's trainer: model, label space, batch-order seed and DP, from the run config.
+
+    Shared by the gRPC client and the in-process simulation, so both train identically.
+    """
+    strategy = get_strategy(run_config.algorithm.name, run_config.algorithm)
+    classes = strategy.num_head_classes(len(identities), np.unique(train.labels.numpy()))
+    model = build_model(run_config.model, classes, image_size, run_config.run.seed)
+    local = strategy.local_data(train, test, identities)
+    # Batch order only (not security-sensitive): derived from the run seed and the client id
+    # so that a run can be reproduced.
+    digest = hashlib.sha256(f"{run_config.run.seed}:{client_id}".encode()).digest()
+    privacy = None
+    if run_config.privacy.enabled:
+        privacy = ClientPrivacy(
+            run_config,
+            num_examples=len(local.train),
+            state_dir=state_dir,
+            min_survivors=run_config.server.min_clients,
+            source=None
+            if run_config.privacy.secure_rng
+            else seeded_source(run_config.run.seed, client_id),
+        )
+    return LocalTrainer(
+        strategy,
+        model,
+        local,
+        state_dir=state_dir,
+        seed=int.from_bytes(digest[:8], "little") >> 1,
+        privacy=privacy,
+    )
 
 
 __all__ = ["ClientDataSource", "DataConfig", "trainer_factory"]

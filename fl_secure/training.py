@@ -202,7 +202,11 @@ def evaluate_local(backbone: nn.Module, data: LocalData) -> dict[str, float]:
     """A client's view: verification on its test images, rank-1 against its train gallery."""
     test_emb = embed(backbone, data.test.images)
     labels = data.test.labels.numpy()
-    metrics = verification_metrics(test_emb, labels)
+    counts = np.unique(labels, return_counts=True)[1]
+    # Verification needs impostor pairs (two identities) and genuine pairs: a client of a
+    # skewed partition may hold one identity; it then reports rank-1 only.
+    verifiable = len(counts) >= 2 and bool((counts >= 2).any())
+    metrics = verification_metrics(test_emb, labels) if verifiable else {}
     gallery = embed(backbone, data.train.images)
     metrics["rank1"] = float(rank1(gallery, data.train.labels.numpy(), test_emb, labels))
     return metrics

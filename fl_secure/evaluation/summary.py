@@ -19,32 +19,30 @@ def per_client_summary(per_client: Mapping[str, Mapping[str, float]]) -> dict[st
     clients; HF-MAML does not say which it uses): the clients evaluated are the whole
     population the fairness statement is about, not a sample of it. One client gives 0.
 
+    A metric that only some clients can report (verification needs at least two identities
+    on a client, which skewed partitions do not guarantee) is summarised over those clients,
+    and ``<metric>_clients`` says how many they were.
+
     Args:
-        per_client: client id -> metric name -> value; every client must report the same
-            metric names.
+        per_client: client id -> metric name -> value.
 
     Returns:
-        ``<metric>_mean`` and ``<metric>_std`` for every metric, in the order the first
-        client lists them.
+        ``<metric>_mean`` and ``<metric>_std`` for every metric, in order of first appearance.
 
     Raises:
-        ValueError: if there is no client or the clients report different metric names.
+        ValueError: if there is no client.
     """
     if not per_client:
         raise ValueError("per_client_summary needs at least one client")
-    clients = list(per_client)
-    names = list(per_client[clients[0]])
-    for client in clients[1:]:
-        if set(per_client[client]) != set(names):
-            missing = sorted(set(names) - set(per_client[client]))
-            extra = sorted(set(per_client[client]) - set(names))
-            raise ValueError(
-                f"client {client!r} reports different metrics than {clients[0]!r}: "
-                f"missing {missing}, extra {extra}"
-            )
+    names: list[str] = []
+    for metrics in per_client.values():
+        names += [n for n in metrics if n not in names]
     summary: dict[str, float] = {}
     for name in names:
-        values = np.array([per_client[client][name] for client in clients], dtype=np.float64)
+        reported = [m[name] for m in per_client.values() if name in m]
+        values = np.array(reported, dtype=np.float64)
         summary[f"{name}_mean"] = float(values.mean())
         summary[f"{name}_std"] = float(values.std(ddof=0))
+        if len(reported) < len(per_client):
+            summary[f"{name}_clients"] = float(len(reported))
     return summary

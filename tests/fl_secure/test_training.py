@@ -105,3 +105,16 @@ def test_cosine_schedule() -> None:
         0.1 * (1 + np.cos(0.9 * np.pi)) / 2
     )
     assert round_learning_rate(0.1, 7, 10, "constant") == 0.1
+
+
+def test_a_single_identity_client_reports_rank1_only() -> None:
+    # A skewed partition can leave a client with one identity: no impostor pairs to verify
+    from fl_secure.data.types import FaceDataset
+    from fl_secure.training import LocalData, evaluate_local
+
+    model = build_model(CFG, 1, 32, seed=0)
+    images = torch.randn(6, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    data = FaceDataset(images=images, labels=torch.zeros(6, dtype=torch.int64),
+                       identity_names=["only"])  # fmt: skip
+    local = LocalData(train=data, test=data, train_targets=data.labels, class_mask=None)
+    assert evaluate_local(model.backbone, local) == {"rank1": 1.0}
