@@ -138,16 +138,7 @@ def equal_partition(
             identities (a client would have no identity).
     """
     ids = np.asarray(identity_ids, dtype=np.int64)
-    if ids.ndim != 1:
-        raise DataError(f"identity_ids must be 1-d, got shape {ids.shape}")
-    if num_clients < 1:
-        raise DataError(f"num_clients must be >= 1, got {num_clients}")
-    if len(np.unique(ids)) != len(ids):
-        raise DataError("identity_ids contains duplicates; each identity goes to one client")
-    if num_clients > len(ids):
-        raise DataError(
-            f"cannot give {len(ids)} identities to {num_clients} clients: each needs at least one"
-        )
+    _check_partition_ids(ids, num_clients)
     shuffled = np.random.default_rng(seed).permutation(ids)
     return [np.sort(part) for part in np.array_split(shuffled, num_clients)]
 
