@@ -19,7 +19,7 @@ from fl_secure.errors import ConfigError
 from fl_secure.models.heads import HeadKind
 
 DataSource = Literal["synthetic", "folders"]
-PartitionKind = Literal["equal", "lognormal", "dirichlet"]
+PartitionKind = Literal["equal", "lognormal", "dirichlet", "attribute"]
 AlgorithmName = Literal["fedavg", "fedpe", "hfmaml", "hfmaml-global"]
 Optimizer = Literal["sgd", "adam"]
 LrSchedule = Literal["constant", "cosine"]
@@ -72,12 +72,22 @@ class PartitionConfig:
     mu: float = 3.0  # lognormal: mu of S_i (HF-MAML: 3)
     sigma: float = 3.0  # lognormal: sigma of S_i (HF-MAML: 3)
     alpha: float = 0.5  # dirichlet: concentration (smaller: more skewed)
+    clients: tuple[str, ...] = ()  # attribute: one predicate per client, "male=1 & hat=0"
 
     def __post_init__(self) -> None:
         """Check ranges."""
         _check(1 <= self.num_clients <= 1000, "partition.num_clients", "an integer in [1, 1000]")
         _check(self.sigma > 0, "partition.sigma", "a number > 0")
         _check(self.alpha > 0, "partition.alpha", "a number > 0")
+        if self.kind == "attribute":
+            if not all(isinstance(c, str) and c.strip() for c in self.clients):
+                raise ConfigError("partition.clients: expected a list of predicate strings")
+            if len(self.clients) != self.num_clients:
+                raise ConfigError(
+                    f"partition.kind = 'attribute' needs one predicate per client: "
+                    f"partition.clients has {len(self.clients)}, num_clients is "
+                    f"{self.num_clients}"
+                )
 
 
 @dataclass(frozen=True)
@@ -322,7 +332,11 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{key} = {value!r}: expected a string")
         return value
-    if origin in (tuple, list) or (origin is types.UnionType):
+    if origin in (tuple, list):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key} = {value!r}: expected a list")
+        return tuple(value)
+    if origin is types.UnionType:
         return value
     if dataclasses.is_dataclass(hint) and isinstance(hint, type):
         if not isinstance(value, dict):
@@ -410,6 +424,8 @@ def _toml_value(value: Any) -> str:
         return f'"{escaped}"'
     if isinstance(value, float):
         return repr(value)
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return str(value)
 
 

@@ -15,6 +15,7 @@ import numpy as np
 from fl_secure.config import Config, DataConfig, PartitionConfig
 from fl_secure.data.folders import load_identity_folders
 from fl_secure.data.splits import (
+    attribute_partition,
     dirichlet_partition,
     equal_partition,
     held_out_identities,
@@ -96,8 +97,16 @@ def plan_federation(config: Config, dataset: FaceDataset | None = None) -> Feder
     held_out = data.subset(np.flatnonzero(np.isin(labels, held_ids)))
     fractions = (1.0 - config.data.test_fraction, config.data.test_fraction)
     shares: list[ClientShare] = []
-    for k, ids in enumerate(partition_identities(train_ids, config.partition, seed)):
-        mine = data.subset(np.flatnonzero(np.isin(labels, ids)))
+    if config.partition.kind == "attribute":  # images by attribute conjunctions
+        candidates = np.flatnonzero(np.isin(labels, train_ids))
+        images = attribute_partition(data.attributes, candidates, config.partition.clients)
+    else:  # identities, then all their images
+        images = [
+            np.flatnonzero(np.isin(labels, ids))
+            for ids in partition_identities(train_ids, config.partition, seed)
+        ]
+    for k, idx in enumerate(images):
+        mine = data.subset(idx)
         train_idx, test_idx = stratified_split(mine, fractions=fractions, seed=seed + 1 + k)
         shares.append(ClientShare(train=mine.subset(train_idx), test=mine.subset(test_idx)))
     return FederatedData(train_identities=train_ids, held_out=held_out, clients=shares)

@@ -207,3 +207,59 @@ def dirichlet_partition(
     shares = rng.dirichlet(np.full(num_clients, alpha))
     counts = _allocate(len(ids), shares)
     return _deal(ids, counts, rng)
+
+
+def parse_predicate(text: str) -> list[tuple[str, bool, int]]:
+    """``"male=1 & glasses=0 & hair_colour!=3"`` -> ``[(name, equal, value), ...]``."""
+    terms: list[tuple[str, bool, int]] = []
+    for raw in text.split("&"):
+        term = raw.strip()
+        op = "!=" if "!=" in term else "="
+        if op not in term:
+            raise DataError(f"attribute predicate {text!r}: {term!r} is not name=value")
+        name, value = (t.strip() for t in term.split(op, 1))
+        lowered = value.lower()
+        if lowered in ("true", "yes"):
+            number = 1
+        elif lowered in ("false", "no"):
+            number = 0
+        else:
+            try:
+                number = int(value)
+            except ValueError:
+                raise DataError(
+                    f"attribute predicate {text!r}: {value!r} is not an integer or true/false"
+                ) from None
+        terms.append((name, op == "=", number))
+    return terms
+
+
+def attribute_partition(
+    attributes: dict[str, np.ndarray], candidates: np.ndarray, predicates: Sequence[str]
+) -> list[np.ndarray]:
+    """Image indices per client: the candidates matching each client's attribute conjunction.
+
+    The HF-MAML paper's attribute-based partition (its Table II): a client is a conjunction
+    of attribute predicates, so an identity can have images on several clients. An image
+    matching several clients goes to the first; one matching none is left out.
+
+    Raises:
+        DataError: an unknown attribute (the message lists the known ones), a malformed
+            predicate, or a client whose predicate matches no image.
+    """
+    taken = np.zeros(len(candidates), dtype=bool)
+    parts: list[np.ndarray] = []
+    for k, text in enumerate(predicates):
+        match = np.ones(len(candidates), dtype=bool)
+        for name, equal, value in parse_predicate(text):
+            if name not in attributes:
+                known = ", ".join(sorted(attributes))
+                raise DataError(f"client {k}: unknown attribute {name!r}; known: {known}")
+            column = np.asarray(attributes[name])[candidates].astype(np.int64)
+            match &= (column == value) if equal else (column != value)
+        mine = match & ~taken
+        if not mine.any():
+            raise DataError(f"client {k}: no image matches {text!r}")
+        taken |= mine
+        parts.append(candidates[mine])
+    return parts

@@ -75,3 +75,13 @@ def test_privacy_section_is_validated_with_clear_errors() -> None:
     example = config_from_dict({"privacy": {"unit": "example", "noise_multiplier": 1.0}})
     assert client.privacy.accountant_name() == "pld"
     assert example.privacy.accountant_name() == "prv"
+
+
+def test_attribute_partition_needs_one_predicate_per_client() -> None:
+    with pytest.raises(ConfigError, match="one predicate per client: partition.clients has 1"):
+        config_from_dict({"partition": {"kind": "attribute", "num_clients": 2,
+                                        "clients": ["hat=1"]}})  # fmt: skip
+    cfg = config_from_dict(
+        {"partition": {"kind": "attribute", "num_clients": 2, "clients": ["hat=1", "hat=0"]}}
+    )
+    assert list(cfg.partition.clients) == ["hat=1", "hat=0"]

@@ -118,3 +118,16 @@ def test_a_single_identity_client_reports_rank1_only() -> None:
                        identity_names=["only"])  # fmt: skip
     local = LocalData(train=data, test=data, train_targets=data.labels, class_mask=None)
     assert evaluate_local(model.backbone, local) == {"rank1": 1.0}
+
+
+def test_a_client_without_test_images_reports_nothing() -> None:
+    # An attribute partition can leave a client one image per identity: all for training
+    from fl_secure.data.types import FaceDataset
+    from fl_secure.training import LocalData, evaluate_local
+
+    model = build_model(CFG, 2, 32, seed=0)
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    train = FaceDataset(images=images, labels=torch.tensor([0, 1]), identity_names=["a", "b"])
+    empty = train.subset(np.array([], dtype=np.int64))
+    local = LocalData(train=train, test=empty, train_targets=train.labels, class_mask=None)
+    assert evaluate_local(model.backbone, local) == {}
