@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from fl_secure.algorithms import Strategy, get_strategy
 from fl_secure.config import Config, config_to_toml
 from fl_secure.data.plan import FederatedData, plan_federation
-from fl_secure.errors import ConfigError
+from fl_secure.errors import ConfigError, PrivacyError
 from fl_secure.messages import Tensors
 from fl_secure.runs import RunDir, atomic_write_bytes
 from fl_secure.tls.identity import load_signing_registry
@@ -75,6 +75,13 @@ def build_server(
     classes = len(plan.train_identities) if strategy.shares_head else 1
     model = build_model(config.model, classes, config.data.image_size, config.run.seed)
     initial = get_tensors(model, strategy.shared_names(model))
+    if config.privacy.unit == "example":  # refuse before any client trains, not in round 1
+        from privacy.dpsgd import validate_model
+
+        try:
+            validate_model(model)
+        except PrivacyError as exc:
+            raise ConfigError(f"model.backbone = {config.model.backbone!r}: {exc}") from exc
     s = config.server
     run_id = run_dir.path.name or secrets.token_hex(4)
     privacy = open_server_privacy(

@@ -172,3 +172,22 @@ def test_resume_refuses_a_tampered_ledger(tmp_path: Path) -> None:
     again = _coordinator(tmp_path, cfg, rounds=5)
     with pytest.raises(Exception, match="fails verification"):
         again.resume()
+
+
+def test_example_level_dp_refuses_a_batchnorm_backbone_before_training(tmp_path: Path) -> None:
+    from fl_secure.config import config_from_dict
+    from fl_secure.errors import ConfigError
+    from server.setup import build_server
+
+    config = config_from_dict(
+        {
+            "data": {"image_size": 32, "num_identities": 12, "images_per_identity": 4,
+                     "held_out_identities": 2},
+            "partition": {"num_clients": 2},
+            "server": {"min_clients": 2},
+            "model": {"backbone": "resnet18-bn", "embedding_size": 16},
+            "privacy": {"unit": "example", "noise_multiplier": 1.0},
+        }
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"resnet18-bn.*BatchNorm.*GroupNorm backbone"):
+        build_server(config, RunDir(tmp_path), enrolled={"client-0", "client-1"})
