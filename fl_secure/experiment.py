@@ -49,6 +49,7 @@ class Experiment:
     partitions: tuple[str, ...]
     seeds: tuple[int, ...]
     overrides: tuple[str, ...] = field(default_factory=tuple)
+    source: str = ""  # the experiment file as given on the command line
 
     def cells(self) -> list[tuple[str, str, int]]:
         """Every (algorithm, partition, seed) of the grid, in order."""
@@ -85,6 +86,7 @@ def load_experiment(path: str | Path) -> Experiment:
         partitions=tuple(str(x) for x in lists["partitions"]),
         seeds=tuple(int(s) for s in lists["seeds"]),
         overrides=tuple(str(o) for o in table.get("set", [])),
+        source=str(path),
     )
 
 
@@ -155,6 +157,8 @@ def markdown(experiment: Experiment, rows: list[dict[str, Any]]) -> str:
     """The paper-style table: mean ± std over seeds per (algorithm, partition)."""
     head = (
         f"# {experiment.name}\n\n"
+        f"Produced by `fl-secure experiment --config {experiment.source}` (in-process "
+        "simulation of the gRPC path's algorithm code).\n\n"
         f"Base config `{experiment.base.name}`, overrides {list(experiment.overrides)}, "
         f"seeds {list(experiment.seeds)}; mean ± std over seeds (population std). "
         "Held-out: identities no client saw. Clients: each client's own test images; "
