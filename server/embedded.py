@@ -23,7 +23,7 @@ from fl_secure.errors import CheckpointError
 from fl_secure.runs import RunDir, new_run_dir
 from fl_secure.tls import init_certificates
 from server.app import load_enrollment, start_server
-from server.setup import build_server, write_config
+from server.setup import build_server, preflight, write_config
 from server.summary import build_summary
 
 log = logging.getLogger(__name__)
@@ -99,6 +99,7 @@ def run_embedded(
             raise CheckpointError(f"{resume} is not a run directory (no config.toml)")
         config = load_config(run.config)
     else:
+        preflight(config, config.partition.num_clients)  # before anything is written
         run = RunDir(new_run_dir(out or Path("runs"), config.run.name))
         write_config(run, config)
         init_certificates(run.certs, clients=config.partition.num_clients)

@@ -26,7 +26,7 @@ from fl_secure.training import (
     local_training,
     set_tensors,
 )
-from privacy.client_level import client_noise_std
+from privacy.client_level import ClientLevelPlan, client_noise_std
 from privacy.noise import NoiseSource, seeded_source
 from privacy.session import ServerPrivacy, open_server_privacy
 from server.coordinator import Coordinator, CoordinatorSettings
@@ -132,14 +132,49 @@ def build_server(
 ENCODING_SIGMAS = 8.0
 
 
+def preflight(config: Config, population: int) -> None:
+    """The checks that need no run directory, so a bad config leaves nothing behind.
+
+    DP-SGD needs a model Opacus can train; client-level noise must be calibratable to the
+    budget and fit the secure-aggregation encoding. :func:`build_server` repeats them.
+    """
+    from privacy.client_level import plan_client_level
+
+    if config.privacy.unit == "example":
+        from privacy.dpsgd import validate_model
+
+        model = build_model(config.model, 1, config.data.image_size, config.run.seed)
+        try:
+            validate_model(model)
+        except PrivacyError as exc:
+            raise ConfigError(f"model.backbone = {config.model.backbone!r}: {exc}") from exc
+    if config.privacy.unit == "client":
+        p = config.privacy
+        plan = plan_client_level(
+            noise_multiplier=p.noise_multiplier,
+            clip_norm=p.clip_norm,
+            target_epsilon=p.target_epsilon,
+            delta=p.delta,
+            accountant=p.accountant_name(),
+            placement=p.noise_placement,
+            rounds=config.train.rounds,
+            population=population,
+            clients_per_round=config.server.clients_per_round,
+            sample_rate=config.server.sample_rate,
+        )
+        _check_plan_encoding(config, plan)
+
+
 def _check_encoding_range(config: Config, privacy: ServerPrivacy | None) -> None:
     """Under secure aggregation, clipped + noised updates must fit the encoding's range."""
+    if privacy is not None and privacy.plan is not None:
+        _check_plan_encoding(config, privacy.plan)
+
+
+def _check_plan_encoding(config: Config, p: ClientLevelPlan) -> None:
     sa = config.secure_aggregation
-    if not sa.enabled or privacy is None or privacy.plan is None:
+    if not sa.enabled or p.placement == "distributed":  # integer noise: no coordinate clip
         return
-    if privacy.plan.placement == "distributed":  # integer noise: no per-coordinate clipping
-        return
-    p = privacy.plan
     std = client_noise_std(p.placement, p.noise_multiplier, p.clip_norm, config.server.min_clients)
     needed = p.clip_norm + ENCODING_SIGMAS * std
     if sa.clip_range < needed:

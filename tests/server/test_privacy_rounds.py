@@ -191,3 +191,16 @@ def test_example_level_dp_refuses_a_batchnorm_backbone_before_training(tmp_path:
     )  # fmt: skip
     with pytest.raises(ConfigError, match=r"resnet18-bn.*BatchNorm.*GroupNorm backbone"):
         build_server(config, RunDir(tmp_path), enrolled={"client-0", "client-1"})
+
+
+def test_a_bad_private_config_leaves_no_run_directory(tmp_path: Path) -> None:
+    # local noise under secure aggregation with a fixed-point range too small for it
+    from fl_secure.config import load_config
+    from fl_secure.errors import ConfigError
+    from server.embedded import run_embedded
+
+    root = Path(__file__).resolve().parents[2]
+    config = load_config(root / "examples" / "quickstart.toml", ["privacy.noise_placement=local"])
+    with pytest.raises(ConfigError, match="clip_range = 1 would clip the noisy updates"):
+        run_embedded(config, out=tmp_path / "runs")
+    assert not (tmp_path / "runs").exists()
