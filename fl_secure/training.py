@@ -86,6 +86,25 @@ class LocalData:
     class_mask: torch.Tensor | None  # bool [num_classes]; None = every class present
 
 
+class AbsentRows:
+    """Keeps the head rows of classes a client does not hold exactly as the server sent them.
+
+    Those rows get zero gradient (their logits are masked), but weight decay, optimizer state
+    or DP noise would still move them; :meth:`restore` after every step puts them back.
+    """
+
+    def __init__(self, model: FaceModel, class_mask: torch.Tensor | None) -> None:
+        self.model = model
+        self.absent = None if class_mask is None else ~class_mask
+        self.rows = None if self.absent is None else model.head.weight.detach()[self.absent].clone()
+
+    def restore(self) -> None:
+        """Write the saved rows back (a no-op when every class is present)."""
+        if self.absent is not None and self.rows is not None:
+            with torch.no_grad():
+                self.model.head.weight[self.absent] = self.rows
+
+
 def local_training(t: TrainConfig) -> LocalTraining:
     """The local-training settings a task carries, from the run's ``[train]`` section."""
     return LocalTraining(
@@ -146,10 +165,7 @@ def train_local(
     correct = seen = 0
     order = torch.randperm(n, generator=generator)
     cursor = 0
-    # Rows of absent classes get zero gradient (masked logits), but weight decay or optimizer
-    # state would still move them: keep them exactly as the server sent them.
-    absent = None if data.class_mask is None else ~data.class_mask
-    frozen = None if absent is None else model.head.weight.detach()[absent].clone()
+    absent = AbsentRows(model, data.class_mask)
     for _ in range(total):
         if cursor + batch > n:
             order, cursor = torch.randperm(n, generator=generator), 0
@@ -161,9 +177,7 @@ def train_local(
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if absent is not None and frozen is not None:
-            with torch.no_grad():
-                model.head.weight[absent] = frozen
+        absent.restore()
         losses.append(float(loss.detach()))
         with torch.no_grad():
             plain = model.head(model.backbone(images).detach(), None, data.class_mask)

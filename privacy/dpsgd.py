@@ -60,7 +60,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from fl_secure.errors import PrivacyError
 from fl_secure.messages import LocalTraining
-from fl_secure.training import FaceModel, LocalData, make_optimizer
+from fl_secure.training import AbsentRows, FaceModel, LocalData, make_optimizer
 from privacy.noise import NoiseSource, gaussian_tensor_like
 
 #: What Opacus attaches to modules and parameters; none may remain after training.
@@ -279,8 +279,7 @@ def train_local_dpsgd(
     expected_batch_size = max(1, round(settings.sample_rate * n))
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    absent = None if data.class_mask is None else ~data.class_mask
-    frozen = None if absent is None else model.head.weight.detach()[absent].clone()
+    absent = AbsentRows(model, data.class_mask)
     loss_fn = nn.CrossEntropyLoss()
     loss_sum = 0.0
     correct = seen = 0
@@ -333,9 +332,7 @@ def train_local_dpsgd(
                     seen += len(targets)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                if absent is not None and frozen is not None:
-                    with torch.no_grad():
-                        model.head.weight[absent] = frozen
+                absent.restore()
     finally:
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)

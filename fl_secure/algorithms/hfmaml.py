@@ -33,7 +33,7 @@ from torch.nn import functional as F  # noqa: N812
 
 from fl_secure.algorithms.base import Exposure, Strategy
 from fl_secure.messages import LocalTraining
-from fl_secure.training import FaceModel, LocalData
+from fl_secure.training import AbsentRows, FaceModel, LocalData
 
 
 def _loss(
@@ -152,8 +152,7 @@ class HFMAML(Strategy):
             import copy
 
             frozen = copy.deepcopy(model.backbone).eval()
-        absent = None if data.class_mask is None else ~data.class_mask
-        kept = None if absent is None else model.head.weight.detach()[absent].clone()
+        absent = AbsentRows(model, data.class_mask)
         losses = []
         for _ in range(steps):
             order = torch.randperm(n, generator=generator)[: 3 * batch]
@@ -178,9 +177,7 @@ class HFMAML(Strategy):
                     references=refs,
                 )
             )
-            if absent is not None and kept is not None:
-                with torch.no_grad():
-                    model.head.weight[absent] = kept
+            absent.restore()
         return {"train_loss": float(np.mean(losses)), "local_steps": float(steps)}
 
 
