@@ -362,6 +362,27 @@ class ServerPrivacy:
         self.ledger.append("note", round=round_, party="server", payload={"message": message})
 
 
+def client_level_plan(
+    cfg: PrivacyConfig, *, rounds: int, population: int, clients_per_round: int, sample_rate: float
+) -> ClientLevelPlan:
+    """The client-level mechanism a ``[privacy]`` section and the cohort settings define."""
+    plan = plan_client_level(
+        noise_multiplier=cfg.noise_multiplier,
+        clip_norm=cfg.clip_norm,
+        target_epsilon=cfg.target_epsilon,
+        delta=cfg.delta,
+        accountant=cfg.accountant_name(),
+        placement=cfg.noise_placement,
+        rounds=rounds,
+        population=population,
+        clients_per_round=clients_per_round,
+        sample_rate=sample_rate,
+    )
+    if not math.isfinite(plan.noise_multiplier):  # pragma: no cover - calibration guards
+        raise PrivacyError("calibration returned a non-finite noise multiplier")
+    return plan
+
+
 def open_server_privacy(
     cfg: PrivacyConfig,
     ledger_path: Any,
@@ -379,19 +400,12 @@ def open_server_privacy(
         return None
     plan = None
     if cfg.unit == "client":
-        plan = plan_client_level(
-            noise_multiplier=cfg.noise_multiplier,
-            clip_norm=cfg.clip_norm,
-            target_epsilon=cfg.target_epsilon,
-            delta=cfg.delta,
-            accountant=cfg.accountant_name(),
-            placement=cfg.noise_placement,
+        plan = client_level_plan(
+            cfg,
             rounds=rounds,
             population=population,
             clients_per_round=clients_per_round,
             sample_rate=sample_rate,
         )
-        if not math.isfinite(plan.noise_multiplier):  # pragma: no cover - calibration guards
-            raise PrivacyError("calibration returned a non-finite noise multiplier")
     ledger = Ledger.open(ledger_path, run_id)
     return ServerPrivacy(cfg, ledger, plan=plan, source=source, min_survivors=min_survivors)

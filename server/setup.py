@@ -28,7 +28,7 @@ from fl_secure.training import (
 )
 from privacy.client_level import ClientLevelPlan, client_noise_std
 from privacy.noise import NoiseSource, seeded_source
-from privacy.session import ServerPrivacy, open_server_privacy
+from privacy.session import ServerPrivacy, client_level_plan, open_server_privacy
 from server.coordinator import Coordinator, CoordinatorSettings
 
 log = logging.getLogger(__name__)
@@ -138,8 +138,6 @@ def preflight(config: Config, population: int) -> None:
     DP-SGD needs a model Opacus can train; client-level noise must be calibratable to the
     budget and fit the secure-aggregation encoding. :func:`build_server` repeats them.
     """
-    from privacy.client_level import plan_client_level
-
     if config.privacy.unit == "example":
         from privacy.dpsgd import validate_model
 
@@ -149,14 +147,8 @@ def preflight(config: Config, population: int) -> None:
         except PrivacyError as exc:
             raise ConfigError(f"model.backbone = {config.model.backbone!r}: {exc}") from exc
     if config.privacy.unit == "client":
-        p = config.privacy
-        plan = plan_client_level(
-            noise_multiplier=p.noise_multiplier,
-            clip_norm=p.clip_norm,
-            target_epsilon=p.target_epsilon,
-            delta=p.delta,
-            accountant=p.accountant_name(),
-            placement=p.noise_placement,
+        plan = client_level_plan(
+            config.privacy,
             rounds=config.train.rounds,
             population=population,
             clients_per_round=config.server.clients_per_round,
