@@ -21,11 +21,13 @@ Tests inject :class:`SeededGaussian` (numpy PCG64) to be reproducible; it report
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+if TYPE_CHECKING:  # torch is imported only where tensors are made (secagg needs no torch)
+    import torch
 
 _CHUNK = 1 << 20  # normals per keystream chunk: bounds the temporary memory to ~24 MB
 
@@ -118,6 +120,8 @@ def gaussian_tensor_like(source: NoiseSource, tensor: torch.Tensor, std: float) 
     """N(0, std^2) noise as a tensor of ``tensor``'s shape, dtype and device."""
     if not (np.isfinite(std) and std >= 0):
         raise ValueError(f"noise std = {std!r}: expected a finite number >= 0")
+    import torch
+
     noise = source.standard_normal(tensor.numel()) * std
     return torch.from_numpy(noise).reshape(tensor.shape).to(tensor.dtype).to(tensor.device)
 

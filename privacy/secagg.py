@@ -70,6 +70,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from fl_secure.errors import PrivacyError, ProtocolError, RoundAborted
+from privacy.noise import SecureGaussian
 
 PRIME = 2**521 - 1  # Mersenne prime: the Shamir field GF(p); 32-byte secrets are < p
 FIELD_BYTES = 66  # big-endian width of one field element
@@ -531,17 +532,8 @@ class UniformSource(Protocol):
         ...
 
 
-class SecureUniform:
-    """Uniforms in [0, 1) with 53 random bits from a ChaCha20 keystream keyed by os.urandom."""
-
-    def __init__(self) -> None:
-        key, nonce = os.urandom(32), os.urandom(16)
-        self._stream = Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor()
-
-    def uniform(self, n: int) -> np.ndarray:
-        """``n`` independent uniforms in [0, 1)."""
-        words = np.frombuffer(self._stream.update(bytes(8 * n)), dtype="<u8") >> np.uint64(11)
-        return words.astype(np.float64) * 2.0**-53
+#: Uniforms in [0, 1) with 53 random bits from the ChaCha20 CSPRNG of :mod:`privacy.noise`.
+SecureUniform = SecureGaussian
 
 
 def _modulus_mask(modulus_bits: int) -> np.uint64:
