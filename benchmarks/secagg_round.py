@@ -1,15 +1,22 @@
 """A securely aggregated round vs a plaintext round over gRPC + mTLS, in one run; prints JSON.
 
-Ten in-process clients (threads, each with its own gRPC channel and client certificate) send
-a constant update of ``d`` float32 parameters to a real server on loopback; the clock runs
-from the round's start to the aggregate being applied. The plaintext round streams float32
+Ten clients (each with its own gRPC channel and client certificate) send a constant update of
+``d`` float32 parameters to a real server on loopback; the clock runs from the round's start
+to the aggregate being applied. ``--clients-as processes`` (the default) runs every client in
+its own OS process, as in a deployment (the 2 cores of this machine are shared by the server
+and the ten clients, where a deployment gives each client its own machine); each process
+stays for ``--rounds`` rounds and every round's ``duration_s`` after the first (which also
+opens the channels and TLS sessions; ``--warmup``) is a sample.
+``--clients-as threads`` runs them as threads of the server's interpreter (one GIL for all),
+one round per server. The plaintext round streams float32
 updates into the running mean; the secure round runs SecAgg (or SecAgg+ with ``--neighbours``)
 end to end: signed key advertisements, encrypted shares, masked uint64 uploads, unmasking.
 Sides alternate over ``--repeats`` runs; medians are reported with their ratio (goal: secure
 <= 1.5x plaintext at n = 10, d = 1e6). ``--ckks`` adds a CKKS round (TenSEAL: encrypted
 uploads, server-side ciphertext sum, two clients decrypt) to the same alternation.
 
-Usage: python benchmarks/secagg_round.py [--clients 10] [--params 1000000] [--repeats 3] [--ckks]
+Usage: python benchmarks/secagg_round.py [--clients 10] [--params 1000000] [--repeats 3]
+                                         [--clients-as processes|threads] [--rounds 4] [--ckks]
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -55,13 +63,14 @@ class ConstantTrainer:
         return self.num_examples, {}
 
 
-def one_round(certs: Path, out: Path, clients: int, params: int, secure: str, k: int) -> float:
-    """Seconds from the first task to the applied aggregate of one round."""
+def _coordinator(
+    certs: Path, out: Path, clients: int, params: int, secure: str, k: int, rounds: int
+) -> Coordinator:
     initial = OrderedDict([("w", np.zeros(params, np.float32))])
     scheme = SecureAggregationConfig(scheme=secure, neighbours=k, clip_range=2.0)  # type: ignore[arg-type]
     public = load_public_context(certs) if secure == "ckks" else b""
     settings = CoordinatorSettings(
-        rounds=1,
+        rounds=rounds,
         min_clients=clients,
         round_timeout=600.0,
         poll_wait=0.5,
@@ -70,7 +79,7 @@ def one_round(certs: Path, out: Path, clients: int, params: int, secure: str, k:
         secure_aggregation=scheme,
         ckks_public_context=public,
     )
-    coord = Coordinator(
+    return Coordinator(
         settings,
         initial,
         enrolled=set(load_enrollment(certs).fingerprints),
@@ -78,6 +87,29 @@ def one_round(certs: Path, out: Path, clients: int, params: int, secure: str, k:
         server_step=lambda p, u, r: OrderedDict((n, p[n] + u[n]) for n in p),
         signing_registry=load_signing_registry(certs),
     )
+
+
+def _check(coord: Coordinator, secure: str, clients: int, rounds: int) -> None:
+    if coord.status != "completed":
+        raise RuntimeError(f"{secure} round failed: {coord.stop_reason}")
+    expected = rounds * np.mean([0.01 * (i + 1) for i in range(clients)])
+    error = float(np.abs(coord.params["w"] - expected).max())
+    if error > 1e-4 * rounds:
+        raise RuntimeError(f"{secure} round aggregate is off by {error}")
+
+
+def _await_clients(coord: Coordinator, clients: int, what: list[subprocess.Popen[bytes]]) -> None:
+    """Until every client has joined (not timed); a worker that died is an error."""
+    while len(coord.online_clients()) < clients:
+        dead = [p.args for p in what if p.poll() is not None]  # argv lists
+        if dead:
+            raise RuntimeError(f"a client process exited before joining: {dead[0]!r}")
+        time.sleep(0.05)
+
+
+def one_round(certs: Path, out: Path, clients: int, params: int, secure: str, k: int) -> float:
+    """Seconds from the first task to the applied aggregate of one round (thread clients)."""
+    coord = _coordinator(certs, out, clients, params, secure, k, rounds=1)
     server, port = start_server(coord, "127.0.0.1:0", cert_dir=certs)
     threads = []
     for i in range(clients):
@@ -90,24 +122,69 @@ def one_round(certs: Path, out: Path, clients: int, params: int, secure: str, k:
         th = threading.Thread(target=client.run, daemon=True)
         th.start()
         threads.append(th)
-    while len(coord.online_clients()) < clients:  # everyone joined: time the round only
-        time.sleep(0.05)
+    _await_clients(coord, clients, [])
     start = time.perf_counter()
     driver = threading.Thread(target=coord.run, daemon=True)
     driver.start()
     driver.join()
     elapsed = time.perf_counter() - start
     server.stop(grace=None)
-    if coord.status != "completed":
-        raise RuntimeError(f"{secure} round failed: {coord.stop_reason}")
-    expected = np.mean([0.01 * (i + 1) for i in range(clients)])
-    error = float(np.abs(coord.params["w"] - expected).max())
-    if error > 1e-4:
-        raise RuntimeError(f"{secure} round aggregate is off by {error}")
+    _check(coord, secure, clients, 1)
     return elapsed
 
 
+def process_rounds(
+    certs: Path, out: Path, clients: int, params: int, secure: str, k: int, rounds: int
+) -> list[float]:
+    """Each round's ``duration_s`` (task out to aggregate applied), clients in processes."""
+    coord = _coordinator(certs, out, clients, params, secure, k, rounds=rounds)
+    server, port = start_server(coord, "127.0.0.1:0", cert_dir=certs)
+    workers = [
+        subprocess.Popen(  # noqa: S603 - this interpreter running this file
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                f"localhost:{port}",
+                str(certs),
+                f"client-{i}",
+                str(0.01 * (i + 1)),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        for i in range(clients)
+    ]
+    durations: list[float] = []
+    try:
+        _await_clients(coord, clients, workers)
+        coord.run(on_round=lambda record: durations.append(float(record["duration_s"])))
+        coord.wait_clients_finished(timeout=10.0)
+    finally:
+        server.stop(grace=None)
+        for w in workers:
+            try:
+                w.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                w.kill()
+    _check(coord, secure, clients, rounds)
+    return durations
+
+
+def worker(address: str, certs: str, client_id: str, shift: float) -> None:
+    """One client process: a constant update every round until the server says finished."""
+    trainer = ConstantTrainer(shift)
+    FlClient(
+        Connection(address, client_id, cert_dir=Path(certs)),
+        lambda reply: trainer,  # type: ignore[arg-type,return-value]
+        max_wait=60.0,
+    ).run()
+
+
 def main() -> None:
+    if len(sys.argv) == 6 and sys.argv[1] == "--worker":  # a client process of this benchmark
+        worker(sys.argv[2], sys.argv[3], sys.argv[4], float(sys.argv[5]))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=10, help="clients (default: 10)")
     parser.add_argument("--params", type=int, default=1_000_000, help="d (default: 1e6)")
@@ -115,8 +192,25 @@ def main() -> None:
     parser.add_argument(
         "--neighbours", type=int, default=0, help="SecAgg+ neighbours (default: 0 = SecAgg)"
     )
+    parser.add_argument(
+        "--clients-as",
+        choices=("processes", "threads"),
+        default="processes",
+        help="one OS process per client (default), or threads of the server's interpreter",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=4, help="rounds per server with --clients-as processes"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="first rounds of each server not counted, with --clients-as processes (default: 1)",
+    )
     parser.add_argument("--ckks", action="store_true", help="also time a CKKS round")
     args = parser.parse_args()
+    if args.clients_as == "processes" and not 0 <= args.warmup < args.rounds:
+        parser.error(f"--warmup must be in 0..{args.rounds - 1} (--rounds {args.rounds})")
     scheme = "secagg+" if args.neighbours else "secagg"
     times: dict[str, list[float]] = {"none": [], scheme: []}
     if args.ckks:
@@ -125,11 +219,14 @@ def main() -> None:
         certs = Path(tmp) / "certs"
         init_certificates(certs, clients=args.clients)
         write_ckks_keys(certs)
-        for _ in range(args.repeats):
+        for _ in range(args.repeats):  # sides alternate, so machine noise hits both
             for side in times:
-                times[side].append(
-                    one_round(certs, Path(tmp), args.clients, args.params, side, args.neighbours)
-                )
+                run = (args.clients, args.params, side, args.neighbours)
+                if args.clients_as == "threads":
+                    times[side].append(one_round(certs, Path(tmp), *run))
+                else:
+                    durations = process_rounds(certs, Path(tmp), *run, rounds=args.rounds)
+                    times[side] += durations[args.warmup :]
     plain, secure = statistics.median(times["none"]), statistics.median(times[scheme])
     result = {
         "clients": args.clients,
@@ -150,7 +247,14 @@ def main() -> None:
             else {}
         ),
         "runs_s": {k: [round(v, 3) for v in vs] for k, vs in times.items()},
-        "note": "clients are threads of this process: client and server CPU share 2 cores",
+        "clients_as": args.clients_as,
+        "note": (
+            "clients are threads of the server's process: one interpreter, 2 cores"
+            if args.clients_as == "threads"
+            else f"one process per client, {args.rounds} rounds per server, the first "
+            f"{args.warmup} of each not counted; the server and all clients share this "
+            "machine's cores"
+        ),
     }
     print(json.dumps(result, indent=2))
 

@@ -389,9 +389,7 @@ class ServerSecureRound(StagedRound):
             raise RoundAborted(self.aborted)
         if self.stage != MASKED:
             raise ProtocolError(f"masked input from {client_id} outside the masked-input stage")
-        masked = MaskedInput(
-            client_id, self.setup.round_id, self.setup.modulus_bits, vector.astype(np.uint64)
-        )
+        masked = MaskedInput(client_id, self.setup.round_id, self.setup.modulus_bits, vector)
         self.server.add_masked_input(masked)
 
     def close_stage(self) -> None:

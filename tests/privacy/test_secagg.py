@@ -479,7 +479,7 @@ def test_messages_round_trip_and_parsing_is_strict() -> None:
     assert EncryptedShare.from_bytes(share.to_bytes()) == share
     back = MaskedInput.from_bytes(masked.to_bytes())
     assert (back.client_id, back.round_id, back.modulus_bits) == ("a", ROUND, 32)
-    assert back.vector.dtype == np.uint64 and back.vector.tolist() == [0, 1, 2**32 - 1]
+    assert back.vector.dtype == np.uint32 and back.vector.tolist() == [0, 1, 2**32 - 1]
     assert len(masked.to_bytes()) == 6 + (4 + 1) + (4 + len(ROUND)) + 1 + 4 + 3 * 4
     assert UnmaskRequest.from_bytes(request.to_bytes()) == request
     assert UnmaskResponse.from_bytes(response.to_bytes()) == response
@@ -570,7 +570,11 @@ def test_masks_are_the_aes_ctr_keystream() -> None:
     ]
     np.testing.assert_array_equal(mask, np.frombuffer(stream, dtype="<u8"))
     np.testing.assert_array_equal(prg_mask(seed, 1000, 64), mask[:1000])
-    np.testing.assert_array_equal(prg_mask(seed, 1000, 20), mask[:1000] & np.uint64(2**20 - 1))
+    # moduli up to 2^32: the same keystream read as little-endian u32 words (word_dtype)
+    words32 = np.frombuffer(stream[: 4 * n], dtype="<u4").astype(np.uint64)
+    np.testing.assert_array_equal(prg_mask(seed, n, 32), words32)
+    np.testing.assert_array_equal(prg_mask(seed, 1000, 20), words32[:1000] & np.uint64(2**20 - 1))
+    assert prg_mask(seed, 10, 33).tolist() == (mask[:10] & np.uint64(2**33 - 1)).tolist()
     assert np.mean(prg_mask(other, 1000, 64) == mask[:1000]) == 0.0
 
 
