@@ -175,17 +175,23 @@ class FlClient:
         trainer = self.trainer
         if trainer is None:  # pragma: no cover - set in _session
             raise RuntimeError("no trainer")
-        chunks = stub.GetParameters(
-            pb.ParametersRequest(round=task.round, nonce=task.nonce),
-            metadata=self._metadata,
-            timeout=600,
-        )
-        limit = max(task.parameters_bytes, 1) + 1024
-        _, shared = serde.parameters_from_chunks(chunks, max_bytes=limit)
-        started = time.monotonic()
+
+        def fetch() -> Tensors:
+            chunks = stub.GetParameters(
+                pb.ParametersRequest(round=task.round, nonce=task.nonce),
+                metadata=self._metadata,
+                timeout=600,
+            )
+            limit = max(task.parameters_bytes, 1) + 1024
+            return serde.parameters_from_chunks(chunks, max_bytes=limit)[1]
+
         if task.kind is TaskKind.TRAIN and task.secagg_setup:
-            self._secure_round(stub, task, shared, started)
+            # The key stages (which wait for the whole cohort) come before the download, so
+            # the downloads, training and uploads of the cohort overlap as in a plain round.
+            self._secure_round(stub, task, fetch, time.monotonic())
             return
+        shared = fetch()
+        started = time.monotonic()
         if task.kind is TaskKind.TRAIN:
             update, examples, metrics = trainer.train(shared, task.training)
         else:
@@ -212,7 +218,11 @@ class FlClient:
         self.rounds_done += 1
 
     def _secure_round(
-        self, stub: pb_grpc.FlSecureStub, task: Task, shared: Tensors, started: float
+        self,
+        stub: pb_grpc.FlSecureStub,
+        task: Task,
+        fetch: Callable[[], Tensors],
+        started: float,
     ) -> None:
         """A TRAIN round under secure aggregation: the server only learns the cohort's sum."""
         from privacy.ckks_session import (
@@ -255,8 +265,8 @@ class FlClient:
             )
             return bytes(reply.payload)
 
-        def compute() -> Tensors:
-            update, _, found = trainer.train(shared, task.training)
+        def compute() -> Tensors:  # after the key stages: download, then train
+            update, _, found = trainer.train(fetch(), task.training)
             metrics.update(found)
             return update
 
