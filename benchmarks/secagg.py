@@ -89,10 +89,11 @@ SEED = 0
 PRG = {
     "ours": (
         "AES-256-CTR keystream (cryptography/OpenSSL), keyed by a 256-bit seed, IV 0, read "
-        "as little-endian u64 words reduced mod 2^bits (privacy.secagg.prg_mask / "
-        "_add_keystream). Self-mask seed b_u = secrets.token_bytes(32); pairwise seed s_uv = "
-        "HKDF-SHA256 of an X25519 agreement, bound to the round id and both client ids. "
-        "Stochastic rounding uniforms: ChaCha20 keystream keyed by os.urandom."
+        "as little-endian u32 words (u64 above 32 modulus bits) reduced mod 2^bits "
+        "(privacy.secagg.prg_mask / _add_keystream). Self-mask seed b_u = "
+        "secrets.token_bytes(32); pairwise seed s_uv = HKDF-SHA256 of an X25519 agreement, "
+        "bound to the round id and both client ids. Stochastic rounding uniforms: AES-256-CTR "
+        "keystream keyed by os.urandom (privacy.secagg.SecureUniform)."
     ),
     "flower": (
         "flwr.common.secure_aggregation.secaggplus_utils.pseudo_rand_gen: XOR-folds the seed "
@@ -281,7 +282,7 @@ def ours_prg_s(d: int, repeats: int = 5) -> float:
 
 
 def ours_encode_s(update: np.ndarray, repeats: int = 5) -> float:
-    """Median time of :func:`privacy.secagg.encode` (ChaCha20 stochastic rounding) of one update."""
+    """Median time of :func:`privacy.secagg.encode` (AES-CTR stochastic rounding) of one update."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
