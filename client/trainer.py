@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from fl_secure.algorithms import Strategy
+from fl_secure.algorithms.base import BROADCAST_PREFIX
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import atomic_write_bytes
 from fl_secure.training import FaceModel, LocalData, evaluate_local, set_tensors
@@ -133,7 +134,17 @@ class LocalTrainer:
         return len(self.data.test), evaluate_local(self.model.backbone, self.data)
 
     def _take_head(self, tensors: Tensors) -> Tensors:
-        """Load the server's copy of this client's head, if sent; return the shared part."""
+        """Load the server's copy of this client's head, if sent; return the shared part.
+
+        The round's broadcast tensors (``broadcast.*``, e.g. AdaFedFR's R) go to the
+        strategy, which checks them (a malformed one raises ``ValueError`` naming it).
+        """
+        broadcast = OrderedDict(
+            (k, v) for k, v in tensors.items() if k.startswith(BROADCAST_PREFIX)
+        )
+        if broadcast:
+            self.strategy.take_broadcast(self.model, broadcast)
+        tensors = OrderedDict((k, v) for k, v in tensors.items() if k not in broadcast)
         head = OrderedDict((k, v) for k, v in tensors.items() if k in self.head_names)
         shared = OrderedDict((k, v) for k, v in tensors.items() if k not in self.head_names)
         if head:

@@ -5,10 +5,11 @@ built by :func:`client.setup.build_local_trainer` (same model, label space, batc
 the server folds the updates with :class:`server.aggregate.StreamingMean` weighted by example
 counts and applies the strategy's ``server_update`` (and, for ``server-sees-heads`` designs
 such as FedGC, its ``server_heads`` on the uploaded heads, each returned to its owner only),
-with the coordinator's per-round learning rate. For AdaFedFR the server's step of Algorithm 1
-lines 6-8 runs here too: each round the public identities' representations ``R`` (Eq. 4) are
-extracted with the global backbone and handed to every client's strategy, and each round's
-record carries the bytes one client exchanges (``bytes_per_client``). Only transport,
+with the coordinator's per-round learning rate. A strategy's per-round broadcast (AdaFedFR's
+public representations ``R``, Eq. 4, Algorithm 1 lines 6-8: :meth:`Strategy.broadcaster`)
+is computed from the global parameters and handed to every client with them, as the
+coordinator does, and each such round's record carries the bytes one client exchanges
+(``bytes_per_client``). Only transport,
 certificates, deadlines and process boundaries are left out, so a grid of experiments runs in
 one process on 2 cores.
 Every client takes part in every round (the gRPC default). Differential privacy and secure
@@ -23,22 +24,17 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
 from client.setup import build_local_trainer
 from fl_secure.algorithms import get_strategy
-from fl_secure.algorithms.adafedfr import (
-    AdaFedFR,
-    bytes_per_round,
-    public_dataset,
-    public_identity_features,
-)
 from fl_secure.config import Config
 from fl_secure.data.plan import plan_federation
 from fl_secure.errors import ConfigError
 from fl_secure.evaluation import per_client_summary
 from fl_secure.messages import Tensors, TensorSpec
-from fl_secure.training import HEADLINE, build_model, get_tensors, local_training, set_tensors
+from fl_secure.training import HEADLINE, build_model, get_tensors, local_training
 from fl_secure.training import round_learning_rate as lr_of_round
 from fl_secure.tuning import evaluate_after_training
 from server.aggregate import StreamingMean
@@ -89,12 +85,13 @@ def simulate(
     }
     evaluator = make_evaluator(config, plan) if len(plan.held_out) else None
     training = local_training(config.train)
-    public = public_dataset(config) if isinstance(strategy, AdaFedFR) else None
+    broadcaster = strategy.broadcaster(config)
+    broadcast: Tensors = OrderedDict()  # the round's broadcast tensors, to every client
 
     heads: dict[str, Tensors] = {}  # server-sees-heads (FedGC): each client's corrected W_k
 
     def sent_to(client_id: str, shared: Tensors) -> Tensors:  # as Coordinator.parameters
-        return OrderedDict([*shared.items(), *heads.get(client_id, {}).items()])
+        return OrderedDict([*shared.items(), *heads.get(client_id, {}).items(), *broadcast.items()])
 
     def evaluate_clients(shared: Tensors) -> dict[str, dict[str, float]]:
         return {c: t.evaluate(sent_to(c, shared))[1] for c, t in trainers.items()}
@@ -111,13 +108,9 @@ def simulate(
         metrics: dict[str, dict[str, float]] = {}
         uploaded: dict[str, Tensors] = {}
         sent: dict[str, int] = {}
-        if public is not None:  # AdaFedFR Algorithm 1 lines 6-8: R under w^t, to every client
-            set_tensors(model, params)
-            r = public_identity_features(model.backbone, public.images, public.labels)
-            for trainer in trainers.values():
-                if isinstance(trainer.strategy, AdaFedFR):
-                    trainer.strategy.public_representations = r
-            sent = bytes_per_round(params, int(r.shape[0]), int(r.shape[1]))
+        if broadcaster is not None:  # e.g. AdaFedFR Algorithm 1 lines 6-8: R under w^t
+            broadcast = broadcaster(params, number)
+            sent = bytes_per_client(params, broadcast)
         for client_id, trainer in trainers.items():
             update, examples, found = trainer.train(sent_to(client_id, params), task)
             if trainer.head_names:  # as Coordinator.commit_upload: W_k apart from the mean
@@ -161,3 +154,15 @@ def simulate(
         "duration_s": round(time.time() - started, 1),
     }
     return SimulationResult(params=params, records=records, summary=summary, heads=heads)
+
+
+def bytes_per_client(params: Tensors, broadcast: Tensors) -> dict[str, int]:
+    """Payload bytes one client exchanges per round, as ``Coordinator.bytes_per_client``."""
+    size = int(sum(np.asarray(v).nbytes for v in params.values()))
+    extra = int(sum(np.asarray(v).nbytes for v in broadcast.values()))
+    return {
+        "broadcast": extra,
+        "parameters_down": size,
+        "parameters_up": size,
+        "total": extra + 2 * size,
+    }

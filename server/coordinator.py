@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from fl_secure.algorithms.base import BROADCAST_PREFIX
 from fl_secure.checkpoints import CheckpointStore
 from fl_secure.errors import ProtocolError, RoundAborted
 from fl_secure.messages import (
@@ -150,6 +151,7 @@ class Coordinator:
         privacy: ServerPrivacy | None = None,
         signing_registry: Mapping[str, Ed25519PublicKey] | None = None,
         head_step: HeadStep | None = None,
+        broadcast: Callable[[Tensors, int], Tensors] | None = None,
     ) -> None:
         self.settings = settings
         self.enrolled = set(enrolled)
@@ -178,6 +180,9 @@ class Coordinator:
         self.head_step = head_step
         # server-sees-heads: each client's latest (corrected) head, sent back to it alone
         self.heads: dict[str, Tensors] = {}
+        # per-round tensors sent to the whole cohort with the parameters (AdaFedFR's R)
+        self.broadcast = broadcast
+        self._broadcast_tensors: Tensors = OrderedDict()
 
     # ----------------------------------------------------------------- resume
     def resume(self) -> int:
@@ -248,7 +253,8 @@ class Coordinator:
             algorithm_params=s.algorithm_params,
             deadline_unix_ms=int(time.time() * 1000) + remaining_ms,
             parameters_bytes=sum(sp.num_bytes for sp in self.specs)
-            + sum(a.nbytes for a in self.heads.get(client_id, {}).values()),
+            + sum(a.nbytes for a in self.heads.get(client_id, {}).values())
+            + sum(a.nbytes for a in self._broadcast_tensors.values()),
             secagg_setup=rnd.secure.setup.to_bytes() if rnd.secure is not None else b"",
         )
 
@@ -256,10 +262,12 @@ class Coordinator:
         """Global parameters for a client of the current cohort (and its own head only)."""
         with self._cv:
             self._check_member(client_id, round_, nonce)
-            head = self.heads.get(client_id)
-            if head is None:
+            head: Tensors = self.heads.get(client_id, OrderedDict())
+            if not head and not self._broadcast_tensors:
                 return self.completed_round, self.params
-            return self.completed_round, OrderedDict([*self.params.items(), *head.items()])
+            return self.completed_round, OrderedDict(
+                [*self.params.items(), *head.items(), *self._broadcast_tensors.items()]
+            )
 
     def _check_member(self, client_id: str, round_: int, nonce: bytes) -> _Round:
         rnd = self._round
@@ -655,6 +663,7 @@ class Coordinator:
             for number in range(self.completed_round + 1, s.rounds + 1):
                 if self._budget_exhausted(number):
                     break
+                self._prepare_broadcast(number)
                 rnd = self._run_round(number, TaskKind.TRAIN, s.min_clients)
                 mean_update = self._aggregate(rnd)
                 params = self.server_step(self.params, mean_update, number)
@@ -700,6 +709,33 @@ class Coordinator:
         s = self.settings
         lr = round_learning_rate(s.training.learning_rate, number, s.rounds, s.lr_schedule)
         return self.head_step(rnd.heads, learning_rate=lr, round_=number)
+
+    def _prepare_broadcast(self, number: int) -> None:
+        """The round's broadcast tensors from the global parameters, before its cohort asks."""
+        if self.broadcast is None:
+            return
+        tensors = self.broadcast(self.params, number)
+        for name, array in tensors.items():
+            if not name.startswith(BROADCAST_PREFIX) or not np.all(np.isfinite(array)):
+                raise ProtocolError(f"broadcast tensor {name!r}: bad name or non-finite values")
+        with self._cv:
+            self._broadcast_tensors = OrderedDict(tensors)
+
+    def bytes_per_client(self) -> dict[str, int]:
+        """Payload bytes one client exchanges in a training round (tensor bytes, no framing).
+
+        ``parameters_down`` and ``parameters_up`` are the shared parameters (the plain upload
+        has the same specs; a masked upload's size is in the secure-aggregation record),
+        ``broadcast`` the round's broadcast tensors.
+        """
+        params = sum(sp.num_bytes for sp in self.specs)
+        extra = sum(int(a.nbytes) for a in self._broadcast_tensors.values())
+        return {
+            "broadcast": extra,
+            "parameters_down": params,
+            "parameters_up": params,
+            "total": extra + 2 * params,
+        }
 
     def _record_untrained(self) -> None:
         """Round 0: the untrained model, the baseline every later round is read against."""
@@ -747,6 +783,8 @@ class Coordinator:
         }
         if rnd.secure is not None:
             record["secure_aggregation"] = self._secure_record(rnd, "")
+        if self.broadcast is not None:
+            record["bytes_per_client"] = self.bytes_per_client()
         if self.privacy is not None:
             record["privacy"] = self.privacy.preview(rows)
             record["epsilon"] = record["privacy"]["epsilon"]

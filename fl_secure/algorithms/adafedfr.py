@@ -64,18 +64,21 @@ Exposure ``private-embedding``: only the backbone is aggregated; the head, the a
 module adds no noise of its own. With ``unit = "example"`` DP-SGD replaces the local
 objective (plain margin-head training), so AdaFedFR's losses are not used there.
 
-Transport of ``R``: for now the caller sets :attr:`AdaFedFR.public_representations` before a
-client's round. The in-process simulation (``fl-secure experiment``) does this every round
-from :func:`public_dataset` (synthetic identities disjoint from the run's) with the round's
-global backbone; the gRPC path does not carry ``R`` yet, so a gRPC client fails its first
-round with a clear error. The adapter and ``phi`` live beside the model (per model
-object) and are not saved in a client's ``state_dir``: a restarted client starts them afresh.
+Transport of ``R`` (Algorithm 1 lines 6-8): :meth:`AdaFedFR.broadcaster` gives the server a
+callable that, before every round, extracts ``R`` with the round's global backbone from
+:func:`public_dataset` (synthetic identities disjoint from the run's); ``R`` travels as the
+tensor ``broadcast.public_representations`` with the parameters the client downloads (gRPC
+``GetParameters``, or the simulation's hand-over: one code path) and
+:meth:`AdaFedFR.take_broadcast` checks it (shape ``[G, d]``, finite, unit rows) before the
+client trains. The adapter and ``phi`` live beside the model (per model object) and are not
+saved in a client's ``state_dir``: a restarted client starts them afresh.
 """
 
 from __future__ import annotations
 
 import copy
 import weakref
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
@@ -85,12 +88,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
-from fl_secure.algorithms.base import Exposure, Strategy
+from fl_secure.algorithms.base import BROADCAST_PREFIX, Broadcaster, Exposure, Strategy
 from fl_secure.config import Config
 from fl_secure.data.synthetic import SyntheticFaceConfig, generate_synthetic_faces
 from fl_secure.data.types import FaceDataset
-from fl_secure.messages import LocalTraining
-from fl_secure.training import FaceModel, LocalData, make_optimizer
+from fl_secure.messages import LocalTraining, Tensors
+from fl_secure.training import FaceModel, LocalData, build_model, make_optimizer, set_tensors
+
+#: The broadcast tensor carrying ``R`` (Eq. 4), ``[G, d]`` float32.
+REPRESENTATIONS = f"{BROADCAST_PREFIX}public_representations"
 
 #: Eq. 8 weights (alpha_1, alpha_2, alpha_3) of L_lmc, L_kcl, L_bce (Implementation Details).
 LOSS_WEIGHTS = (1.0, 5.0, 10.0)
@@ -369,6 +375,44 @@ class AdaFedFR(Strategy):
             self._states[model] = state
         return state
 
+    def broadcaster(self, config: Config) -> Broadcaster:
+        """Algorithm 1 lines 6-8 on the server: ``R`` under each round's global backbone."""
+        public = public_dataset(config)
+        model = build_model(config.model, 1, config.data.image_size, config.run.seed)
+        prefix = "backbone."
+
+        def broadcast(params: Tensors, round_: int) -> Tensors:
+            del round_
+            backbone = {k[len(prefix) :]: v for k, v in params.items() if k.startswith(prefix)}
+            set_tensors(model.backbone, OrderedDict(backbone))
+            r = public_identity_features(model.backbone, public.images, public.labels)
+            return OrderedDict([(REPRESENTATIONS, r.numpy())])
+
+        return broadcast
+
+    def take_broadcast(self, model: FaceModel, tensors: Tensors) -> None:
+        """Check the server's ``R`` (names, shape ``[G, d]``, finite, unit rows) and keep it."""
+        if list(tensors) != [REPRESENTATIONS]:
+            raise ValueError(
+                f"AdaFedFR expects the broadcast {REPRESENTATIONS!r} alone, got {sorted(tensors)}"
+            )
+        r = np.asarray(tensors[REPRESENTATIONS])
+        width = _embedding_size(model)
+        if r.ndim != 2 or r.shape[0] < 1 or r.shape[1] != width:
+            raise ValueError(
+                f"the server's public representations R have shape {r.shape}, expected "
+                f"[G >= 1, {width}] (one row per public identity, the embedding size)"
+            )
+        if not np.all(np.isfinite(r)):
+            raise ValueError("the server's public representations R contain NaN or infinity")
+        norms = np.linalg.norm(r.astype(np.float64), axis=1)
+        if np.any(np.abs(norms - 1.0) > 1e-3):
+            raise ValueError(
+                "the server's public representations R are not unit rows (Eq. 4 normalises "
+                f"each mean feature): norms range {norms.min():.4g}..{norms.max():.4g}"
+            )
+        self.public_representations = torch.from_numpy(r.astype(np.float32, copy=True))
+
     def personalized_backbone(self, model: FaceModel) -> nn.Module:
         """The personalised model: backbone followed by the client's adapter map ``A``."""
         return nn.Sequential(model.backbone, self.client_state(model).adapter.transform)
@@ -385,8 +429,8 @@ class AdaFedFR(Strategy):
         r = self.public_representations
         if r is None:
             raise ValueError(
-                "AdaFedFR needs the round's public representations R: only the in-process "
-                "simulation (fl-secure experiment) sends them so far"
+                "AdaFedFR needs the round's public representations R, which the server sends "
+                f"with the parameters as {REPRESENTATIONS!r}; none arrived"
             )
         state = self.client_state(model, num_public=int(r.shape[0]))
         reference = copy.deepcopy(model.backbone).eval()  # w^t, for f_g
@@ -432,3 +476,8 @@ class AdaFedFR(Strategy):
         metrics["local_steps"] = float(total_steps)
         metrics["phi_mean"] = float(state.selection().mean().detach())
         return metrics
+
+
+def _embedding_size(model: FaceModel) -> int:
+    """Width of the embeddings (the rows of R): the head's class-embedding width."""
+    return int(model.head.weight.shape[1])

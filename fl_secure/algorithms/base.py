@@ -17,6 +17,7 @@ from typing import ClassVar, Literal
 import numpy as np
 import torch
 
+from fl_secure.config import Config
 from fl_secure.data.types import FaceDataset
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.training import FaceModel, LocalData, get_tensors, set_tensors, train_local
@@ -24,6 +25,13 @@ from fl_secure.training import FaceModel, LocalData, get_tensors, set_tensors, t
 #: What the design shares, for audits and reports (ARCHITECTURE: "Designs differ in what is
 #: shared").
 Exposure = Literal["global-head", "server-sees-heads", "private-embedding"]
+
+#: Name prefix of the tensors a server sends with a round's parameters beyond the model
+#: (AdaFedFR's public representations R): downlink only, never aggregated or uploaded.
+BROADCAST_PREFIX = "broadcast."
+
+#: A server's per-round broadcast: (global parameters, round) -> ``broadcast.*`` tensors.
+Broadcaster = Callable[[Tensors, int], Tensors]
 
 
 @dataclass(frozen=True)
@@ -122,6 +130,27 @@ class Strategy(ABC):
         return OrderedDict(
             (k, (params[k] + mean_update[k]).astype(params[k].dtype)) for k in params
         )
+
+    def broadcaster(self, config: Config) -> Broadcaster | None:
+        """The server's per-round broadcast to every client of the cohort, if the design has one.
+
+        Called once per run on the server; the returned callable gets the round's global
+        parameters before the round and returns ``broadcast.*`` tensors, which travel with
+        the parameters (the coordinator's and the simulation's download) and reach
+        :meth:`take_broadcast` on each client.
+        """
+        del config
+        return None
+
+    def take_broadcast(self, model: FaceModel, tensors: Tensors) -> None:
+        """A client receives the round's ``broadcast.*`` tensors; validate, then keep them.
+
+        Raises:
+            ValueError: naming the problem (this design expects no broadcast by default).
+        """
+        del model
+        if tensors:
+            raise ValueError(f"{self.name} expects no broadcast tensors, got {sorted(tensors)}")
 
     def server_heads(
         self, heads: Mapping[str, Tensors], *, learning_rate: float, round_: int

@@ -341,7 +341,7 @@ def test_simulation_sends_r_each_round_and_counts_its_bytes(tmp_path: Path) -> N
     assert list(result.params) == [n for n in result.params if n.startswith("backbone.")]
     for record in result.records[1:]:
         assert record["bytes_per_client"] == {
-            "representations": 5 * 16 * 4,
+            "broadcast": 5 * 16 * 4,  # R, the only broadcast tensor
             "parameters_down": params,
             "parameters_up": params,
             "total": 5 * 16 * 4 + 2 * params,

@@ -35,7 +35,7 @@ num_clients = 3
 backbone = "cnn-small"
 embedding_size = 64
 [algorithm]
-name = "fedpe"
+{algorithm}
 [train]
 rounds = {rounds}
 local_steps = 2
@@ -85,12 +85,25 @@ def _rounds(run_dir: Path) -> list[int]:
 
 class Federation:
     def __init__(
-        self, tmp: Path, *, rounds: int, min_clients: int, timeout: float, privacy: str = ""
+        self,
+        tmp: Path,
+        *,
+        rounds: int,
+        min_clients: int,
+        timeout: float,
+        privacy: str = "",
+        algorithm: str = 'name = "fedpe"',
     ) -> None:
         self.tmp = tmp
         self.config = tmp / "tiny.toml"
         self.config.write_text(
-            TINY.format(rounds=rounds, min_clients=min_clients, timeout=timeout, privacy=privacy)
+            TINY.format(
+                rounds=rounds,
+                min_clients=min_clients,
+                timeout=timeout,
+                privacy=privacy,
+                algorithm=algorithm,
+            )
         )
         self.certs = tmp / "certs"
         init_certificates(self.certs, clients=3)
@@ -273,3 +286,48 @@ def test_ckks_aggregation_with_local_noise_in_processes(federation) -> None:
     assert summary["epsilon"] == pytest.approx(expected)
     for client in fed.clients:
         assert client.wait(timeout=60) == 0, fed.logs()
+
+
+def test_adafedfr_with_client_level_dp_and_secure_aggregation_in_processes(federation) -> None:
+    # Prepare: AdaFedFR (5 public identities, top-3 negatives) with client-level DP,
+    # distributed discrete-Gaussian noise under SecAgg, three client processes over mTLS
+    section = (
+        '[privacy]\nunit = "client"\nnoise_placement = "distributed"\nnoise_multiplier = 0.5\n'
+        '[secure_aggregation]\nscheme = "secagg"'
+    )
+    algorithm = 'name = "adafedfr"\nnum_negatives = 3\npublic_identities = 5\n'
+    algorithm += "public_images_per_identity = 2"
+    fed = federation(rounds=2, min_clients=3, timeout=120.0, privacy=section, algorithm=algorithm)
+    # Execute
+    fed.start_server()
+    fed.start_clients()
+    assert fed.server is not None
+    assert fed.server.wait(timeout=300) == 0, fed.logs()
+    for client in fed.clients:
+        assert client.wait(timeout=60) == 0, fed.logs()
+    # Assert: both rounds aggregated the three masked, noised updates; epsilon is PLD's
+    summary = json.loads((fed.run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["algorithm"] == "adafedfr"
+    assert summary["secure_aggregation"]["survivors_per_round"] == [3, 3]
+    expected = epsilon_for(
+        accountant="pld", noise_multiplier=0.5, sample_rate=1.0, steps=2, delta=1e-5
+    )
+    assert summary["epsilon"] == pytest.approx(expected)
+    # ... every round sent R (5 public identities x 64 floats) with the backbone, and the
+    # clients trained Eq. 8 on it (their metrics carry its parts)
+    from fl_secure.checkpoints import CheckpointStore
+
+    params = CheckpointStore(fed.run_dir / "checkpoints").latest()
+    assert params is not None
+    assert all(name.startswith("backbone.") for name in params.parameters)  # no adapter, no head
+    size = sum(v.nbytes for v in params.parameters.values())
+    records = [json.loads(ln) for ln in (fed.run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if r["round"] >= 1]
+    assert [r["round"] for r in trained] == [1, 2]
+    for record in trained:
+        assert record["bytes_per_client"] == {
+            "broadcast": 5 * 64 * 4,
+            "parameters_down": size,
+            "parameters_up": size,
+            "total": 5 * 64 * 4 + 2 * size,
+        }
