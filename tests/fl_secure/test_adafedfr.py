@@ -292,44 +292,9 @@ def test_bytes_per_round() -> None:
     }
 
 
-TINY_RUN = """
-[run]
-name = "tiny-adafedfr"
-seed = 3
-[data]
-source = "synthetic"
-image_size = 32
-num_identities = 12
-images_per_identity = 4
-held_out_identities = 4
-[partition]
-num_clients = 2
-[model]
-backbone = "cnn-small"
-embedding_size = 16
-[algorithm]
-name = "adafedfr"
-num_negatives = 3
-public_identities = 5
-public_images_per_identity = 2
-[train]
-rounds = 2
-local_steps = 2
-batch_size = 4
-[eval]
-tune_steps = 0
-[privacy]
-unit = "none"
-[secure_aggregation]
-scheme = "none"
-"""
-
-
-def test_simulation_sends_r_each_round_and_counts_its_bytes(tmp_path: Path) -> None:
+def test_simulation_sends_r_each_round_and_counts_its_bytes(tiny_adafedfr: Path) -> None:
     # Prepare: a tiny synthetic run of AdaFedFR with 5 public identities
-    path = tmp_path / "tiny.toml"
-    path.write_text(TINY_RUN)
-    config = load_config(path)
+    config = load_config(tiny_adafedfr)
     strategy = get_strategy("adafedfr", config.algorithm)
     # Execute
     result = simulate(config)

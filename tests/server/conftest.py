@@ -75,6 +75,8 @@ def make_run(
     round_timeout: float = 30.0,
     server_step=None,
     extra_ids: tuple[str, ...] = (),
+    broadcast=None,
+    on_round=None,
 ) -> GrpcRun:
     certs = tmp_path / "certs"
     ids = [f"client-{i}" for i in range(clients)]
@@ -98,9 +100,10 @@ def make_run(
         enrolled=enrolled,
         run_dir=RunDir(tmp_path / "run"),
         server_step=server_step or (lambda p, u, r: OrderedDict((k, p[k] + u[k]) for k in p)),
+        broadcast=broadcast,
     )
     server, port = start_server(coord, "127.0.0.1:0", cert_dir=certs)
-    driver = threading.Thread(target=coord.run, daemon=True)
+    driver = threading.Thread(target=coord.run, kwargs={"on_round": on_round}, daemon=True)
     driver.start()
     return GrpcRun(coord, port, certs, server, driver)
 

@@ -6,7 +6,6 @@ The process test with client-level DP and SecAgg is
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from pathlib import Path
 
@@ -14,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from client.app import Connection, FlClient
 from client.setup import build_local_trainer
 from fl_secure.algorithms import get_strategy
 from fl_secure.algorithms.adafedfr import (
@@ -28,36 +26,8 @@ from fl_secure.data.plan import plan_federation
 from fl_secure.errors import ProtocolError
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import RunDir
-from fl_secure.tls import init_certificates
 from fl_secure.training import build_model, get_tensors, set_tensors
-from server.app import load_enrollment, start_server
 from server.coordinator import Coordinator, CoordinatorSettings
-
-TINY_RUN = """
-[run]
-name = "tiny-adafedfr-grpc"
-seed = 3
-[data]
-source = "synthetic"
-image_size = 32
-num_identities = 12
-images_per_identity = 4
-held_out_identities = 4
-[partition]
-num_clients = 2
-[model]
-backbone = "cnn-small"
-embedding_size = 16
-[algorithm]
-name = "adafedfr"
-num_negatives = 3
-public_identities = 5
-public_images_per_identity = 2
-[train]
-rounds = 2
-local_steps = 2
-batch_size = 4
-"""
 
 
 class RecordingTrainer:
@@ -78,12 +48,6 @@ class RecordingTrainer:
         return 1, {}
 
 
-def _config(tmp_path: Path) -> Config:
-    path = tmp_path / "tiny.toml"
-    path.write_text(TINY_RUN)
-    return load_config(path)
-
-
 def _eq4(config: Config, params: Tensors) -> np.ndarray:
     """R recomputed from scratch: Eq. 4 on the public set under the given backbone."""
     model = build_model(config.model, 1, config.data.image_size, config.run.seed)
@@ -92,54 +56,33 @@ def _eq4(config: Config, params: Tensors) -> np.ndarray:
     return public_identity_features(model.backbone, public.images, public.labels).numpy()
 
 
-def test_each_round_sends_eq4_of_that_rounds_global_model(tmp_path: Path) -> None:
+def test_each_round_sends_eq4_of_that_rounds_global_model(
+    tiny_adafedfr: Path, grpc_run_factory
+) -> None:
     # Prepare: a coordinator with AdaFedFR's broadcaster, two clients over gRPC + mTLS
-    config = _config(tmp_path)
+    config = load_config(tiny_adafedfr)
     strategy = get_strategy("adafedfr", config.algorithm)
     model = build_model(config.model, 1, config.data.image_size, config.run.seed)
     initial = get_tensors(model, strategy.shared_names(model))
-    ids = ["client-0", "client-1"]
-    certs = tmp_path / "certs"
-    init_certificates(certs, clients=ids)
-    settings = CoordinatorSettings(
-        rounds=2, min_clients=2, round_timeout=60.0, poll_wait=0.5, final_evaluation=False
-    )
-    coord = Coordinator(
-        settings,
-        initial,
-        enrolled=set(load_enrollment(certs).fingerprints),
-        run_dir=RunDir(tmp_path / "run"),
-        server_step=lambda p, u, r: OrderedDict((k, p[k] + u[k]) for k in p),
-        broadcast=strategy.broadcaster(config),
-    )
     globals_: list[Tensors] = [initial]  # the global model each round starts from
-    trainers = {c: RecordingTrainer(0.01 * (i + 1)) for i, c in enumerate(ids)}
-    server, port = start_server(coord, "127.0.0.1:0", cert_dir=certs)
-    driver = threading.Thread(
-        target=coord.run, kwargs={"on_round": lambda r: globals_.append(coord.params)}
+    run = grpc_run_factory(
+        initial,
+        clients=2,
+        rounds=2,
+        min_clients=2,
+        broadcast=strategy.broadcaster(config),
+        on_round=lambda record: globals_.append(run.coordinator.params),
     )
-    driver.start()
-    threads = []
-    try:
-        for c in ids:
-            client = FlClient(
-                Connection(f"localhost:{port}", c, cert_dir=certs),
-                lambda reply, t=trainers[c]: t,  # type: ignore[misc]
-                max_wait=20.0,
-            )
-            th = threading.Thread(target=client.run, daemon=True)
-            th.start()
-            threads.append(th)
-        driver.join(timeout=120)
-        for th in threads:
-            th.join(timeout=30)
-    finally:
-        coord.stop("test teardown")
-        server.stop(grace=None)
-    assert coord.status == "completed", coord.stop_reason
+    trainers = {f"client-{i}": RecordingTrainer(0.01 * (i + 1)) for i in range(2)}
+    # Execute: two rounds
+    threads = [run.start_client(c, t)[0] for c, t in trainers.items()]  # type: ignore[arg-type]
+    run.driver.join(timeout=120)
+    for th in threads:
+        th.join(timeout=30)
+    assert run.coordinator.status == "completed", run.coordinator.stop_reason
     # Assert: round r's download is the global model of round r plus R = Eq. 4 under it
     # (5 public identities x 16), the same for every client; R changes as the model does
-    for c in ids:
+    for c in trainers:
         assert len(trainers[c].seen) == 2
         for seen, params in zip(trainers[c].seen, globals_, strict=False):
             assert list(seen) == [*params, REPRESENTATIONS]
@@ -173,9 +116,11 @@ def _trainer(config: Config):  # type: ignore[no-untyped-def]
         (lambda r: 2 * r, "not unit rows"),
     ],
 )
-def test_a_malformed_r_is_refused_before_training(tmp_path: Path, mutate, message: str) -> None:
+def test_a_malformed_r_is_refused_before_training(
+    tiny_adafedfr: Path, mutate, message: str
+) -> None:
     # Prepare: a real client trainer of the tiny AdaFedFR run and a well-formed download
-    config = _config(tmp_path)
+    config = load_config(tiny_adafedfr)
     trainer = _trainer(config)
     shared = trainer.shared_parameters()
     good = _eq4(config, shared)
