@@ -17,6 +17,7 @@ import torch
 
 from client.trainer import LocalTrainer
 from fl_secure.algorithms import get_strategy
+from fl_secure.algorithms.fedaffect import FedAffect, build_fedaffect_model
 from fl_secure.config import Config, DataConfig, config_from_dict
 from fl_secure.data.folders import load_identity_folders
 from fl_secure.data.plan import plan_federation
@@ -24,7 +25,7 @@ from fl_secure.data.splits import stratified_split
 from fl_secure.data.types import FaceDataset
 from fl_secure.errors import ConfigError
 from fl_secure.messages import JoinReply
-from fl_secure.training import build_model
+from fl_secure.training import FaceModel, build_model
 from privacy.client_side import ClientPrivacy
 from privacy.noise import seeded_source
 
@@ -105,7 +106,13 @@ def build_local_trainer(
     """
     strategy = get_strategy(run_config.algorithm.name, run_config.algorithm)
     classes = strategy.num_head_classes(len(identities), np.unique(train.labels.numpy()))
-    model = build_model(run_config.model, classes, image_size, run_config.run.seed)
+    model: FaceModel
+    if isinstance(strategy, FedAffect):  # encoder f, relation g (head slot), private p
+        model = build_fedaffect_model(
+            run_config.model, run_config.algorithm, image_size, run_config.run.seed
+        )
+    else:
+        model = build_model(run_config.model, classes, image_size, run_config.run.seed)
     local = strategy.local_data(train, test, identities)
     # Batch order only (not security-sensitive): derived from the run seed and the client id
     # so that a run can be reproduced.

@@ -127,11 +127,16 @@ class LocalTrainer:
         return self._with_head(update), examples, metrics
 
     def evaluate(self, shared: Tensors) -> tuple[int, dict[str, float]]:
-        """Evaluate the global model on this client's test images."""
+        """Evaluate the global model on this client's test images.
+
+        With the client's private personalisation where the design has one
+        (:meth:`Strategy.personalized`, e.g. AdaFedFR's local adapter).
+        """
         shared = self._take_head(shared)
         self._save_private()
         set_tensors(self.model, shared)
-        return len(self.data.test), evaluate_local(self.model.backbone, self.data)
+        network = self.strategy.personalized(self.model)
+        return len(self.data.test), evaluate_local(network, self.data)
 
     def _take_head(self, tensors: Tensors) -> Tensors:
         """Load the server's copy of this client's head, if sent; return the shared part.

@@ -2,7 +2,10 @@
 
 Its backbone is saved as ``backbone.safetensors`` in the run directory, so a centralized run
 on public faces (a large synthetic set, or LFW) is also how a model is *pretrained* before
-federated fine-tuning (``model.pretrained = ".../backbone.safetensors"``).
+federated fine-tuning (``model.pretrained = ".../backbone.safetensors"``). With
+``partition.kind = "domain"`` it is FedFR's source pre-training (FedFR Algorithm 1 lines 1-2):
+only the labelled source client's images train ``f_s``; the target clients' labels are never
+read, and the FedFR run that starts from ``f_s`` pseudo-labels them with it.
 
 The reference the federated run is compared with ("at least 0.9x centralized training with the
 same backbone and passes"): same backbone, head kind, optimiser settings and number of passes
@@ -20,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from fl_secure.config import Config, config_to_toml
-from fl_secure.data.plan import FederatedData, plan_federation
+from fl_secure.data.plan import ClientShare, FederatedData, plan_federation
 from fl_secure.data.types import FaceDataset
 from fl_secure.evaluation import per_client_summary
 from fl_secure.models import save_weights
@@ -54,9 +57,10 @@ def train_centralized_model(
 ) -> tuple[torch.nn.Module, list[dict[str, float]]]:
     """Train on the pooled client data; return the backbone and per-pass held-out metrics."""
     torch.manual_seed(config.run.seed)
-    train = _union([c.train for c in plan.clients])
-    test = _union([c.test for c in plan.clients])
-    ids = plan.train_identities
+    labelled = pretraining_clients(config, plan)
+    train = _union([c.train for c in labelled])
+    test = _union([c.test for c in labelled])
+    ids = np.unique(train.labels.numpy())
     model = build_model(config.model, len(ids), config.data.image_size, config.run.seed)
     targets = torch.from_numpy(np.searchsorted(ids, train.labels.numpy()).astype(np.int64))
     data = LocalData(train=train, test=test, train_targets=targets, class_mask=None)
@@ -75,6 +79,15 @@ def train_centralized_model(
             evaluate_verification(model.backbone, plan.held_out) if len(plan.held_out) else {}
         )
     return model.backbone, history
+
+
+def pretraining_clients(config: Config, plan: FederatedData) -> list[ClientShare]:
+    """Whose labelled images a centralized run pools.
+
+    Every client's; for a FedFR domain federation the source client's alone (its targets have
+    no labels to use).
+    """
+    return plan.clients[:1] if config.partition.kind == "domain" else list(plan.clients)
 
 
 def per_client_scores(

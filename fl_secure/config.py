@@ -8,6 +8,7 @@ set stops with a :class:`~fl_secure.errors.ConfigError` that names the key and w
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -19,8 +20,19 @@ from fl_secure.errors import ConfigError
 from fl_secure.models.heads import HeadKind
 
 DataSource = Literal["synthetic", "folders", "celeba"]
-PartitionKind = Literal["equal", "lognormal", "dirichlet", "attribute"]
-AlgorithmName = Literal["fedavg", "fedpe", "fedgc", "fedcos", "hfmaml", "hfmaml-global", "adafedfr"]
+PartitionKind = Literal["equal", "lognormal", "dirichlet", "attribute", "domain"]
+AlgorithmName = Literal[
+    "fedavg",
+    "fedpe",
+    "fedgc",
+    "fedcos",
+    "hfmaml",
+    "hfmaml-global",
+    "adafedfr",
+    "fedaffect",
+    "fedfr-public",
+    "fedfr",
+]
 Optimizer = Literal["sgd", "adam"]
 LrSchedule = Literal["constant", "cosine"]
 PrivacyUnit = Literal["none", "client", "example"]
@@ -55,6 +67,9 @@ class DataConfig:
     center_crop: int = 0  # folders: centre-crop to this many pixels before resizing (0 = off)
     held_out_identities: int = 40  # identities held out from all clients (server evaluation)
     test_fraction: float = 0.3  # per-identity fraction of each client's images kept for testing
+    # synthetic: multiplier of the expression deformations (1.0 = the default images bit for
+    # bit; up to 2.5 makes the 5 expressions learnable, for fedaffect)
+    expression_strength: float = 1.0
 
     def __post_init__(self) -> None:
         """Check ranges."""
@@ -63,6 +78,11 @@ class DataConfig:
         _check(self.images_per_identity > 1, "data.images_per_identity", "an integer > 1")
         _check(self.held_out_identities >= 0, "data.held_out_identities", "an integer >= 0")
         _check(0.0 < self.test_fraction < 1.0, "data.test_fraction", "a number in (0, 1)")
+        _check(
+            0.0 <= self.expression_strength <= 2.5,
+            "data.expression_strength",
+            "a number in [0, 2.5]",
+        )
         _check(self.source == "synthetic" or bool(self.path), "data.path", "a folder path")
         if self.source == "celeba":
             _check(bool(self.attributes_file), "data.attributes_file", "list_attr_celeba.txt")
@@ -83,10 +103,24 @@ class PartitionConfig:
     # partitioned with the others, identities disjoint from training, never in a round; with
     # kind = "attribute" the last held_out_clients predicates of `clients` are theirs
     held_out_clients: int = 0
+    # domain (FedFR, synthetic data only): client 0 is the labelled source-domain client with
+    # this fraction of the training identities; clients 1.. split the rest equally and hold
+    # them in the generator's "shifted" domain, as do the held-out identities (the target)
+    source_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         """Check ranges."""
         _check(1 <= self.num_clients <= 1000, "partition.num_clients", "an integer in [1, 1000]")
+        _check(0 < self.source_fraction < 1, "partition.source_fraction", "a number in (0, 1)")
+        if self.kind == "domain":
+            _check(
+                self.num_clients >= 2,
+                "partition.num_clients",
+                "an integer >= 2 with kind = 'domain' (one source client + target clients)",
+            )
+            _check(
+                self.held_out_clients == 0, "partition.held_out_clients", "0 with kind = 'domain'"
+            )
         _check(self.sigma > 0, "partition.sigma", "a number > 0")
         _check(self.alpha > 0, "partition.alpha", "a number > 0")
         _check(0 <= self.held_out_clients <= 1000, "partition.held_out_clients", "0..1000")
@@ -135,6 +169,22 @@ class AlgorithmConfig:
     # adafedfr: the server's public set, synthetic identities disjoint from the run's (Eq. 4)
     public_identities: int = 50
     public_images_per_identity: int = 10
+    # fedaffect (FedAffect slides, Algorithm 1): each client labels this many training images
+    # per expression, the rest are unlabelled; also the held-out support images per expression
+    labels_per_class: int = 4
+    n_way: int = 5  # fedaffect: classes per few-shot episode (N; capped at what a client has)
+    k_shot: int = 2  # fedaffect: support images per class and episode (K)
+    n_query: int = 2  # fedaffect: query images per class and episode (needs K + Q labelled)
+    nt_xent_tau: float = 0.5  # fedaffect: NT-Xent temperature (LocalReprLearn, lines 26-27)
+    projection_dim: int = 64  # fedaffect: output size of the private projection head p
+    relation_hidden: int = 64  # fedaffect: hidden width of the relation module g
+    use_unlabelled: bool = True  # fedaffect: false = no LocalReprLearn (the ablation)
+    # fedfr: lambda of the domain constraint loss on the source client (FedFR Eq. 3; the
+    # paper's FedFR-L value), 0 = off
+    dcl_lambda: float = 0.01
+    # fedfr: C-FINCH's distance threshold d as a cosine distance 1 - cos (inf = FINCH); the
+    # default is the paper's FedFR-L d = 0.9 read as a Euclidean distance of unit features
+    cfinch_threshold: float = 0.405
 
     def __post_init__(self) -> None:
         """Check ranges."""
@@ -150,6 +200,19 @@ class AlgorithmConfig:
         _check(self.beta > 0, "algorithm.beta", "a number > 0")
         _check(self.delta > 0, "algorithm.delta", "a number > 0")
         _check(self.embedding_reg >= 0, "algorithm.embedding_reg", "a number >= 0")
+        _check(self.labels_per_class >= 1, "algorithm.labels_per_class", "an integer >= 1")
+        _check(2 <= self.n_way <= 5, "algorithm.n_way", "an integer in [2, 5] (5 expressions)")
+        _check(self.k_shot >= 1, "algorithm.k_shot", "an integer >= 1")
+        _check(self.n_query >= 1, "algorithm.n_query", "an integer >= 1")
+        _check(self.nt_xent_tau > 0, "algorithm.nt_xent_tau", "a number > 0")
+        _check(self.projection_dim >= 1, "algorithm.projection_dim", "an integer >= 1")
+        _check(self.relation_hidden >= 1, "algorithm.relation_hidden", "an integer >= 1")
+        _check(
+            math.isfinite(self.dcl_lambda) and self.dcl_lambda >= 0,
+            "algorithm.dcl_lambda",
+            "a finite number >= 0",
+        )
+        _check(self.cfinch_threshold > 0, "algorithm.cfinch_threshold", "a number > 0 (or inf)")
 
 
 @dataclass(frozen=True)
@@ -350,6 +413,17 @@ class Config:
                 )
         if self.algorithm.name in ("fedgc", "fedcos"):
             _check_server_sees_heads(self)
+        if self.algorithm.name == "fedaffect" and self.privacy.unit == "example":
+            raise ConfigError(
+                "algorithm.name = 'fedaffect' cannot run with privacy.unit = 'example': NT-Xent "
+                "couples the images of a minibatch, so DP-SGD's per-example clipping would not "
+                "bound one image's influence; use privacy.unit = 'client' (DP-FedAvg) or 'none'"
+            )
+        if self.partition.kind == "domain" and self.data.source != "synthetic":
+            raise ConfigError(
+                "partition.kind = 'domain' needs data.source = 'synthetic': the target domain "
+                "is the synthetic generator's 'shifted' domain"
+            )
         if self.server.min_clients > self.partition.num_clients:
             raise ConfigError(
                 f"server.min_clients = {self.server.min_clients} exceeds "

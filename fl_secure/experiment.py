@@ -58,7 +58,8 @@ GROUP_COLUMNS = tuple(
 COLUMNS = (
     "algorithm", "partition", "seed", "tar_at_far_1e-1", "tar_at_far_1e-2", "rank1",
     "clients_tar_at_far_1e-2_mean", "clients_tar_at_far_1e-2_std", "clients_rank1_mean",
-    "clients_rank1_std", "untrained_tar_at_far_1e-2", *GROUP_COLUMNS, "duration_s",
+    "clients_rank1_std", "untrained_tar_at_far_1e-2", *GROUP_COLUMNS, "bytes_per_round",
+    "duration_s",
 )  # fmt: skip
 HFMAML = ("hfmaml", "hfmaml-global")
 
@@ -170,6 +171,8 @@ def run_experiment(
             "clients_rank1_mean": clients.get("rank1_mean"),
             "clients_rank1_std": clients.get("rank1_std"),
             "untrained_tar_at_far_1e-2": summary["untrained"].get("tar_at_far_1e-2"),
+            # payload one client receives and sends in a round (parameters, broadcast)
+            "bytes_per_round": summary.get("bytes_per_client", {}).get("total"),
             **_group_columns(summary),
             "duration_s": summary["duration_s"],
         }
@@ -194,7 +197,7 @@ def _write(out: Path, experiment: Experiment, rows: list[dict[str, Any]]) -> Non
     for row in rows:
         lines.append(",".join(_csv(row[c]) for c in COLUMNS))
     atomic_write_bytes(out / "results.csv", ("\n".join(lines) + "\n").encode())
-    atomic_write_bytes(out / "results.md", markdown(experiment, rows).encode())
+    atomic_write_bytes(out / "results.md", markdown(experiment, rows, out=out).encode())
 
 
 def _csv(value: Any) -> str:
@@ -215,19 +218,23 @@ def _mean_std(values: list[Any]) -> str:
     return f"{np.mean(present):.3f} ± {np.std(present, ddof=0):.3f}"
 
 
-def markdown(experiment: Experiment, rows: list[dict[str, Any]]) -> str:
+def markdown(experiment: Experiment, rows: list[dict[str, Any]], out: Path | None = None) -> str:
     """The paper-style table: mean ± std over seeds per (algorithm, partition)."""
+    command = f"fl-secure experiment --config {experiment.source}"
+    command += f" --out {out}" if out is not None else ""  # the exact command, to rerun
     head = (
         f"# {experiment.name}\n\n"
-        f"Produced by `fl-secure experiment --config {experiment.source}` (in-process "
+        f"Produced by `{command}` (in-process "
         "simulation of the gRPC path's algorithm code).\n\n"
         f"Base config `{experiment.base.name}`, overrides {list(experiment.overrides)}, "
         f"seeds {list(experiment.seeds)}; mean ± std over seeds (population std). "
-        "Held-out: identities no client saw. Clients: each client's own test images; "
+        "Held-out: identities no client saw. Clients: each client's own test images (with its "
+        "private personalisation where the design has one, e.g. AdaFedFR's adapter); "
         "'spread' is the std across clients (fairness).\n\n"
         "| algorithm | partition | held-out TAR@FAR=1e-1 | held-out TAR@FAR=1e-2 | "
-        "clients TAR@FAR=1e-2 | clients spread | clients rank-1 | untrained TAR@FAR=1e-2 |\n"
-        "|---|---|---|---|---|---|---|---|\n"
+        "clients TAR@FAR=1e-2 | clients spread | clients rank-1 | untrained TAR@FAR=1e-2 | "
+        "MB per client and round | s per run |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n"
     )
     body = []
     for algorithm in experiment.algorithms:
@@ -243,9 +250,25 @@ def markdown(experiment: Experiment, rows: list[dict[str, Any]]) -> str:
                 f"| {algorithm} | {partition} | {col('tar_at_far_1e-1')} | "
                 f"{col('tar_at_far_1e-2')} | {col('clients_tar_at_far_1e-2_mean')} | "
                 f"{col('clients_tar_at_far_1e-2_std')} | {col('clients_rank1_mean')} | "
-                f"{col('untrained_tar_at_far_1e-2')} |"
+                f"{col('untrained_tar_at_far_1e-2')} | {_megabytes(cell)} | {_seconds(cell)} |"
             )
     return head + "\n".join(body) + "\n" + client_groups_markdown(experiment, rows)
+
+
+def _seconds(cell: list[dict[str, Any]]) -> str:
+    """Wall-clock seconds per simulated run (every round, evaluations included), mean ± std."""
+    values = [float(r["duration_s"]) for r in cell if r.get("duration_s") is not None]
+    if not values:
+        return "-"
+    return (
+        f"{np.mean(values):.0f} ± {np.std(values):.0f}" if len(values) > 1 else f"{values[0]:.0f}"
+    )
+
+
+def _megabytes(cell: list[dict[str, Any]]) -> str:
+    """Bytes per client and round in MB (the same in every seed of a cell)."""
+    values = sorted({int(r["bytes_per_round"]) for r in cell if r.get("bytes_per_round")})
+    return ", ".join(f"{v / 1e6:.2f}" for v in values) if values else "n/a"
 
 
 def client_groups_markdown(experiment: Experiment, rows: list[dict[str, Any]]) -> str:

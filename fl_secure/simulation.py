@@ -64,6 +64,12 @@ def simulate(
             "aggregation run over gRPC (fl-secure train); set privacy.unit = 'none' and "
             "secure_aggregation.scheme = 'none' to simulate"
         )
+    if config.algorithm.name == "fedaffect":
+        raise ConfigError(
+            "algorithm.name = 'fedaffect' is not simulated (its model is f + g + a private "
+            "projection head, and its evaluation is expression accuracy): run it over gRPC "
+            "(fl-secure train) or with python benchmarks/fedaffect.py"
+        )
     started = time.time()
     strategy = get_strategy(config.algorithm.name, config.algorithm)
     plan = plan_federation(config)
@@ -151,6 +157,7 @@ def simulate(
             plan.held_out_clients,
             params,
         ),
+        "bytes_per_client": bytes_per_client(params, broadcast),  # one round's payload
         "duration_s": round(time.time() - started, 1),
     }
     return SimulationResult(params=params, records=records, summary=summary, heads=heads)

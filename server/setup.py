@@ -14,6 +14,11 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from fl_secure.algorithms import Strategy, get_strategy
+from fl_secure.algorithms.fedaffect import (
+    FedAffect,
+    build_fedaffect_model,
+    make_expression_evaluator,
+)
 from fl_secure.config import Config, config_to_toml
 from fl_secure.data.plan import FederatedData, plan_federation
 from fl_secure.errors import ConfigError, PrivacyError
@@ -45,7 +50,14 @@ class ServerSide:
 
 
 def make_evaluator(config: Config, plan: FederatedData) -> Callable[[Tensors], dict[str, float]]:
-    """Verification of the global backbone on the held-out identities."""
+    """Verification of the global backbone on the held-out identities.
+
+    FedAffect: expression accuracy of the global encoder and relation module instead.
+    """
+    if config.algorithm.name == "fedaffect":
+        return make_expression_evaluator(
+            config.model, config.algorithm, config.data.image_size, config.run.seed, plan.held_out
+        )
     model = build_model(config.model, 1, config.data.image_size, config.run.seed)
     backbone = model.backbone
 
@@ -79,6 +91,10 @@ def build_server(
     )
     classes = len(plan.train_identities) if strategy.shares_head else 1
     model = build_model(config.model, classes, config.data.image_size, config.run.seed)
+    if isinstance(strategy, FedAffect):  # shared: encoder f and relation module g
+        model = build_fedaffect_model(
+            config.model, config.algorithm, config.data.image_size, config.run.seed
+        )
     initial = get_tensors(model, strategy.shared_names(model))
     # server-sees-heads (FedGC): uploads end with the client's head, any number of rows
     head_specs = tuple(

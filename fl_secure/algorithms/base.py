@@ -16,6 +16,7 @@ from typing import ClassVar, Literal
 
 import numpy as np
 import torch
+from torch import nn
 
 from fl_secure.config import Config
 from fl_secure.data.types import FaceDataset
@@ -141,6 +142,14 @@ class Strategy(ABC):
         """
         del config
         return None
+
+    def personalized(self, model: FaceModel) -> nn.Module:
+        """The embedding network a client evaluates on its own test images.
+
+        The shared backbone by default; designs with a private personalisation (AdaFedFR's
+        local adapter) return the backbone followed by it.
+        """
+        return model.backbone
 
     def take_broadcast(self, model: FaceModel, tensors: Tensors) -> None:
         """A client receives the round's ``broadcast.*`` tensors; validate, then keep them.

@@ -32,12 +32,23 @@ Choices made here, where the paper is silent or this framework differs:
   ``N`` clients uniformly, which weighs a large source domain less.
 - Singletons of the clustering: the paper neither drops nor keeps them explicitly; they
   are kept by default (each becomes a one-image class), ``drop_singletons`` removes them.
+- Where pseudo-labelling runs (Algorithm 1 lines 4-8): in the client, inside
+  :meth:`FedFR.client_update`, the first time a *target* client (``domain`` attribute all 1)
+  receives the global model: its backbone is ``f_s`` when the run starts from the
+  source-pretrained weights (``model.pretrained``). The client's private head is then rebuilt
+  with one row per cluster. Until then the target client's training targets are ``-1``
+  (:meth:`FedFR.local_data`), so its true labels can never reach the loss; they stay in the
+  trainer's data for local *evaluation* only. A restarted target client clusters again with
+  the model it then receives (its saved head no longer fits and is ignored).
+- The threshold ``d`` is a cosine distance ``1 - cos`` (:mod:`.cfinch`); the default 0.405 is
+  the paper's FedFR-L ``d = 0.9`` read as a Euclidean distance of unit vectors
+  (``d^2 / 2``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import ClassVar
 
@@ -45,11 +56,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from fl_secure.algorithms.base import Exposure, Strategy
+from fl_secure.algorithms.base import ClientUpdate, Exposure, Strategy
 from fl_secure.algorithms.cfinch import Metric, c_finch, canonical
 from fl_secure.data.types import FaceDataset
-from fl_secure.messages import LocalTraining
-from fl_secure.training import FaceModel, LocalData, embed, train_local
+from fl_secure.messages import LocalTraining, Tensors
+from fl_secure.models.heads import ClassHead, MarginHead, SoftmaxHead
+from fl_secure.training import FaceModel, LocalData, embed, set_tensors, train_local
+
+#: The paper's FedFR-L ``d = 0.9`` (Euclidean, unit features) as a cosine distance.
+DEFAULT_THRESHOLD = 0.9**2 / 2
 
 
 def domain_constraint_loss(
@@ -91,6 +106,24 @@ def is_source_domain(dataset: FaceDataset) -> bool:
     """True when the set has a ``domain`` attribute and every image is from domain 0."""
     domain = dataset.attributes.get("domain")
     return domain is not None and len(domain) > 0 and not np.asarray(domain).any()
+
+
+def is_target_domain(dataset: FaceDataset) -> bool:
+    """True when the set has a ``domain`` attribute and every image is from a shifted domain."""
+    domain = dataset.attributes.get("domain")
+    return domain is not None and len(domain) > 0 and bool(np.asarray(domain).all())
+
+
+def resized_head(head: ClassHead, num_classes: int, seed: int) -> ClassHead:
+    """A fresh head of the same kind (and margin) with ``num_classes`` rows, seeded init."""
+    embedding_size = int(head.weight.shape[1])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if isinstance(head, MarginHead):
+            return MarginHead(num_classes, embedding_size, head.margin)
+        if isinstance(head, SoftmaxHead):
+            return SoftmaxHead(num_classes, embedding_size)
+    raise TypeError(f"cannot resize a {type(head).__name__}")
 
 
 def without_singletons(labels: np.ndarray) -> np.ndarray:
@@ -142,23 +175,96 @@ def pseudo_labelled(dataset: FaceDataset, labels: np.ndarray) -> FaceDataset:
 
 
 class FedFR(Strategy):
-    """FedPav (backbone-only averaging) with DCL on the source client (FedFR Algorithm 1)."""
+    """FedFR Algorithm 1 as a strategy: FedPav, DCL (Eq. 3), C-FINCH pseudo labels.
+
+    Only the backbone is shared (FedPav); every head is private. The source client (every
+    image of ``domain`` 0) adds DCL with ``dcl_lambda`` (Eq. 3; line 16). A target client
+    (every image of ``domain`` 1) has no training targets until its first round. Then it
+    clusters the features of the received model with C-FINCH at ``cfinch_threshold`` (lines
+    4-8) and trains a head of one row per cluster (line 17). A client without the attribute
+    (identity folders) trains on its labels like FedPE. The defaults are the paper's FedFR-L
+    values: ``lambda = 0.01`` and ``d = 0.9`` (Euclidean, as a cosine distance).
+    """
 
     name: ClassVar[str] = "fedfr"
     exposure: ClassVar[Exposure] = "private-embedding"
     shares_head: ClassVar[bool] = False
 
-    def __init__(self, dcl_lambda: float = 0.0) -> None:
+    def __init__(
+        self,
+        dcl_lambda: float = 0.01,
+        cfinch_threshold: float = DEFAULT_THRESHOLD,
+        *,
+        drop_singletons: bool = False,
+    ) -> None:
         if not (dcl_lambda >= 0 and math.isfinite(dcl_lambda)):
             raise ValueError(f"dcl_lambda must be a finite number >= 0, got {dcl_lambda}")
+        if not cfinch_threshold > 0:
+            raise ValueError(f"cfinch_threshold must be > 0, got {cfinch_threshold}")
         self.dcl_lambda = dcl_lambda
+        self.cfinch_threshold = cfinch_threshold
+        self.drop_singletons = drop_singletons
+        #: A target client's pseudo-labelled data, made on the first model it receives.
+        self.pseudo: LocalData | None = None
 
     def describe(self) -> str:
         """One line for logs and reports."""
         return (
             f"FedFR (FedPav backbone-only averaging, DCL lambda {self.dcl_lambda:g} on the "
-            "source client), private class embeddings"
+            f"source client, C-FINCH d={self.cfinch_threshold:g} pseudo labels on target "
+            "clients), private class embeddings"
         )
+
+    def local_data(
+        self, train: FaceDataset, test: FaceDataset, train_identities: np.ndarray
+    ) -> LocalData:
+        """Private-head label space; a target client's targets are ``-1`` (unlabelled).
+
+        Its pseudo labels replace them in :meth:`client_update` (Algorithm 1 lines 4-8).
+        """
+        if not is_target_domain(train):
+            return super().local_data(train, test, train_identities)
+        unlabelled = torch.full((len(train),), -1, dtype=torch.int64)
+        return LocalData(train=train, test=test, train_targets=unlabelled, class_mask=None)
+
+    def pseudo_label(self, model: FaceModel, data: LocalData, seed: int) -> LocalData:
+        """Algorithm 1 lines 6-7 on the received backbone; rebuild the head for the clusters."""
+        labels = pseudo_labels(
+            model.backbone,
+            data.train.images,
+            self.cfinch_threshold,
+            drop_singletons=self.drop_singletons,
+        )
+        train = pseudo_labelled(data.train, labels)
+        if len(train) == 0:
+            raise ValueError("C-FINCH left no pseudo-labelled image (all singletons dropped)")
+        model.head = resized_head(model.head, train.num_identities, seed)
+        return LocalData(
+            train=train, test=data.test, train_targets=train.labels.clone(), class_mask=None
+        )
+
+    def client_update(
+        self,
+        model: FaceModel,
+        data: LocalData,
+        training: LocalTraining,
+        shared: Tensors,
+        *,
+        generator: torch.Generator,
+        train_fn: Callable[[FaceModel, LocalData, LocalTraining], dict[str, float]] | None = None,
+    ) -> ClientUpdate:
+        """Target clients pseudo-label on their first received model, then train on that."""
+        if is_target_domain(data.train):
+            if self.pseudo is None:
+                set_tensors(model, shared)
+                self.pseudo = self.pseudo_label(model, data, generator.initial_seed())
+            data = self.pseudo
+        result = super().client_update(
+            model, data, training, shared, generator=generator, train_fn=train_fn
+        )
+        if self.pseudo is not None and data is self.pseudo:
+            result.metrics["pseudo_identities"] = float(self.pseudo.train.num_identities)
+        return result
 
     def local_train(
         self,

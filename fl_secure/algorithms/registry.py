@@ -4,15 +4,30 @@ from __future__ import annotations
 
 from fl_secure.algorithms.adafedfr import AdaFedFR
 from fl_secure.algorithms.base import Strategy
+from fl_secure.algorithms.fedaffect import FedAffect
 from fl_secure.algorithms.fedavg import FedAvg
+from fl_secure.algorithms.fedfr import FedFR
 from fl_secure.algorithms.fedgc import FedCos, FedGC
 from fl_secure.algorithms.fedpe import FedPE
 from fl_secure.algorithms.hfmaml import HFMAML, HFMAMLGlobal
+from fl_secure.algorithms.publicshare import PublicDataShare
 from fl_secure.config import AlgorithmConfig
 from fl_secure.errors import ConfigError
 
 ALGORITHMS: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (FedAvg, FedPE, FedGC, FedCos, HFMAML, HFMAMLGlobal, AdaFedFR)
+    cls.name: cls
+    for cls in (
+        FedAvg,
+        FedPE,
+        FedGC,
+        FedCos,
+        HFMAML,
+        HFMAMLGlobal,
+        AdaFedFR,
+        FedAffect,
+        PublicDataShare,
+        FedFR,
+    )
 }
 
 
@@ -28,6 +43,12 @@ def get_strategy(name: str, params: AlgorithmConfig | None = None) -> Strategy:
         return (FedCos if name == "fedcos" else FedGC)(params.reg_lambda)
     if name == "adafedfr" and params is not None:
         return AdaFedFR(params.num_negatives)
+    if name == "fedfr-public" and params is not None:
+        return PublicDataShare(params.public_identities)
+    if name == "fedfr" and params is not None:
+        return FedFR(params.dcl_lambda, params.cfinch_threshold)
+    if name == "fedaffect":
+        return FedAffect(params)
     try:
         return ALGORITHMS[name]()
     except KeyError:

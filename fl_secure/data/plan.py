@@ -8,6 +8,13 @@ paper's stratified split).
 Held-out clients (``partition.held_out_clients``; the HF-MAML paper's clients 16-20, Sec.
 IV-A) are partitioned together with the training clients, take no part in any round and
 join only after training; their identities are disjoint from the training clients'.
+
+``partition.kind = "domain"`` (FedFR paper, section 3.1: one labelled source-domain client and
+``K`` target-domain clients): client 0 holds ``partition.source_fraction`` of the training
+identities in the synthetic generator's source domain; clients ``1..K`` split the others
+equally and hold them in the ``"shifted"`` domain, as does the held-out set (the target
+domain's evaluation). Every image carries its ``domain`` attribute (0 source, 1 shifted), by
+which the ``fedfr`` strategy tells source from target clients.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from fl_secure.data.splits import (
     lognormal_partition,
     stratified_split,
 )
-from fl_secure.data.synthetic import SyntheticFaceConfig, generate_synthetic_faces
+from fl_secure.data.synthetic import Domain, SyntheticFaceConfig, generate_synthetic_faces
 from fl_secure.data.types import FaceDataset
 from fl_secure.errors import DataError
 
@@ -74,8 +81,11 @@ class FederatedData:
         }
 
 
-def load_dataset(cfg: DataConfig, seed: int) -> FaceDataset:
-    """The whole data set a config describes (synthetic, identity folders, or CelebA)."""
+def load_dataset(cfg: DataConfig, seed: int, domain: Domain | None = None) -> FaceDataset:
+    """The whole data set a config describes (synthetic, identity folders, or CelebA).
+
+    ``domain`` (synthetic only): the generator's shifted domain instead of the source one.
+    """
     if cfg.source == "synthetic":
         return generate_synthetic_faces(
             SyntheticFaceConfig(
@@ -83,6 +93,8 @@ def load_dataset(cfg: DataConfig, seed: int) -> FaceDataset:
                 images_per_identity=cfg.images_per_identity,
                 image_size=cfg.image_size,
                 seed=seed,
+                expression_strength=cfg.expression_strength,
+                domain=domain,
             )
         )
     if cfg.source == "celeba":
@@ -162,8 +174,10 @@ def plan_federation(config: Config, dataset: FaceDataset | None = None) -> Feder
             f"{len(train_ids)} training identities cannot be spread over {total} clients "
             "(partition.num_clients + partition.held_out_clients)"
         )
-    held_out = data.subset(np.flatnonzero(np.isin(labels, held_ids)))
     fractions = (1.0 - config.data.test_fraction, config.data.test_fraction)
+    if config.partition.kind == "domain":
+        return _domain_plan(config, data, train_ids, held_ids, fractions)
+    held_out = data.subset(np.flatnonzero(np.isin(labels, held_ids)))
     shares: list[ClientShare] = []
     if config.partition.kind == "attribute":  # images by attribute conjunctions
         images = _attribute_images(data, train_ids, config.partition)
@@ -183,3 +197,29 @@ def plan_federation(config: Config, dataset: FaceDataset | None = None) -> Feder
     return FederatedData(
         train_identities=train_ids, held_out=held_out, clients=clients, held_out_clients=newcomers
     )
+
+
+def _domain_plan(
+    config: Config,
+    source: FaceDataset,
+    train_ids: np.ndarray,
+    held_ids: np.ndarray,
+    fractions: tuple[float, float],
+) -> FederatedData:
+    """``partition.kind = "domain"``: client 0 source domain, clients 1.. and held-out shifted."""
+    if source.attributes.get("domain") is None:
+        raise DataError("partition.kind = 'domain' needs synthetic data (a 'domain' attribute)")
+    seed, num_targets = config.run.seed, config.partition.num_clients - 1
+    target = load_dataset(config.data, seed, domain="shifted")
+    order = np.random.default_rng([seed, 7]).permutation(train_ids)
+    n_source = int(round(config.partition.source_fraction * len(order)))
+    n_source = min(max(n_source, 1), len(order) - num_targets)
+    parts = [np.sort(order[:n_source]), *equal_partition(order[n_source:], num_targets, seed)]
+    shares = []
+    for k, ids in enumerate(parts):
+        domain = source if k == 0 else target
+        mine = domain.subset(np.flatnonzero(np.isin(domain.labels.numpy(), ids)))
+        train_idx, test_idx = stratified_split(mine, fractions=fractions, seed=seed + 1 + k)
+        shares.append(ClientShare(train=mine.subset(train_idx), test=mine.subset(test_idx)))
+    held_out = target.subset(np.flatnonzero(np.isin(target.labels.numpy(), held_ids)))
+    return FederatedData(train_identities=train_ids, held_out=held_out, clients=shares)

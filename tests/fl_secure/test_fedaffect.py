@@ -3,23 +3,33 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections import OrderedDict
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from client.setup import build_local_trainer
+from fl_secure.algorithms import get_strategy
 from fl_secure.algorithms.fedaffect import (
     ClientData,
     ClientState,
+    FedAffect,
     FedAffectConfig,
+    FedAffectModel,
     RelationModule,
     augment,
+    build_fedaffect_model,
     client_round,
     expression_accuracy,
+    expression_targets,
+    held_out_expression_split,
     local_few_shot,
+    make_expression_evaluator,
     nt_xent,
     projection_head,
     prototypes,
@@ -28,8 +38,15 @@ from fl_secure.algorithms.fedaffect import (
     sample_episode,
     weighted_average,
 )
+from fl_secure.config import AlgorithmConfig, Config, config_from_dict
+from fl_secure.data.plan import plan_federation
 from fl_secure.data.synthetic import EXPRESSIONS, SyntheticFaceConfig, generate_synthetic_faces
+from fl_secure.data.types import FaceDataset
+from fl_secure.errors import ConfigError, DataError
 from fl_secure.models.factory import get_backbone
+from fl_secure.runs import RunDir
+from fl_secure.training import build_model, get_tensors, local_training
+from server.setup import build_server
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -259,3 +276,160 @@ def test_expression_accuracy_is_nearest_prototype_by_relation_score() -> None:
     )  # fmt: skip
     # class 2 has no support image, so it is never predicted: 2 of 4 queries are right
     assert acc == pytest.approx(0.5)
+
+
+# ------------------------------------------------------------------------ the Strategy
+
+
+def _strategy_config(**algorithm: object) -> Config:
+    return config_from_dict(
+        {
+            "data": {"image_size": 32, "num_identities": 10, "images_per_identity": 10,
+                     "held_out_identities": 2, "expression_strength": 2.5},
+            "partition": {"num_clients": 2},
+            "model": {"backbone": "cnn-small", "embedding_size": 16},
+            "algorithm": {"name": "fedaffect", "labels_per_class": 3, "k_shot": 1,
+                          "n_query": 1, "projection_dim": 8, "relation_hidden": 8,
+                          **algorithm},
+            "train": {"local_steps": 2, "batch_size": 8, "optimizer": "adam", "lr": 1e-3},
+        }
+    )  # fmt: skip
+
+
+def test_expression_targets_label_a_spread_few_per_class_and_mark_the_rest() -> None:
+    # Prepare: 12 images, expressions 0 x6, 1 x4, 2 x2, no 3 or 4
+    expr = np.array([0, 1, 0, 0, 1, 2, 0, 1, 0, 2, 1, 0])
+    data = FaceDataset(
+        images=torch.zeros(12, 3, 4, 4),
+        labels=torch.zeros(12, dtype=torch.int64),
+        identity_names=("a",),
+        attributes={"expression": expr},
+    )
+    # Execute
+    targets = expression_targets(data, 3).numpy()
+    # Assert: 3 of class 0 at the first, middle and last of its 6 positions (0, 3.?, 11)
+    zeros = np.flatnonzero(expr == 0)  # [0, 2, 3, 6, 8, 11]
+    assert np.flatnonzero(targets == 0).tolist() == zeros[[0, 2, 5]].tolist()
+    assert np.flatnonzero(targets == 1).tolist() == [1, 7, 10]  # of [1, 4, 7, 10]
+    assert np.flatnonzero(targets == 2).tolist() == [5, 9]  # all 2 available
+    assert (targets[targets >= 0] == expr[targets >= 0]).all()
+    assert (targets == -1).sum() == 12 - 8
+    with pytest.raises(DataError, match="expression"):
+        expression_targets(dataclasses.replace(data, attributes={}), 3)
+
+
+def test_strategy_trains_f_g_and_private_p_and_reports_the_data_size() -> None:
+    # Prepare: a client of the plan, built as a gRPC client builds it
+    config = _strategy_config()
+    plan = plan_federation(config)
+    share = plan.clients[0]
+    trainer = build_local_trainer(
+        config, share.train, share.test, plan.train_identities, client_id="c", image_size=32
+    )
+    model = trainer.model
+    assert isinstance(model, FedAffectModel) and isinstance(trainer.strategy, FedAffect)
+    names = [f"backbone.{k}" for k in model.backbone.state_dict()]
+    names += [f"head.{k}" for k in model.relation.state_dict()]
+    assert trainer.shared_names == names  # f and g
+    assert trainer._private_names() == [k for k in model.state_dict() if "projection." in k]
+    shared = get_tensors(model, names)
+    p0 = {k: v.clone() for k, v in model.projection.state_dict().items()}
+    # Execute
+    result = trainer.strategy.client_update(
+        model, trainer.data, local_training(config.train), shared, generator=_gen(0)
+    )
+    # Assert: the update covers f and g only, both moved; p moved too but is not in it
+    assert list(result.update) == names
+    moved = {k for k, v in result.update.items() if np.abs(v).max() > 0}
+    assert any(k.startswith("backbone.") for k in moved)
+    assert any(k.startswith("head.") for k in moved)
+    assert any(not torch.equal(model.projection.state_dict()[k], v) for k, v in p0.items())
+    # D_k = labelled + unlabelled; 2 episodes and 2 NT-Xent steps
+    labelled = int((trainer.data.train_targets >= 0).sum())
+    assert result.num_examples == len(share.train)
+    assert result.metrics["labelled"] == labelled
+    assert result.metrics["labelled"] + result.metrics["unlabelled"] == len(share.train)
+    assert result.metrics["local_steps"] == 4.0
+    assert set(result.metrics) >= {"relation_loss", "nt_xent"}
+
+
+def test_ablation_without_unlabelled_runs_no_nt_xent() -> None:
+    config = _strategy_config(use_unlabelled=False)
+    plan = plan_federation(config)
+    share = plan.clients[1]
+    trainer = build_local_trainer(
+        config, share.train, share.test, plan.train_identities, client_id="c", image_size=32
+    )
+    p0 = {k: v.clone() for k, v in trainer.model.state_dict().items() if "projection." in k}
+    shared = get_tensors(trainer.model, trainer.shared_names)
+    result = trainer.strategy.client_update(
+        trainer.model, trainer.data, local_training(config.train), shared, generator=_gen(1)
+    )
+    assert "nt_xent" not in result.metrics and "relation_loss" in result.metrics
+    assert result.metrics["local_steps"] == 2.0
+    state = trainer.model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in p0.items())  # p untouched
+
+
+def test_same_initial_encoder_as_build_model_and_server_initial_parameters(
+    tmp_path: Path,
+) -> None:
+    config = _strategy_config()
+    fa = build_fedaffect_model(config.model, config.algorithm, 32, config.run.seed)
+    plain = build_model(config.model, 3, 32, config.run.seed)
+    for k, v in plain.backbone.state_dict().items():
+        assert torch.equal(fa.backbone.state_dict()[k], v)
+    side = build_server(config, RunDir(tmp_path), enrolled={"client-0", "client-1"})
+    initial = side.coordinator.params
+    assert list(initial) == side.strategy.shared_names(fa)
+    for k, v in get_tensors(fa, initial).items():
+        np.testing.assert_array_equal(initial[k], v)
+
+
+def test_expression_evaluator_matches_a_direct_computation() -> None:
+    config = _strategy_config()
+    plan = plan_federation(config)
+    model = build_fedaffect_model(config.model, config.algorithm, 32, 5)
+    params = get_tensors(model, [k for k in model.state_dict() if "projection." not in k])
+    evaluate = make_expression_evaluator(config.model, config.algorithm, 32, 0, plan.held_out)
+    got = evaluate(params)
+    s_img, s_lab, q_img, q_lab = held_out_expression_split(plan.held_out, 3)
+    assert len(s_lab) + len(q_lab) == len(plan.held_out)
+    assert torch.bincount(s_lab, minlength=5).max() <= 3
+    want = expression_accuracy(model.backbone, model.relation, s_img, s_lab, q_img, q_lab, 5)
+    assert got["expression_accuracy"] == pytest.approx(want)
+    counts = torch.bincount(q_lab, minlength=5)
+    assert got["expression_majority"] == pytest.approx(float(counts.max()) / len(q_lab))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algorithm.labels_per_class=0"], "algorithm.labels_per_class"),
+        (["algorithm.n_way=6"], "algorithm.n_way"),
+        (["algorithm.k_shot=0"], "algorithm.k_shot"),
+        (["algorithm.n_query=0"], "algorithm.n_query"),
+        (["algorithm.nt_xent_tau=0"], "algorithm.nt_xent_tau"),
+        (["algorithm.projection_dim=0"], "algorithm.projection_dim"),
+        (["algorithm.relation_hidden=0"], "algorithm.relation_hidden"),
+        (["data.expression_strength=2.6"], "data.expression_strength"),
+        (["privacy.unit=example", "privacy.noise_multiplier=1.0"], "NT-Xent couples"),
+    ],
+)
+def test_fedaffect_config_is_range_checked(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict({"algorithm": {"name": "fedaffect"}}, overrides)
+
+
+def test_registry_builds_fedaffect_with_the_run_settings() -> None:
+    params = AlgorithmConfig(name="fedaffect", labels_per_class=7)
+    strategy = get_strategy("fedaffect", params)
+    assert isinstance(strategy, FedAffect) and strategy.params.labels_per_class == 7
+    assert strategy.shares_head and not strategy.uploads_head
+
+
+def test_the_simulation_refuses_fedaffect_with_a_pointer_to_the_grpc_path() -> None:
+    from fl_secure.simulation import simulate
+
+    with pytest.raises(ConfigError, match="fl-secure train"):
+        simulate(_strategy_config())

@@ -2,26 +2,37 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections import OrderedDict
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from fl_secure.algorithms.cfinch import finch, pairwise_f_score
+from client.setup import build_local_trainer
+from client.trainer import LocalTrainer
+from fl_secure.algorithms.cfinch import c_finch, finch, pairwise_f_score
 from fl_secure.algorithms.fedfr import (
     FedFR,
     domain_constraint,
     domain_constraint_loss,
     is_source_domain,
+    is_target_domain,
     pseudo_labelled,
     pseudo_labels,
     without_singletons,
 )
-from fl_secure.config import ModelConfig
+from fl_secure.algorithms.registry import get_strategy
+from fl_secure.config import AlgorithmConfig, Config, ModelConfig, PartitionConfig, config_from_dict
+from fl_secure.data.plan import load_dataset, plan_federation
 from fl_secure.data.synthetic import SyntheticFaceConfig, generate_synthetic_faces
 from fl_secure.data.types import FaceDataset
-from fl_secure.messages import LocalTraining
-from fl_secure.training import build_model, embed, get_tensors
+from fl_secure.errors import ConfigError
+from fl_secure.messages import LocalTraining, Tensors
+from fl_secure.training import build_model, embed, get_tensors, local_training
 
 CFG = ModelConfig(backbone="cnn-small", embedding_size=16, head="cosface", scale=16, margin=0.2)
 TRAINING = LocalTraining(
@@ -173,3 +184,140 @@ def test_strategy_shares_the_backbone_only() -> None:
     assert "0.01" in strategy.describe()
     with pytest.raises(ValueError, match="dcl_lambda"):
         FedFR(-1.0)
+
+
+def domain_config(**algorithm: object) -> Config:
+    """A tiny FedFR federation: source client 0, target clients 1-2 (shifted domain)."""
+    return config_from_dict(
+        {
+            "run": {"seed": 3},
+            "data": {
+                "image_size": 32,
+                "num_identities": 16,
+                "images_per_identity": 6,
+                "held_out_identities": 4,
+            },
+            "partition": {"kind": "domain", "num_clients": 3, "source_fraction": 0.5},
+            "model": {"backbone": "cnn-small", "embedding_size": 16, "scale": 16, "margin": 0.2},
+            "algorithm": {"name": "fedfr", **algorithm},
+            "train": {"local_steps": 3, "batch_size": 8, "optimizer": "sgd", "lr": 0.05},
+            "server": {"min_clients": 3},
+        }
+    )
+
+
+def test_domain_plan_gives_one_source_client_and_shifted_target_clients() -> None:
+    config = domain_config()
+    plan = plan_federation(config)
+    assert len(plan.clients) == 3
+    ids = [np.unique(c.train.labels.numpy()) for c in plan.clients]
+    assert len(ids[0]) == 6  # half of the 12 training identities
+    assert sorted(len(i) for i in ids[1:]) == [3, 3]
+    everyone = np.concatenate([*ids, plan.held_out.identities()])
+    assert len(np.unique(everyone)) == len(everyone) == 16  # all roles disjoint
+    assert np.array_equal(np.sort(np.concatenate(ids)), plan.train_identities)
+    assert is_source_domain(plan.clients[0].train) and is_source_domain(plan.clients[0].test)
+    for share in plan.clients[1:]:
+        assert is_target_domain(share.train) and is_target_domain(share.test)
+    assert is_target_domain(plan.held_out)
+    # the target images are the generator's shifted rendering of the same identity ids
+    shifted = load_dataset(config.data, 3, domain="shifted")
+    first = int(plan.held_out.labels[0])
+    expected = shifted.images[shifted.labels == first]
+    assert torch.equal(plan.held_out.images[plan.held_out.labels == first], expected)
+
+
+def test_fedfr_config_checks() -> None:
+    strategy = get_strategy("fedfr", AlgorithmConfig(name="fedfr", dcl_lambda=0.2))
+    assert isinstance(strategy, FedFR)
+    assert strategy.dcl_lambda == 0.2
+    assert strategy.cfinch_threshold == pytest.approx(0.9**2 / 2)  # the paper's d = 0.9
+    for key, value in (("dcl_lambda", -0.1), ("dcl_lambda", math.inf), ("cfinch_threshold", 0)):
+        with pytest.raises(ConfigError, match=f"algorithm.{key}"):
+            AlgorithmConfig(name="fedfr", **{key: value})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="partition.num_clients"):
+        PartitionConfig(kind="domain", num_clients=1)
+    with pytest.raises(ConfigError, match="partition.source_fraction"):
+        PartitionConfig(kind="domain", source_fraction=1.0)
+    with pytest.raises(ConfigError, match="data.source = 'synthetic'"):
+        config_from_dict(
+            {"data": {"source": "folders", "path": "/nowhere"}, "partition": {"kind": "domain"}}
+        )
+
+
+def target_update(
+    config: Config, train: FaceDataset, test: FaceDataset
+) -> tuple[LocalTrainer, list[Tensors]]:
+    """Two rounds of a target client from the run's initial model (its trainer and updates)."""
+    plan = plan_federation(config)
+    trainer = build_local_trainer(
+        config, train, test, plan.train_identities, client_id="client-1", image_size=32
+    )
+    params = get_tensors(build_model(config.model, 1, 32, config.run.seed), trainer.shared_names)
+    task = local_training(config.train)
+    first = trainer.train(params, task)[0]
+    second = trainer.train(OrderedDict((k, params[k] + first[k]) for k in params), task)[0]
+    return trainer, [first, second]
+
+
+def test_target_client_pseudo_labels_with_the_received_model_not_its_labels() -> None:
+    torch.set_num_threads(1)
+    config = domain_config(cfinch_threshold=0.3)
+    share = plan_federation(config).clients[1]
+    trainer, updates = target_update(config, share.train, share.test)
+    strategy = trainer.strategy
+    assert isinstance(strategy, FedFR)
+    # before any model arrives the targets are unlabelled: nothing to train on
+    assert (strategy.local_data(share.train, share.test, np.arange(16)).train_targets == -1).all()
+    # pseudo labels = C-FINCH on the features of the first model received (Algorithm 1 l. 6-7)
+    received = build_model(config.model, 1, 32, config.run.seed)
+    expected = c_finch(embed(received.backbone, share.train.images), 0.3)
+    assert strategy.pseudo is not None
+    assert np.array_equal(strategy.pseudo.train_targets.numpy(), expected)
+    assert trainer.model.head.weight.shape[0] == expected.max() + 1  # one row per cluster
+    assert strategy.pseudo.train.identity_names[0] == "pseudo-000000"
+    assert all(k.startswith("backbone.") for k in updates[0])
+    # the true labels never reach training: scrambled labels give bit-identical updates
+    rng = np.random.default_rng(0)
+    scrambled = dataclasses.replace(
+        share.train, labels=torch.from_numpy(rng.permutation(share.train.labels.numpy()))
+    )
+    assert not torch.equal(scrambled.labels, share.train.labels)
+    _, again = target_update(config, scrambled, share.test)
+    for mine, theirs in zip(updates, again, strict=True):
+        assert all(np.array_equal(mine[k], theirs[k]) for k in mine)
+    assert any(np.abs(u).max() > 0 for u in updates[1].values())
+
+
+def test_source_pretraining_reads_the_source_client_only_and_seeds_the_fedfr_run(
+    tmp_path: Path,
+) -> None:
+    # Prepare: the tiny domain federation; its centralized run is FedFR's source pre-training
+    from fl_secure.centralized import pretraining_clients, run_centralized
+    from fl_secure.models import load_pretrained
+
+    config = dataclasses.replace(
+        domain_config(), train=dataclasses.replace(domain_config().train, rounds=1)
+    )
+    plan = plan_federation(config)
+    # Execute
+    summary = run_centralized(config, out=tmp_path, progress=False)
+    weights = Path(summary["run_dir"]) / "backbone.safetensors"
+    seeded = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, pretrained=str(weights))
+    )
+    trainer = build_local_trainer(
+        seeded, plan.clients[1].train, plan.clients[1].test, plan.train_identities,
+        client_id="client-1", image_size=32,
+    )  # fmt: skip
+    # Assert: only the labelled source client's images are pooled (Algorithm 1 lines 1-2) ...
+    assert pretraining_clients(config, plan) == [plan.clients[0]]
+    pooled = dataclasses.replace(
+        config, partition=dataclasses.replace(config.partition, kind="equal")
+    )
+    assert pretraining_clients(pooled, plan) == list(plan.clients)  # other kinds: everyone
+    # ... and a FedFR client of the run that starts from f_s holds exactly those weights
+    expected = build_model(config.model, 1, 32, config.run.seed).backbone
+    load_pretrained(expected, weights)
+    for name, value in expected.state_dict().items():
+        torch.testing.assert_close(trainer.model.backbone.state_dict()[name], value)

@@ -52,7 +52,10 @@ def test_shared_names_by_design() -> None:
     assert set(avg) - set(pe) == {"head.classifier.weight"}
     assert get_strategy("fedpe").exposure == "private-embedding"
     assert get_strategy("fedavg").exposure == "global-head"
-    allowed = "allowed: adafedfr, fedavg, fedcos, fedgc, fedpe, hfmaml, hfmaml-global"
+    allowed = (
+        "allowed: adafedfr, fedaffect, fedavg, fedcos, fedfr, fedfr-public, fedgc, fedpe, "
+        "hfmaml, hfmaml-global"
+    )
     with pytest.raises(ConfigError, match=allowed):
         get_strategy("fedsgd")
 

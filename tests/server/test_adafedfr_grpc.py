@@ -1,19 +1,26 @@
 """AdaFedFR's R over gRPC + mTLS: computed per round by the server, checked by the client.
 
-The process test with client-level DP and SecAgg is
+With real LocalTrainers and client-level DP on (the privacy module's clip and noise,
+Algorithm 1 lines 23-26): the download, the release, epsilon per round and the bytes per round
+are checked against reference computations. The process test with client-level DP and SecAgg is
 ``tests/server/test_processes.py::test_adafedfr_with_client_level_dp_and_secure_aggregation_in_processes``.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from client.app import Connection, FlClient
 from client.setup import build_local_trainer
+from client.trainer import LocalTrainer
 from fl_secure.algorithms import get_strategy
 from fl_secure.algorithms.adafedfr import (
     REPRESENTATIONS,
@@ -26,8 +33,14 @@ from fl_secure.data.plan import plan_federation
 from fl_secure.errors import ProtocolError
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import RunDir
+from fl_secure.tls import init_certificates
 from fl_secure.training import build_model, get_tensors, set_tensors
+from privacy.calibration import epsilon_for
+from privacy.client_level import add_gaussian, clip_update
+from privacy.noise import seeded_source
+from server.app import load_enrollment, start_server
 from server.coordinator import Coordinator, CoordinatorSettings
+from server.setup import build_server
 
 
 class RecordingTrainer:
@@ -57,7 +70,7 @@ def _eq4(config: Config, params: Tensors) -> np.ndarray:
 
 
 def test_each_round_sends_eq4_of_that_rounds_global_model(
-    tiny_adafedfr: Path, grpc_run_factory
+    tiny_adafedfr: Path, grpc_run_factory: Callable[..., Any]
 ) -> None:
     # Prepare: a coordinator with AdaFedFR's broadcaster, two clients over gRPC + mTLS
     config = load_config(tiny_adafedfr)
@@ -65,7 +78,7 @@ def test_each_round_sends_eq4_of_that_rounds_global_model(
     model = build_model(config.model, 1, config.data.image_size, config.run.seed)
     initial = get_tensors(model, strategy.shared_names(model))
     globals_: list[Tensors] = [initial]  # the global model each round starts from
-    run = grpc_run_factory(
+    run: Any = grpc_run_factory(
         initial,
         clients=2,
         rounds=2,
@@ -75,7 +88,7 @@ def test_each_round_sends_eq4_of_that_rounds_global_model(
     )
     trainers = {f"client-{i}": RecordingTrainer(0.01 * (i + 1)) for i in range(2)}
     # Execute: two rounds
-    threads = [run.start_client(c, t)[0] for c, t in trainers.items()]  # type: ignore[arg-type]
+    threads = [run.start_client(c, t)[0] for c, t in trainers.items()]
     run.driver.join(timeout=120)
     for th in threads:
         th.join(timeout=30)
@@ -117,7 +130,7 @@ def _trainer(config: Config):  # type: ignore[no-untyped-def]
     ],
 )
 def test_a_malformed_r_is_refused_before_training(
-    tiny_adafedfr: Path, mutate, message: str
+    tiny_adafedfr: Path, mutate: Callable[[np.ndarray], np.ndarray], message: str
 ) -> None:
     # Prepare: a real client trainer of the tiny AdaFedFR run and a well-formed download
     config = load_config(tiny_adafedfr)
@@ -158,3 +171,152 @@ def test_the_coordinator_refuses_a_non_finite_broadcast(tmp_path: Path) -> None:
     # Execute / Assert
     with pytest.raises(ProtocolError, match="non-finite"):
         coord._prepare_broadcast(1)
+
+
+class Recorder:
+    """A real AdaFedFR LocalTrainer; keeps each download, each release and the raw update."""
+
+    def __init__(self, trainer: LocalTrainer) -> None:
+        self.trainer, self.num_examples = trainer, trainer.num_examples
+        self.received: list[Tensors] = []
+        self.released: list[Tensors] = []
+        self.raw: list[Tensors] = []
+        privacy = trainer.privacy
+        assert privacy is not None
+        release = privacy.release
+
+        def spy(
+            update: Tensors, examples: int, metrics: dict[str, float], trained: bool
+        ) -> tuple[Tensors, int, dict[str, float]]:
+            self.raw.append(OrderedDict((k, v.copy()) for k, v in update.items()))
+            return release(update, examples, metrics, trained)
+
+        privacy.release = spy  # type: ignore[method-assign,assignment]
+
+    def train(
+        self, shared: Tensors, training: LocalTraining
+    ) -> tuple[Tensors, int, dict[str, float]]:
+        self.received.append(OrderedDict((k, v.copy()) for k, v in shared.items()))
+        update, examples, metrics = self.trainer.train(shared, training)
+        self.released.append(OrderedDict((k, v.copy()) for k, v in update.items()))
+        return update, examples, metrics
+
+    def evaluate(self, shared: Tensors) -> tuple[int, dict[str, float]]:
+        return self.trainer.evaluate(shared)
+
+
+def test_dp_rounds_over_mtls_release_only_the_clipped_noised_backbone(
+    tiny_adafedfr: Path, tmp_path: Path
+) -> None:
+    # Prepare: the tiny AdaFedFR run with client-level DP (Algorithm 1 lines 23-26 = the
+    # privacy module's clip and local Gaussian noise, z = 1, C = 0.05, reproducible noise)
+    # served by build_server over gRPC + mTLS to two real LocalTrainers in threads
+    z, clip = 1.0, 0.05
+    config = load_config(
+        tiny_adafedfr,
+        [
+            "privacy.unit=client",
+            "privacy.noise_placement=local",
+            f"privacy.noise_multiplier={z}",
+            f"privacy.clip_norm={clip}",
+            "privacy.secure_rng=false",
+            "server.min_clients=2",
+            "server.round_timeout=120",
+        ],
+    )
+    ids = ["client-0", "client-1"]
+    certs = tmp_path / "certs"
+    init_certificates(certs, clients=ids)
+    load_enrollment(certs)
+    side = build_server(config, RunDir(tmp_path / "run"), enrolled=set(ids), cert_dir=certs)
+    recorders = {}
+    for i, cid in enumerate(ids):
+        share = side.plan.clients[i]
+        recorders[cid] = Recorder(
+            build_local_trainer(
+                config,
+                share.train,
+                share.test,
+                side.plan.train_identities,
+                client_id=cid,
+                image_size=config.data.image_size,
+            )
+        )
+    server, port = start_server(side.coordinator, "127.0.0.1:0", cert_dir=certs)
+    driver = threading.Thread(target=side.coordinator.run, daemon=True)
+    # Execute: two rounds
+    driver.start()
+    threads = []
+    try:
+        for cid in ids:
+            client = FlClient(
+                Connection(f"localhost:{port}", cid, cert_dir=certs),
+                lambda reply, t=recorders[cid]: t,  # type: ignore[misc]
+                max_wait=30.0,
+            )
+            threads.append(threading.Thread(target=client.run, daemon=True))
+            threads[-1].start()
+        driver.join(timeout=600)
+        for th in threads:
+            th.join(timeout=30)
+    finally:
+        side.coordinator.stop("test teardown")
+        server.stop(grace=None)
+    coord = side.coordinator
+    assert coord.status == "completed", coord.stop_reason
+    records = [r for r in RunDir(tmp_path / "run").read_metrics() if r["round"] >= 1]
+    assert [r["round"] for r in records] == [1, 2]
+    # Assert: each round every client got the round's global backbone plus R = Eq. 4 under it
+    for rec in recorders.values():
+        assert len(rec.received) == len(rec.released) == len(rec.raw) == 2
+        shared = rec.trainer.shared_names
+        assert shared and all(name.startswith("backbone.") for name in shared)
+        for received in rec.received:
+            assert list(received) == [*shared, REPRESENTATIONS]
+            params = OrderedDict((k, received[k]) for k in shared)
+            np.testing.assert_allclose(received[REPRESENTATIONS], _eq4(config, params), atol=1e-6)
+    # ... the release is exactly clip(raw, C) + N(0, (zC)^2) from the privacy module's source
+    # of that client (no other noise), with the backbone's names only: the head z, the
+    # adapter theta and phi (which did train) never leave the client
+    for cid, rec in recorders.items():
+        source = seeded_source(config.run.seed, cid)
+        for raw, released in zip(rec.raw, rec.released, strict=True):
+            assert list(raw) == list(released) == rec.trainer.shared_names
+            clipped, norm = clip_update(raw, clip)
+            assert norm > clip  # the clip really bit
+            expected = add_gaussian(clipped, z * clip, source)
+            for k in expected:
+                np.testing.assert_array_equal(released[k], expected[k])
+        model = rec.trainer.model
+        assert rec.trainer.shared_names == [f"backbone.{k}" for k in model.backbone.state_dict()]
+        strategy = rec.trainer.strategy
+        assert isinstance(strategy, AdaFedFR)
+        state = strategy.client_state(model)  # theta and phi live beside the model, and trained
+        adapter = state.adapter.transform.weight.detach()
+        assert float((adapter - torch.eye(adapter.shape[0])).abs().max()) > 0
+        assert float(state.selection.logits.detach().abs().max()) > 0
+        backbone = {id(p) for p in model.backbone.parameters()}
+        assert not any(id(p) in backbone for p in [*state.parameters(), *model.head.parameters()])
+    # ... the next global model is the mean of the two releases (the server sees no more)
+    got = recorders["client-0"].received
+    for k in recorders["client-0"].trainer.shared_names:
+        mean = sum(rec.released[0][k].astype(np.float64) for rec in recorders.values()) / 2
+        np.testing.assert_allclose(got[1][k], (got[0][k] + mean).astype(np.float32), atol=1e-6)
+    # ... epsilon after each round in metrics.jsonl is the PLD accountant's (q = 1)
+    expected_eps = [
+        epsilon_for(accountant="pld", noise_multiplier=z, sample_rate=1.0, steps=r, delta=1e-5)
+        for r in (1, 2)
+    ]
+    assert [r["epsilon"] for r in records] == pytest.approx(expected_eps, rel=1e-9)
+    # ... and the bytes recorded per round are the sizes of what a client got and sent
+    for record, received in zip(records, recorders["client-0"].received, strict=True):
+        down = sum(v.nbytes for k, v in received.items() if k != REPRESENTATIONS)
+        up = sum(v.nbytes for v in recorders["client-0"].released[0].values())
+        r_bytes = received[REPRESENTATIONS].nbytes
+        assert r_bytes == 5 * 16 * 4
+        assert record["bytes_per_client"] == {
+            "broadcast": r_bytes,
+            "parameters_down": down,
+            "parameters_up": up,
+            "total": r_bytes + down + up,
+        }

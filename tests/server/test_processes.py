@@ -331,3 +331,67 @@ def test_adafedfr_with_client_level_dp_and_secure_aggregation_in_processes(feder
             "parameters_up": size,
             "total": 5 * 64 * 4 + 2 * size,
         }
+
+
+def test_fedfr_domain_federation_with_client_level_dp_in_processes(federation) -> None:
+    # Prepare: FedFR (Zhuang et al., Algorithm 1) on the domain plan: client-0 holds labelled
+    # source-domain identities, client-1 and client-2 shifted-domain ones, which they
+    # pseudo-label with C-FINCH on the first model they receive; client-level DP with
+    # distributed noise under SecAgg, three client processes over mTLS
+    section = (
+        '[privacy]\nunit = "client"\nnoise_placement = "distributed"\nnoise_multiplier = 0.5\n'
+        '[secure_aggregation]\nscheme = "secagg"'
+    )
+    # d = 0.15: measured 9 and 8 clusters of the 20 and 16 images of 5 and 4 identities on
+    # the untrained model (d = 0.1 leaves singletons, d = 0.3 one cluster)
+    algorithm = 'name = "fedfr"\ndcl_lambda = 0.01\ncfinch_threshold = 0.15'
+    fed = federation(rounds=2, min_clients=3, timeout=120.0, privacy=section, algorithm=algorithm)
+    text = fed.config.read_text()
+    fed.config.write_text(text.replace("[partition]\n", '[partition]\nkind = "domain"\n', 1))
+    # Execute
+    fed.start_server()
+    fed.start_clients()
+    assert fed.server is not None
+    assert fed.server.wait(timeout=300) == 0, fed.logs()
+    for client in fed.clients:
+        assert client.wait(timeout=60) == 0, fed.logs()
+    # Assert: both rounds aggregated the three masked, noised updates; epsilon is PLD's
+    summary = json.loads((fed.run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["algorithm"] == "fedfr"
+    assert summary["partition"] == "domain"
+    assert summary["secure_aggregation"]["survivors_per_round"] == [3, 3]
+    expected = epsilon_for(
+        accountant="pld", noise_multiplier=0.5, sample_rate=1.0, steps=2, delta=1e-5
+    )
+    assert summary["epsilon"] == pytest.approx(expected)
+    # ... FedPav: only the backbone is in the global model (the heads stay on the clients)
+    from fl_secure.checkpoints import CheckpointStore
+
+    params = CheckpointStore(fed.run_dir / "checkpoints").latest()
+    assert params is not None
+    assert params.parameters and all(n.startswith("backbone.") for n in params.parameters)
+    # ... each target client saved a private head with one row per C-FINCH cluster, the
+    # source client one row per identity it holds (9 of the 18 training identities)
+    from safetensors.numpy import load_file
+
+    rows = [
+        load_file(str(fed.tmp / f"state-{i}" / "private.safetensors"))[
+            "head.classifier.weight"
+        ].shape[0]
+        for i in range(3)
+    ]
+    from fl_secure.algorithms.cfinch import c_finch
+    from fl_secure.config import load_config
+    from fl_secure.data.plan import plan_federation
+    from fl_secure.training import build_model, embed
+
+    config = load_config(fed.config)
+    plan = plan_federation(config)
+    received = build_model(config.model, 1, 32, config.run.seed).backbone  # round 1's model
+    clusters = [
+        int(c_finch(embed(received, share.train.images), 0.15).max()) + 1
+        for share in plan.clients[1:]
+    ]
+    assert rows == [9, *clusters]
+    sizes = [len(share.train) for share in plan.clients[1:]]
+    assert all(1 < c < n for c, n in zip(clusters, sizes, strict=True))

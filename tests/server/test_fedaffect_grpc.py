@@ -1,0 +1,261 @@
+"""FedAffect over gRPC + mTLS with real LocalTrainers: f and g go up, the projection head never.
+
+A tiny run (32 px synthetic faces with learnable expressions, 3 clients, 2 rounds) through the
+same client path as every algorithm (``build_local_trainer`` -> ``LocalTrainer`` ->
+``FlClient``) and the same server (``build_server`` -> ``Coordinator`` -> ``start_server``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from client.app import Connection, FlClient
+from client.setup import build_local_trainer
+from client.trainer import LocalTrainer
+from fl_secure.algorithms.fedaffect import (
+    NUM_EXPRESSIONS,
+    FedAffect,
+    FedAffectModel,
+    build_fedaffect_model,
+    make_expression_evaluator,
+)
+from fl_secure.config import Config, config_from_dict
+from fl_secure.messages import LocalTraining, Tensors
+from fl_secure.runs import RunDir
+from fl_secure.tls import init_certificates
+from privacy.calibration import epsilon_for
+from privacy.client_level import add_gaussian, clip_update
+from privacy.noise import seeded_source
+from server.app import load_enrollment, start_server
+from server.setup import build_server
+
+IDS = ["client-0", "client-1", "client-2"]
+ROUNDS = 2
+LABELS_PER_CLASS = 2
+Z, C = 1.0, 0.1  # C below the raw update norms (~0.7), so clipping bites
+
+
+def _config(privacy: dict[str, Any]) -> Config:
+    return config_from_dict(
+        {
+            "run": {"seed": 3},
+            "data": {"image_size": 32, "num_identities": 17, "images_per_identity": 8,
+                     "held_out_identities": 4, "expression_strength": 2.5},
+            "partition": {"num_clients": len(IDS)},
+            "model": {"backbone": "cnn-small", "embedding_size": 16},
+            "algorithm": {"name": "fedaffect", "labels_per_class": LABELS_PER_CLASS,
+                          "k_shot": 1, "n_query": 1, "projection_dim": 8, "relation_hidden": 8},
+            "train": {"rounds": ROUNDS, "local_steps": 2, "batch_size": 8, "optimizer": "adam",
+                      "lr": 1e-3},
+            "server": {"min_clients": len(IDS), "round_timeout": 120.0},
+            "privacy": privacy,
+        }
+    )  # fmt: skip
+
+
+class Recorder:
+    """A real LocalTrainer; records what it received and released, and the raw update."""
+
+    def __init__(self, trainer: LocalTrainer) -> None:
+        self.trainer = trainer
+        self.num_examples = trainer.num_examples
+        self.received: list[Tensors] = []
+        self.released: list[tuple[Tensors, int]] = []
+        self.raw: list[Tensors] = []
+        privacy = trainer.privacy
+        if privacy is not None:  # record the update before clipping and noise
+            release = privacy.release
+
+            def spy(
+                update: Tensors, num_examples: int, metrics: dict[str, float], trained: bool
+            ) -> tuple[Tensors, int, dict[str, float]]:
+                self.raw.append(OrderedDict((k, v.copy()) for k, v in update.items()))
+                return release(update, num_examples, metrics, trained)
+
+            privacy.release = spy  # type: ignore[method-assign]
+
+    def train(self, shared: Tensors, training: LocalTraining) -> tuple[Tensors, int, Any]:
+        self.received.append(OrderedDict((k, v.copy()) for k, v in shared.items()))
+        update, examples, metrics = self.trainer.train(shared, training)
+        self.released.append((OrderedDict((k, v.copy()) for k, v in update.items()), examples))
+        return update, examples, metrics
+
+    def evaluate(self, shared: Tensors) -> tuple[int, dict[str, float]]:
+        return self.trainer.evaluate(shared)
+
+
+def _run(tmp_path: Path, config: Config) -> tuple[Any, dict[str, Recorder], dict[str, Tensors]]:
+    """Serve ``config`` over gRPC + mTLS to 3 recording clients; return side, clients, inits."""
+    certs = tmp_path / "certs"
+    init_certificates(certs, clients=IDS)
+    load_enrollment(certs)
+    run_dir = RunDir(tmp_path / "run")
+    side = build_server(config, run_dir, enrolled=set(IDS), cert_dir=certs)
+    recorders, projections = {}, {}
+    for i, cid in enumerate(IDS):
+        share = side.plan.clients[i]
+        trainer = build_local_trainer(
+            config,
+            share.train,
+            share.test,
+            side.plan.train_identities,
+            client_id=cid,
+            image_size=config.data.image_size,
+            state_dir=tmp_path / "clients" / cid,
+        )
+        state = trainer.model.state_dict()
+        projections[cid] = OrderedDict(
+            (k, v.numpy().copy()) for k, v in state.items() if k.startswith("projection.")
+        )
+        recorders[cid] = Recorder(trainer)
+    server, port = start_server(side.coordinator, "127.0.0.1:0", cert_dir=certs)
+    driver = threading.Thread(target=side.coordinator.run, daemon=True)
+    driver.start()
+    threads = []
+    try:
+        for cid in IDS:
+            client = FlClient(
+                Connection(f"localhost:{port}", cid, cert_dir=certs),
+                lambda reply, t=recorders[cid]: t,  # type: ignore[misc]
+                max_wait=30.0,
+            )
+            th = threading.Thread(target=client.run, daemon=True)
+            th.start()
+            threads.append(th)
+        driver.join(timeout=600)
+        for th in threads:
+            th.join(timeout=30)
+    finally:
+        side.coordinator.stop("test teardown")
+        server.stop(grace=None)
+    return side, recorders, projections
+
+
+def _check_split_and_privacy_of_p(
+    config: Config, recorders: dict[str, Recorder], projections: dict[str, Tensors], tmp: Path
+) -> None:
+    for cid, rec in recorders.items():
+        data = rec.trainer.data
+        expr = data.train.attributes["expression"]
+        targets = data.train_targets.numpy()
+        labelled = targets >= 0
+        # labelled/unlabelled split: min(L, available) per expression, labels = the attribute
+        counts = np.bincount(expr, minlength=NUM_EXPRESSIONS)
+        assert np.bincount(targets[labelled], minlength=NUM_EXPRESSIONS).tolist() == [
+            min(LABELS_PER_CLASS, int(n)) for n in counts
+        ]
+        np.testing.assert_array_equal(targets[labelled], expr[labelled])
+        assert rec.num_examples == len(data.train) == labelled.sum() + (~labelled).sum()
+        # the shared names are f and g; p stays private: never received, never uploaded
+        model = rec.trainer.model
+        assert isinstance(model, FedAffectModel)
+        shared = rec.trainer.shared_names
+        assert shared == [f"backbone.{k}" for k in model.backbone.state_dict()] + [
+            f"head.{k}" for k in model.relation.state_dict()
+        ]
+        for tensors in [*rec.received, *(u for u, _ in rec.released)]:
+            assert list(tensors) == shared
+        # ... but it trained, and is saved in the client's own state folder
+        saved = load_file(str(tmp / "clients" / cid / "private.safetensors"))
+        assert sorted(saved) == sorted(projections[cid])
+        assert any(np.abs(saved[k] - v).max() > 0 for k, v in projections[cid].items())
+
+
+def test_client_level_dp_round_is_the_mean_of_clipped_noised_f_and_g(tmp_path: Path) -> None:
+    # Prepare: client-level DP, local noise z = 1, C = 1, reproducible noise per client
+    privacy = {"unit": "client", "noise_placement": "local", "noise_multiplier": Z,
+               "clip_norm": C, "secure_rng": False}  # fmt: skip
+    config = _config(privacy)
+    initial_model = build_fedaffect_model(config.model, config.algorithm, 32, config.run.seed)
+    # Execute
+    side, recorders, projections = _run(tmp_path, config)
+    coord = side.coordinator
+    # Assert: the run completed both rounds
+    assert coord.status == "completed", coord.stop_reason
+    assert isinstance(side.strategy, FedAffect)
+    _check_split_and_privacy_of_p(config, recorders, projections, tmp_path)
+    # Each released update = clip(raw, C) + N(0, (zC)^2) from the client's seeded source
+    for cid, rec in recorders.items():
+        source = seeded_source(config.run.seed, cid)
+        assert len(rec.raw) == len(rec.released) == ROUNDS
+        for raw, (released, examples) in zip(rec.raw, rec.released, strict=True):
+            clipped, norm = clip_update(raw, C)
+            assert norm > C  # the raw f and g update was really clipped
+            expected = add_gaussian(clipped, Z * C, source)
+            for k in expected:
+                np.testing.assert_array_equal(released[k], expected[k])
+            assert examples == 1  # client level hides the data size
+    # Round r's global f and g = previous + mean of the released updates over the cohort (3)
+    params = OrderedDict(
+        (k, v.numpy()) for k, v in initial_model.state_dict().items() if not k.startswith("proj")
+    )
+    for r in range(ROUNDS):
+        for rec in recorders.values():
+            for k, v in rec.received[r].items():
+                np.testing.assert_allclose(v, params[k], rtol=0, atol=1e-6)
+        params = OrderedDict(
+            (k, (params[k] + sum(rec.released[r][0][k].astype(np.float64)
+                                 for rec in recorders.values()) / len(IDS)).astype(np.float32))
+            for k in params
+        )  # fmt: skip
+    for k, v in coord.params.items():
+        np.testing.assert_allclose(v, params[k], rtol=0, atol=1e-6)
+    # epsilon after each round = the PLD accountant's (q = 1, z = 1)
+    records = RunDir(tmp_path / "run").read_metrics()
+    train_records = [r for r in records if r["round"] >= 1]
+    expected_eps = [
+        epsilon_for(accountant="pld", noise_multiplier=Z, sample_rate=1.0, steps=r, delta=1e-5)
+        for r in range(1, ROUNDS + 1)
+    ]
+    assert [r["epsilon"] for r in train_records] == pytest.approx(expected_eps, rel=1e-9)
+    # the server's evaluation is expression accuracy of the released f and g
+    evaluate = make_expression_evaluator(
+        config.model, config.algorithm, 32, config.run.seed, side.plan.held_out
+    )
+    final = evaluate(coord.params)
+    assert train_records[-1]["held_out"]["expression_accuracy"] == pytest.approx(
+        final["expression_accuracy"]
+    )
+    assert 0.0 <= final["expression_accuracy"] <= 1.0
+
+
+def test_without_dp_f_and_g_are_averaged_by_labelled_plus_unlabelled_count(
+    tmp_path: Path,
+) -> None:
+    # Prepare: the same run, no DP, one round
+    config = _config({"unit": "none"})
+    initial_model = build_fedaffect_model(config.model, config.algorithm, 32, config.run.seed)
+    # Execute
+    side, recorders, projections = _run(tmp_path, config)
+    coord = side.coordinator
+    # Assert: Algorithm 1 lines 13-14, D_k = labelled + unlabelled images of client k
+    assert coord.status == "completed", coord.stop_reason
+    _check_split_and_privacy_of_p(config, recorders, projections, tmp_path)
+    sizes = {cid: len(rec.trainer.data.train) for cid, rec in recorders.items()}
+    assert len(set(sizes.values())) > 1  # unequal D_k: a weighted mean differs from a plain one
+    params = OrderedDict(
+        (k, v.numpy()) for k, v in initial_model.state_dict().items() if not k.startswith("proj")
+    )
+    total = float(sum(sizes.values()))
+    for r in range(ROUNDS):
+        for cid, rec in recorders.items():
+            assert rec.released[r][1] == sizes[cid]
+        params = OrderedDict(
+            (k, (params[k] + sum(rec.released[r][0][k].astype(np.float64) * sizes[cid] / total
+                                 for cid, rec in recorders.items())).astype(np.float32))
+            for k in params
+        )  # fmt: skip
+    for k, v in coord.params.items():
+        np.testing.assert_allclose(v, params[k], rtol=0, atol=1e-6)
+    # the metrics the clients report (no DP): both local objectives ran on the split
+    last = RunDir(tmp_path / "run").read_metrics()[-1]
+    for cid, m in last["clients"].items():
+        assert m["labelled"] + m["unlabelled"] == sizes[cid]
+        assert m["relation_loss"] > 0 and m["nt_xent"] > 0
