@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from client.app import Connection, FlClient
+from client.setup import build_local_trainer
+from client.trainer import LocalTrainer
+from fl_secure.config import Config
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import RunDir
 from fl_secure.tls import CertificateSet, EnrollmentList, init_certificates
 from server.app import load_enrollment, start_server
 from server.coordinator import Coordinator, CoordinatorSettings
+from server.setup import ServerSide, build_server
 
 
 class EchoTrainer:
@@ -130,3 +135,92 @@ def grpc_run_factory(tmp_path: Path) -> Iterator:
         run.coordinator.stop("test teardown")
         run.server.stop(grace=None)  # type: ignore[attr-defined]
         run.driver.join(timeout=10)
+
+
+class Recorder:
+    """A real LocalTrainer; records what it received and released, and the raw update."""
+
+    def __init__(self, trainer: LocalTrainer) -> None:
+        self.trainer = trainer
+        self.num_examples = trainer.num_examples
+        self.received: list[Tensors] = []
+        self.released: list[tuple[Tensors, int]] = []  # (update as sent, example count)
+        self.raw: list[Tensors] = []  # the update before the privacy module's clip and noise
+        privacy = trainer.privacy
+        if privacy is not None:
+            release = privacy.release
+
+            def spy(
+                update: Tensors, num_examples: int, metrics: dict[str, float], trained: bool
+            ) -> tuple[Tensors, int, dict[str, float]]:
+                self.raw.append(OrderedDict((k, v.copy()) for k, v in update.items()))
+                return release(update, num_examples, metrics, trained)
+
+            privacy.release = spy  # type: ignore[method-assign]
+
+    def train(self, shared: Tensors, training: LocalTraining) -> tuple[Tensors, int, Any]:
+        self.received.append(OrderedDict((k, v.copy()) for k, v in shared.items()))
+        update, examples, metrics = self.trainer.train(shared, training)
+        self.released.append((OrderedDict((k, v.copy()) for k, v in update.items()), examples))
+        return update, examples, metrics
+
+    def evaluate(self, shared: Tensors) -> tuple[int, dict[str, float]]:
+        return self.trainer.evaluate(shared)
+
+
+def serve_config(
+    tmp_path: Path,
+    config: Config,
+    ids: list[str],
+    *,
+    state_dirs: bool = False,
+    before: Callable[[str, LocalTrainer], None] | None = None,
+) -> tuple[ServerSide, dict[str, Recorder]]:
+    """Run ``config`` to its end: ``build_server`` over gRPC + mTLS, and one recording client
+    thread per id, each a real ``LocalTrainer`` on its share of the data plan (``before`` sees
+    each trainer before any round)."""
+    certs = tmp_path / "certs"
+    init_certificates(certs, clients=ids)
+    load_enrollment(certs)
+    side = build_server(config, RunDir(tmp_path / "run"), enrolled=set(ids), cert_dir=certs)
+    recorders = {}
+    for i, cid in enumerate(ids):
+        share = side.plan.clients[i]
+        trainer = build_local_trainer(
+            config,
+            share.train,
+            share.test,
+            side.plan.train_identities,
+            client_id=cid,
+            image_size=config.data.image_size,
+            state_dir=tmp_path / "clients" / cid if state_dirs else None,
+        )
+        if before is not None:
+            before(cid, trainer)
+        recorders[cid] = Recorder(trainer)
+    server, port = start_server(side.coordinator, "127.0.0.1:0", cert_dir=certs)
+    driver = threading.Thread(target=side.coordinator.run, daemon=True)
+    driver.start()
+    threads = []
+    try:
+        for cid in ids:
+            client = FlClient(
+                Connection(f"localhost:{port}", cid, cert_dir=certs),
+                lambda reply, t=recorders[cid]: t,  # type: ignore[misc]
+                max_wait=30.0,
+            )
+            threads.append(threading.Thread(target=client.run, daemon=True))
+            threads[-1].start()
+        driver.join(timeout=600)
+        for th in threads:
+            th.join(timeout=30)
+    finally:
+        side.coordinator.stop("test teardown")
+        server.stop(grace=None)
+    return side, recorders
+
+
+@pytest.fixture
+def serve() -> Callable[..., tuple[ServerSide, dict[str, Recorder]]]:
+    """:func:`serve_config` for a test (fixtures are how test files share helpers here)."""
+    return serve_config

@@ -8,7 +8,6 @@ are checked against reference computations. The process test with client-level D
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -18,9 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from client.app import Connection, FlClient
 from client.setup import build_local_trainer
-from client.trainer import LocalTrainer
 from fl_secure.algorithms import get_strategy
 from fl_secure.algorithms.adafedfr import (
     REPRESENTATIONS,
@@ -33,14 +30,11 @@ from fl_secure.data.plan import plan_federation
 from fl_secure.errors import ProtocolError
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import RunDir
-from fl_secure.tls import init_certificates
 from fl_secure.training import build_model, get_tensors, set_tensors
 from privacy.calibration import epsilon_for
 from privacy.client_level import add_gaussian, clip_update
 from privacy.noise import seeded_source
-from server.app import load_enrollment, start_server
 from server.coordinator import Coordinator, CoordinatorSettings
-from server.setup import build_server
 
 
 class RecordingTrainer:
@@ -173,40 +167,8 @@ def test_the_coordinator_refuses_a_non_finite_broadcast(tmp_path: Path) -> None:
         coord._prepare_broadcast(1)
 
 
-class Recorder:
-    """A real AdaFedFR LocalTrainer; keeps each download, each release and the raw update."""
-
-    def __init__(self, trainer: LocalTrainer) -> None:
-        self.trainer, self.num_examples = trainer, trainer.num_examples
-        self.received: list[Tensors] = []
-        self.released: list[Tensors] = []
-        self.raw: list[Tensors] = []
-        privacy = trainer.privacy
-        assert privacy is not None
-        release = privacy.release
-
-        def spy(
-            update: Tensors, examples: int, metrics: dict[str, float], trained: bool
-        ) -> tuple[Tensors, int, dict[str, float]]:
-            self.raw.append(OrderedDict((k, v.copy()) for k, v in update.items()))
-            return release(update, examples, metrics, trained)
-
-        privacy.release = spy  # type: ignore[method-assign,assignment]
-
-    def train(
-        self, shared: Tensors, training: LocalTraining
-    ) -> tuple[Tensors, int, dict[str, float]]:
-        self.received.append(OrderedDict((k, v.copy()) for k, v in shared.items()))
-        update, examples, metrics = self.trainer.train(shared, training)
-        self.released.append(OrderedDict((k, v.copy()) for k, v in update.items()))
-        return update, examples, metrics
-
-    def evaluate(self, shared: Tensors) -> tuple[int, dict[str, float]]:
-        return self.trainer.evaluate(shared)
-
-
 def test_dp_rounds_over_mtls_release_only_the_clipped_noised_backbone(
-    tiny_adafedfr: Path, tmp_path: Path
+    tiny_adafedfr: Path, tmp_path: Path, serve: Any
 ) -> None:
     # Prepare: the tiny AdaFedFR run with client-level DP (Algorithm 1 lines 23-26 = the
     # privacy module's clip and local Gaussian noise, z = 1, C = 0.05, reproducible noise)
@@ -224,44 +186,8 @@ def test_dp_rounds_over_mtls_release_only_the_clipped_noised_backbone(
             "server.round_timeout=120",
         ],
     )
-    ids = ["client-0", "client-1"]
-    certs = tmp_path / "certs"
-    init_certificates(certs, clients=ids)
-    load_enrollment(certs)
-    side = build_server(config, RunDir(tmp_path / "run"), enrolled=set(ids), cert_dir=certs)
-    recorders = {}
-    for i, cid in enumerate(ids):
-        share = side.plan.clients[i]
-        recorders[cid] = Recorder(
-            build_local_trainer(
-                config,
-                share.train,
-                share.test,
-                side.plan.train_identities,
-                client_id=cid,
-                image_size=config.data.image_size,
-            )
-        )
-    server, port = start_server(side.coordinator, "127.0.0.1:0", cert_dir=certs)
-    driver = threading.Thread(target=side.coordinator.run, daemon=True)
     # Execute: two rounds
-    driver.start()
-    threads = []
-    try:
-        for cid in ids:
-            client = FlClient(
-                Connection(f"localhost:{port}", cid, cert_dir=certs),
-                lambda reply, t=recorders[cid]: t,  # type: ignore[misc]
-                max_wait=30.0,
-            )
-            threads.append(threading.Thread(target=client.run, daemon=True))
-            threads[-1].start()
-        driver.join(timeout=600)
-        for th in threads:
-            th.join(timeout=30)
-    finally:
-        side.coordinator.stop("test teardown")
-        server.stop(grace=None)
+    side, recorders = serve(tmp_path, config, ["client-0", "client-1"])
     coord = side.coordinator
     assert coord.status == "completed", coord.stop_reason
     records = [r for r in RunDir(tmp_path / "run").read_metrics() if r["round"] >= 1]
@@ -280,7 +206,7 @@ def test_dp_rounds_over_mtls_release_only_the_clipped_noised_backbone(
     # adapter theta and phi (which did train) never leave the client
     for cid, rec in recorders.items():
         source = seeded_source(config.run.seed, cid)
-        for raw, released in zip(rec.raw, rec.released, strict=True):
+        for raw, (released, _) in zip(rec.raw, rec.released, strict=True):
             assert list(raw) == list(released) == rec.trainer.shared_names
             clipped, norm = clip_update(raw, clip)
             assert norm > clip  # the clip really bit
@@ -300,7 +226,7 @@ def test_dp_rounds_over_mtls_release_only_the_clipped_noised_backbone(
     # ... the next global model is the mean of the two releases (the server sees no more)
     got = recorders["client-0"].received
     for k in recorders["client-0"].trainer.shared_names:
-        mean = sum(rec.released[0][k].astype(np.float64) for rec in recorders.values()) / 2
+        mean = sum(rec.released[0][0][k].astype(np.float64) for rec in recorders.values()) / 2
         np.testing.assert_allclose(got[1][k], (got[0][k] + mean).astype(np.float32), atol=1e-6)
     # ... epsilon after each round in metrics.jsonl is the PLD accountant's (q = 1)
     expected_eps = [
@@ -311,7 +237,7 @@ def test_dp_rounds_over_mtls_release_only_the_clipped_noised_backbone(
     # ... and the bytes recorded per round are the sizes of what a client got and sent
     for record, received in zip(records, recorders["client-0"].received, strict=True):
         down = sum(v.nbytes for k, v in received.items() if k != REPRESENTATIONS)
-        up = sum(v.nbytes for v in recorders["client-0"].released[0].values())
+        up = sum(v.nbytes for v in recorders["client-0"].released[0][0].values())
         r_bytes = received[REPRESENTATIONS].nbytes
         assert r_bytes == 5 * 16 * 4
         assert record["bytes_per_client"] == {
@@ -320,3 +246,32 @@ def test_dp_rounds_over_mtls_release_only_the_clipped_noised_backbone(
             "parameters_up": up,
             "total": r_bytes + down + up,
         }
+
+
+def test_fedfr_style_data_sharing_ships_the_public_images_over_mtls(
+    tiny_adafedfr: Path, tmp_path: Path, serve: Any
+) -> None:
+    # Prepare: the tiny run as fedfr-public (AdaFedFR's baseline), two real clients
+    from fl_secure.algorithms.publicshare import IMAGES, LABELS, to_pixels
+
+    config = load_config(tiny_adafedfr, ["algorithm.name=fedfr-public", "server.min_clients=2"])
+    public = public_dataset(config)
+    # Execute: two rounds
+    side, recorders = serve(tmp_path, config, ["client-0", "client-1"])
+    assert side.coordinator.status == "completed", side.coordinator.stop_reason
+    # Assert: every download carried the public set as 8-bit images (5 identities x 2) and
+    # indices 0..4, counted in the round's bytes; only the backbone went up
+    records = [r for r in RunDir(tmp_path / "run").read_metrics() if r["round"] >= 1]
+    pixels = to_pixels(public.images)
+    for rec in recorders.values():
+        assert len(rec.received) == 2
+        for received, (released, _) in zip(rec.received, rec.released, strict=True):
+            np.testing.assert_array_equal(received[IMAGES], pixels)
+            assert received[LABELS].tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+            assert list(released) == rec.trainer.shared_names
+        assert (
+            rec.trainer.model.head.weight.shape[0]
+            == len(np.unique(rec.trainer.data.train.labels.numpy())) + 5
+        )  # own identities, then the public ones
+    for record in records:
+        assert record["bytes_per_client"]["broadcast"] == pixels.nbytes + 10 * 8

@@ -7,7 +7,6 @@ same client path as every algorithm (``build_local_trainer`` -> ``LocalTrainer``
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -16,8 +15,6 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from client.app import Connection, FlClient
-from client.setup import build_local_trainer
 from client.trainer import LocalTrainer
 from fl_secure.algorithms.fedaffect import (
     NUM_EXPRESSIONS,
@@ -27,14 +24,11 @@ from fl_secure.algorithms.fedaffect import (
     make_expression_evaluator,
 )
 from fl_secure.config import Config, config_from_dict
-from fl_secure.messages import LocalTraining, Tensors
+from fl_secure.messages import Tensors
 from fl_secure.runs import RunDir
-from fl_secure.tls import init_certificates
 from privacy.calibration import epsilon_for
 from privacy.client_level import add_gaussian, clip_update
 from privacy.noise import seeded_source
-from server.app import load_enrollment, start_server
-from server.setup import build_server
 
 IDS = ["client-0", "client-1", "client-2"]
 ROUNDS = 2
@@ -60,86 +54,24 @@ def _config(privacy: dict[str, Any]) -> Config:
     )  # fmt: skip
 
 
-class Recorder:
-    """A real LocalTrainer; records what it received and released, and the raw update."""
-
-    def __init__(self, trainer: LocalTrainer) -> None:
-        self.trainer = trainer
-        self.num_examples = trainer.num_examples
-        self.received: list[Tensors] = []
-        self.released: list[tuple[Tensors, int]] = []
-        self.raw: list[Tensors] = []
-        privacy = trainer.privacy
-        if privacy is not None:  # record the update before clipping and noise
-            release = privacy.release
-
-            def spy(
-                update: Tensors, num_examples: int, metrics: dict[str, float], trained: bool
-            ) -> tuple[Tensors, int, dict[str, float]]:
-                self.raw.append(OrderedDict((k, v.copy()) for k, v in update.items()))
-                return release(update, num_examples, metrics, trained)
-
-            privacy.release = spy  # type: ignore[method-assign]
-
-    def train(self, shared: Tensors, training: LocalTraining) -> tuple[Tensors, int, Any]:
-        self.received.append(OrderedDict((k, v.copy()) for k, v in shared.items()))
-        update, examples, metrics = self.trainer.train(shared, training)
-        self.released.append((OrderedDict((k, v.copy()) for k, v in update.items()), examples))
-        return update, examples, metrics
-
-    def evaluate(self, shared: Tensors) -> tuple[int, dict[str, float]]:
-        return self.trainer.evaluate(shared)
-
-
-def _run(tmp_path: Path, config: Config) -> tuple[Any, dict[str, Recorder], dict[str, Tensors]]:
+def _run(
+    tmp_path: Path, config: Config, serve: Any
+) -> tuple[Any, dict[str, Any], dict[str, Tensors]]:
     """Serve ``config`` over gRPC + mTLS to 3 recording clients; return side, clients, inits."""
-    certs = tmp_path / "certs"
-    init_certificates(certs, clients=IDS)
-    load_enrollment(certs)
-    run_dir = RunDir(tmp_path / "run")
-    side = build_server(config, run_dir, enrolled=set(IDS), cert_dir=certs)
-    recorders, projections = {}, {}
-    for i, cid in enumerate(IDS):
-        share = side.plan.clients[i]
-        trainer = build_local_trainer(
-            config,
-            share.train,
-            share.test,
-            side.plan.train_identities,
-            client_id=cid,
-            image_size=config.data.image_size,
-            state_dir=tmp_path / "clients" / cid,
-        )
+    projections: dict[str, Tensors] = {}
+
+    def keep_projection(cid: str, trainer: LocalTrainer) -> None:
         state = trainer.model.state_dict()
         projections[cid] = OrderedDict(
             (k, v.numpy().copy()) for k, v in state.items() if k.startswith("projection.")
         )
-        recorders[cid] = Recorder(trainer)
-    server, port = start_server(side.coordinator, "127.0.0.1:0", cert_dir=certs)
-    driver = threading.Thread(target=side.coordinator.run, daemon=True)
-    driver.start()
-    threads = []
-    try:
-        for cid in IDS:
-            client = FlClient(
-                Connection(f"localhost:{port}", cid, cert_dir=certs),
-                lambda reply, t=recorders[cid]: t,  # type: ignore[misc]
-                max_wait=30.0,
-            )
-            th = threading.Thread(target=client.run, daemon=True)
-            th.start()
-            threads.append(th)
-        driver.join(timeout=600)
-        for th in threads:
-            th.join(timeout=30)
-    finally:
-        side.coordinator.stop("test teardown")
-        server.stop(grace=None)
+
+    side, recorders = serve(tmp_path, config, IDS, state_dirs=True, before=keep_projection)
     return side, recorders, projections
 
 
 def _check_split_and_privacy_of_p(
-    config: Config, recorders: dict[str, Recorder], projections: dict[str, Tensors], tmp: Path
+    config: Config, recorders: dict[str, Any], projections: dict[str, Tensors], tmp: Path
 ) -> None:
     for cid, rec in recorders.items():
         data = rec.trainer.data
@@ -168,14 +100,16 @@ def _check_split_and_privacy_of_p(
         assert any(np.abs(saved[k] - v).max() > 0 for k, v in projections[cid].items())
 
 
-def test_client_level_dp_round_is_the_mean_of_clipped_noised_f_and_g(tmp_path: Path) -> None:
+def test_client_level_dp_round_is_the_mean_of_clipped_noised_f_and_g(
+    tmp_path: Path, serve: Any
+) -> None:
     # Prepare: client-level DP, local noise z = 1, C = 1, reproducible noise per client
     privacy = {"unit": "client", "noise_placement": "local", "noise_multiplier": Z,
                "clip_norm": C, "secure_rng": False}  # fmt: skip
     config = _config(privacy)
     initial_model = build_fedaffect_model(config.model, config.algorithm, 32, config.run.seed)
     # Execute
-    side, recorders, projections = _run(tmp_path, config)
+    side, recorders, projections = _run(tmp_path, config, serve)
     coord = side.coordinator
     # Assert: the run completed both rounds
     assert coord.status == "completed", coord.stop_reason
@@ -227,13 +161,13 @@ def test_client_level_dp_round_is_the_mean_of_clipped_noised_f_and_g(tmp_path: P
 
 
 def test_without_dp_f_and_g_are_averaged_by_labelled_plus_unlabelled_count(
-    tmp_path: Path,
+    tmp_path: Path, serve: Any
 ) -> None:
     # Prepare: the same run, no DP, one round
     config = _config({"unit": "none"})
     initial_model = build_fedaffect_model(config.model, config.algorithm, 32, config.run.seed)
     # Execute
-    side, recorders, projections = _run(tmp_path, config)
+    side, recorders, projections = _run(tmp_path, config, serve)
     coord = side.coordinator
     # Assert: Algorithm 1 lines 13-14, D_k = labelled + unlabelled images of client k
     assert coord.status == "completed", coord.stop_reason

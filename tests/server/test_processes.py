@@ -288,39 +288,50 @@ def test_ckks_aggregation_with_local_noise_in_processes(federation) -> None:
         assert client.wait(timeout=60) == 0, fed.logs()
 
 
-def test_adafedfr_with_client_level_dp_and_secure_aggregation_in_processes(federation) -> None:
-    # Prepare: AdaFedFR (5 public identities, top-3 negatives) with client-level DP,
-    # distributed discrete-Gaussian noise under SecAgg, three client processes over mTLS
-    section = (
-        '[privacy]\nunit = "client"\nnoise_placement = "distributed"\nnoise_multiplier = 0.5\n'
-        '[secure_aggregation]\nscheme = "secagg"'
-    )
-    algorithm = 'name = "adafedfr"\nnum_negatives = 3\npublic_identities = 5\n'
-    algorithm += "public_images_per_identity = 2"
-    fed = federation(rounds=2, min_clients=3, timeout=120.0, privacy=section, algorithm=algorithm)
-    # Execute
+#: Client-level DP with distributed discrete-Gaussian noise under SecAgg (z = 0.5).
+DISTRIBUTED_DP = (
+    '[privacy]\nunit = "client"\nnoise_placement = "distributed"\nnoise_multiplier = 0.5\n'
+    '[secure_aggregation]\nscheme = "secagg"'
+)
+
+
+def _run_private_secure(fed: Federation, algorithm: str) -> tuple[dict, dict]:
+    """Run ``fed`` to its end; check both rounds summed the three masked, noised updates,
+    epsilon is PLD's and the global model is the backbone alone. Returns (summary, params)."""
+    from fl_secure.checkpoints import CheckpointStore
+
     fed.start_server()
     fed.start_clients()
     assert fed.server is not None
     assert fed.server.wait(timeout=300) == 0, fed.logs()
     for client in fed.clients:
         assert client.wait(timeout=60) == 0, fed.logs()
-    # Assert: both rounds aggregated the three masked, noised updates; epsilon is PLD's
     summary = json.loads((fed.run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["algorithm"] == "adafedfr"
+    assert summary["status"] == "completed" and summary["algorithm"] == algorithm
     assert summary["secure_aggregation"]["survivors_per_round"] == [3, 3]
     expected = epsilon_for(
         accountant="pld", noise_multiplier=0.5, sample_rate=1.0, steps=2, delta=1e-5
     )
     assert summary["epsilon"] == pytest.approx(expected)
-    # ... every round sent R (5 public identities x 64 floats) with the backbone, and the
-    # clients trained Eq. 8 on it (their metrics carry its parts)
-    from fl_secure.checkpoints import CheckpointStore
+    checkpoint = CheckpointStore(fed.run_dir / "checkpoints").latest()
+    assert checkpoint is not None
+    params = checkpoint.parameters  # no head, no adapter: private state stays on the clients
+    assert params and all(name.startswith("backbone.") for name in params)
+    return summary, params
 
-    params = CheckpointStore(fed.run_dir / "checkpoints").latest()
-    assert params is not None
-    assert all(name.startswith("backbone.") for name in params.parameters)  # no adapter, no head
-    size = sum(v.nbytes for v in params.parameters.values())
+
+def test_adafedfr_with_client_level_dp_and_secure_aggregation_in_processes(federation) -> None:
+    # Prepare: AdaFedFR (5 public identities, top-3 negatives) with client-level DP,
+    # distributed discrete-Gaussian noise under SecAgg, three client processes over mTLS
+    algorithm = 'name = "adafedfr"\nnum_negatives = 3\npublic_identities = 5\n'
+    algorithm += "public_images_per_identity = 2"
+    fed = federation(
+        rounds=2, min_clients=3, timeout=120.0, privacy=DISTRIBUTED_DP, algorithm=algorithm
+    )
+    # Execute / Assert: completed under SecAgg with PLD's epsilon, backbone-only model
+    _, params = _run_private_secure(fed, "adafedfr")
+    # ... every round sent R (5 public identities x 64 floats) with the backbone
+    size = sum(v.nbytes for v in params.values())
     records = [json.loads(ln) for ln in (fed.run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in records if r["round"] >= 1]
     assert [r["round"] for r in trained] == [1, 2]
@@ -338,38 +349,17 @@ def test_fedfr_domain_federation_with_client_level_dp_in_processes(federation) -
     # source-domain identities, client-1 and client-2 shifted-domain ones, which they
     # pseudo-label with C-FINCH on the first model they receive; client-level DP with
     # distributed noise under SecAgg, three client processes over mTLS
-    section = (
-        '[privacy]\nunit = "client"\nnoise_placement = "distributed"\nnoise_multiplier = 0.5\n'
-        '[secure_aggregation]\nscheme = "secagg"'
-    )
     # d = 0.15: measured 9 and 8 clusters of the 20 and 16 images of 5 and 4 identities on
     # the untrained model (d = 0.1 leaves singletons, d = 0.3 one cluster)
     algorithm = 'name = "fedfr"\ndcl_lambda = 0.01\ncfinch_threshold = 0.15'
-    fed = federation(rounds=2, min_clients=3, timeout=120.0, privacy=section, algorithm=algorithm)
+    fed = federation(
+        rounds=2, min_clients=3, timeout=120.0, privacy=DISTRIBUTED_DP, algorithm=algorithm
+    )
     text = fed.config.read_text()
     fed.config.write_text(text.replace("[partition]\n", '[partition]\nkind = "domain"\n', 1))
-    # Execute
-    fed.start_server()
-    fed.start_clients()
-    assert fed.server is not None
-    assert fed.server.wait(timeout=300) == 0, fed.logs()
-    for client in fed.clients:
-        assert client.wait(timeout=60) == 0, fed.logs()
-    # Assert: both rounds aggregated the three masked, noised updates; epsilon is PLD's
-    summary = json.loads((fed.run_dir / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["algorithm"] == "fedfr"
+    # Execute / Assert: completed under SecAgg with PLD's epsilon; FedPav: backbone only
+    summary, _ = _run_private_secure(fed, "fedfr")
     assert summary["partition"] == "domain"
-    assert summary["secure_aggregation"]["survivors_per_round"] == [3, 3]
-    expected = epsilon_for(
-        accountant="pld", noise_multiplier=0.5, sample_rate=1.0, steps=2, delta=1e-5
-    )
-    assert summary["epsilon"] == pytest.approx(expected)
-    # ... FedPav: only the backbone is in the global model (the heads stay on the clients)
-    from fl_secure.checkpoints import CheckpointStore
-
-    params = CheckpointStore(fed.run_dir / "checkpoints").latest()
-    assert params is not None
-    assert params.parameters and all(n.startswith("backbone.") for n in params.parameters)
     # ... each target client saved a private head with one row per C-FINCH cluster, the
     # source client one row per identity it holds (9 of the 18 training identities)
     from safetensors.numpy import load_file
