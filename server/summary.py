@@ -37,7 +37,12 @@ def build_summary(
         "rounds_planned": config.train.rounds,
         "algorithm": strategy.name,
         "exposure": strategy.exposure,
-        "evaluation": "held-out identities (never seen by any client), all pairs",
+        "evaluation": (
+            "held-out identities (never seen by any client): expression accuracy of the "
+            "relation scores against support prototypes"
+            if strategy.name == "fedaffect"
+            else "held-out identities (never seen by any client), all pairs"
+        ),
         "num_clients": config.partition.num_clients,
         "partition": config.partition.kind,
         "client_train_sizes": plan.client_sizes(),
