@@ -24,7 +24,7 @@ from fl_secure.algorithms import Strategy
 from fl_secure.algorithms.base import BROADCAST_PREFIX
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import atomic_write_bytes
-from fl_secure.training import FaceModel, LocalData, evaluate_local, set_tensors
+from fl_secure.training import FaceModel, LocalData, set_tensors
 from privacy.client_side import ClientPrivacy
 
 log = logging.getLogger(__name__)
@@ -129,14 +129,14 @@ class LocalTrainer:
     def evaluate(self, shared: Tensors) -> tuple[int, dict[str, float]]:
         """Evaluate the global model on this client's test images.
 
-        With the client's private personalisation where the design has one
-        (:meth:`Strategy.personalized`, e.g. AdaFedFR's local adapter).
+        The design's own client scores (:meth:`Strategy.evaluate_client`): verification with
+        the client's private personalisation where it has one (AdaFedFR's local adapter), or
+        FedAffect's expression accuracy.
         """
         shared = self._take_head(shared)
         self._save_private()
         set_tensors(self.model, shared)
-        network = self.strategy.personalized(self.model)
-        return len(self.data.test), evaluate_local(network, self.data)
+        return len(self.data.test), self.strategy.evaluate_client(self.model, self.data)
 
     def _take_head(self, tensors: Tensors) -> Tensors:
         """Load the server's copy of this client's head, if sent; return the shared part.

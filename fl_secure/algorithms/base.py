@@ -21,7 +21,14 @@ from torch import nn
 from fl_secure.config import Config
 from fl_secure.data.types import FaceDataset
 from fl_secure.messages import LocalTraining, Tensors
-from fl_secure.training import FaceModel, LocalData, get_tensors, set_tensors, train_local
+from fl_secure.training import (
+    FaceModel,
+    LocalData,
+    evaluate_local,
+    get_tensors,
+    set_tensors,
+    train_local,
+)
 
 #: What the design shares, for audits and reports (ARCHITECTURE: "Designs differ in what is
 #: shared").
@@ -150,6 +157,14 @@ class Strategy(ABC):
         local adapter) return the backbone followed by it.
         """
         return model.backbone
+
+    def evaluate_client(self, model: FaceModel, data: LocalData) -> dict[str, float]:
+        """A client's scores of the received model on its own test images.
+
+        Face verification and rank-1 (:func:`~fl_secure.training.evaluate_local`) of the
+        :meth:`personalized` network by default.
+        """
+        return evaluate_local(self.personalized(model), data)
 
     def take_broadcast(self, model: FaceModel, tensors: Tensors) -> None:
         """A client receives the round's ``broadcast.*`` tensors; validate, then keep them.

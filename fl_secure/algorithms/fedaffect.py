@@ -666,6 +666,29 @@ class FedAffect(Strategy):
     def __init__(self, params: AlgorithmConfig | None = None) -> None:
         self.params = params or AlgorithmConfig(name="fedaffect")
 
+    def evaluate_client(self, model: FaceModel, data: LocalData) -> dict[str, float]:
+        """Expression accuracy on the client's test images, its labelled images as support.
+
+        The prototypes are the client's own labelled training images (its few labels); the
+        queries are its test images with the generator's ``expression`` attribute.
+        """
+        labelled = data.train_targets >= 0
+        if not bool(labelled.any()) or len(data.test) == 0:
+            return {}
+        truth = torch.from_numpy(np.asarray(data.test.attributes["expression"], dtype=np.int64))
+        relation = model.relation if isinstance(model, FedAffectModel) else model.head
+        accuracy = expression_accuracy(
+            model.backbone,
+            relation,
+            data.train.images[labelled],
+            data.train_targets[labelled],
+            data.test.images,
+            truth,
+            NUM_EXPRESSIONS,
+        )
+        majority = float(torch.bincount(truth, minlength=NUM_EXPRESSIONS).max()) / len(truth)
+        return {"expression_accuracy": accuracy, "expression_majority": majority}
+
     def describe(self) -> str:
         """One line for logs and reports."""
         return (

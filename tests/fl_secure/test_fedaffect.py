@@ -433,3 +433,42 @@ def test_the_simulation_refuses_fedaffect_with_a_pointer_to_the_grpc_path() -> N
 
     with pytest.raises(ConfigError, match="fl-secure train"):
         simulate(_strategy_config())
+
+
+def test_client_evaluation_is_expression_accuracy_against_its_own_labelled_support() -> None:
+    # Prepare: a FedAffect client of a tiny synthetic run (expressions learnable at 2.5)
+    from client.setup import build_local_trainer
+    from fl_secure.algorithms.fedaffect import expression_accuracy as accuracy_of
+    from fl_secure.config import config_from_dict
+    from fl_secure.data.plan import plan_federation
+
+    config = config_from_dict(
+        {
+            "data": {"image_size": 32, "num_identities": 8, "images_per_identity": 10,
+                     "held_out_identities": 2, "expression_strength": 2.5},
+            "partition": {"num_clients": 2},
+            "model": {"backbone": "cnn-small", "embedding_size": 16},
+            "algorithm": {"name": "fedaffect", "labels_per_class": 2},
+            "server": {"min_clients": 2},
+        }
+    )  # fmt: skip
+    plan = plan_federation(config)
+    share = plan.clients[0]
+    trainer = build_local_trainer(
+        config, share.train, share.test, plan.train_identities, client_id="c0", image_size=32
+    )
+    # Execute
+    _, metrics = trainer.evaluate(trainer.shared_parameters())
+    # Assert: the relation scores of its test images against the prototypes of its labelled
+    # training images (the support), and the majority-class rate beside it
+    data = trainer.data
+    labelled = data.train_targets >= 0
+    truth = torch.from_numpy(np.asarray(data.test.attributes["expression"], dtype=np.int64))
+    expected = accuracy_of(
+        trainer.model.backbone, trainer.model.head, data.train.images[labelled],
+        data.train_targets[labelled], data.test.images, truth, 5,
+    )  # fmt: skip
+    assert metrics["expression_accuracy"] == pytest.approx(expected)
+    assert 0.0 <= metrics["expression_accuracy"] <= 1.0
+    majority = float(torch.bincount(truth, minlength=5).max()) / len(truth)
+    assert metrics["expression_majority"] == pytest.approx(majority)
