@@ -38,6 +38,7 @@ LrSchedule = Literal["constant", "cosine"]
 PrivacyUnit = Literal["none", "client", "example"]
 NoisePlacement = Literal["local", "distributed", "central"]
 AccountantName = Literal["", "rdp", "prv", "pld"]
+ClippingEngine = Literal["auto", "book-keeping", "opacus"]
 SecAggScheme = Literal["none", "secagg", "secagg+", "ckks"]
 
 
@@ -290,6 +291,12 @@ class PrivacyConfig:
     ``unit = "client"``: DP-FedAvg on the shared parameters' updates (a whole client's data
     is the protected record; AdaFedFR Algorithm 1 lines 23-26). ``unit = "example"``:
     DP-SGD with Opacus inside each client (one face image is the protected record).
+
+    ``clipping`` (example unit) chooses how the per-example clipped gradient sum is computed:
+    ``book-keeping`` (:mod:`privacy.bookkeeping`: ghost norms and one clipped weight gradient
+    per layer, no per-example gradients stored) or ``opacus`` (Opacus' hooks materialise
+    every per-example gradient). Both give the same update up to float rounding; ``auto``
+    takes book-keeping when every trainable layer is supported, else Opacus.
     """
 
     unit: PrivacyUnit = "none"  # none, client (DP-FedAvg) or example (DP-SGD on clients)
@@ -301,6 +308,7 @@ class PrivacyConfig:
     accountant: AccountantName = ""  # "" = pld for client level, prv for example level
     sample_rate: float = 0.0  # example unit: Poisson rate per step (0 = batch_size / examples)
     max_physical_batch_size: int = 64  # example unit: memory bound of DP-SGD
+    clipping: ClippingEngine = "auto"  # example unit: per-example clipping engine (see below)
     secure_rng: bool = True  # DP noise from a CSPRNG; false only for reproducible tests
 
     def __post_init__(self) -> None:

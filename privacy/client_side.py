@@ -131,6 +131,7 @@ class ClientPrivacy:
             max_grad_norm=self.cfg.clip_norm,
             sample_rate=self.sample_rate,
             max_physical_batch_size=self.cfg.max_physical_batch_size,
+            clipping=self.cfg.clipping,
         )
 
         def train(model: FaceModel, data: LocalData, training: LocalTraining) -> dict[str, float]:

@@ -8,18 +8,27 @@ Algorithm 1, on top of Opacus (Yousefpour et al., 2021):
    sampling the subsampled-Gaussian accountants (RDP, PRV, PLD) analyse. The inclusion
    decisions are ``noise.uniform(n) < q``: sampling randomness matters for privacy
    amplification, so it comes from the same generator as the noise.
-2. **Per-example gradients** from Opacus' hooks-based :class:`GradSampleModule`: registered
-   grad samplers for ``Conv2d``, ``GroupNorm`` and ``Linear``; the margin heads' class
-   embeddings live in :class:`~fl_secure.models.heads.CosineClassifier`, which has no
-   registered sampler, so Opacus falls back to ``torch.func`` (``vmap`` of ``grad``) for
-   that one module. That fallback replays the module's forward on its captured input alone,
-   which is exact because the margin and the class mask act downstream of it.
-3. **Clipping and noise** by Opacus' :class:`DPOptimizer`: each example's gradient (over all
-   parameters) is clipped to L2 norm ``C`` (``max_grad_norm``), the clipped gradients are
-   summed, Gaussian noise of std ``sigma * C`` is added (``sigma`` = ``noise_multiplier``),
-   and the sum is divided by the *expected* batch size ``max(1, round(q * n))``
-   (``loss_reduction="mean"``), then the underlying SGD or Adam step is taken. An empty
-   batch still takes a step that adds only noise, as the analysis assumes.
+2. **Per-example clipping**: each example's gradient (over all parameters) is clipped to L2
+   norm ``C`` (``max_grad_norm``) and the clipped gradients are summed, by one of two
+   engines (``DPSGDSettings.clipping``) that give the same sum up to float rounding:
+
+   - ``book-keeping`` (:mod:`privacy.bookkeeping`, the default whenever every trainable
+     layer is supported): per-example norms from the layers' inputs and output gradients
+     (ghost norms where cheaper), then the clipped sum as one weight gradient per layer;
+     nothing of size batch x parameters is ever stored. About 3-4x faster than the hooks on
+     the default backbone (``benchmarks/dp.py``).
+   - ``opacus``: Opacus' hooks-based :class:`GradSampleModule` materialises every
+     per-example gradient (registered grad samplers for ``Conv2d``, ``GroupNorm`` and
+     ``Linear``; the margin heads' :class:`~fl_secure.models.heads.CosineClassifier` has no
+     registered sampler, so Opacus falls back to ``torch.func`` for it, which is exact
+     because the margin and the class mask act downstream of it) and Opacus'
+     :class:`DPOptimizer` clips and sums them.
+3. **Noise** by Opacus' optimizers (:class:`DPOptimizer`, or
+   :class:`DPOptimizerFastGradientClipping` which takes the clipped sum as given): Gaussian
+   noise of std ``sigma * C`` is added (``sigma`` = ``noise_multiplier``), and the sum is
+   divided by the *expected* batch size ``max(1, round(q * n))`` (``loss_reduction="mean"``),
+   then the underlying SGD or Adam step is taken. An empty batch still takes a step that
+   adds only noise, as the analysis assumes.
 4. **Bounded memory** with Opacus' :class:`BatchMemoryManager`: a logical batch is processed
    in physical batches of at most ``max_physical_batch_size`` examples whose clipped
    gradients are accumulated before the one noisy step.
@@ -41,16 +50,18 @@ cover.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from opacus import GradSampleModule
-from opacus.optimizers import DPOptimizer
+from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from opacus.utils.batch_memory_manager import BatchMemoryManager
 from opacus.utils.module_utils import trainable_modules
@@ -61,7 +72,14 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from fl_secure.errors import PrivacyError
 from fl_secure.messages import LocalTraining
 from fl_secure.training import AbsentRows, FaceModel, LocalData, make_optimizer
+from privacy.bookkeeping import BookKeepingClipper, unsupported_modules
 from privacy.noise import NoiseSource, gaussian_tensor_like
+
+logger = logging.getLogger(__name__)
+
+#: How the clipped sum of per-example gradients is computed (see the module docstring).
+Clipping = Literal["auto", "book-keeping", "opacus"]
+CLIPPING_ENGINES: tuple[Clipping, ...] = ("auto", "book-keeping", "opacus")
 
 #: What Opacus attaches to modules and parameters; none may remain after training.
 OPACUS_MODULE_ATTRS = (
@@ -83,6 +101,7 @@ class DPSGDSettings:
     max_grad_norm: float  # per-example clipping bound C
     sample_rate: float  # Poisson inclusion probability q per step (expected batch = q * n)
     max_physical_batch_size: int = 64  # memory bound (BatchMemoryManager)
+    clipping: Clipping = "auto"  # book-keeping if every layer is supported, else opacus
 
     def __post_init__(self) -> None:
         """Reject values DP-SGD is not defined for."""
@@ -98,6 +117,10 @@ class DPSGDSettings:
         if self.max_physical_batch_size < 1:
             raise PrivacyError(
                 f"max_physical_batch_size = {self.max_physical_batch_size}: expected >= 1"
+            )
+        if self.clipping not in CLIPPING_ENGINES:
+            raise PrivacyError(
+                f"clipping = {self.clipping!r}: expected one of {', '.join(CLIPPING_ENGINES)}"
             )
 
 
@@ -211,19 +234,17 @@ def _as_batch(batch: Any) -> Any:
     return batch
 
 
-class NoiseSourceDPOptimizer(DPOptimizer):  # type: ignore[misc]  # opacus is untyped
-    """Opacus' ``DPOptimizer`` drawing its Gaussian noise from a :class:`NoiseSource`.
+class _NoiseFromSource:
+    """``add_noise`` of Opacus' optimizers, drawing the Gaussian noise from a NoiseSource."""
 
-    Only ``add_noise`` differs: as in Opacus, ``p.grad = p.summed_grad + N(0, (sigma C)^2)``
-    per parameter (in the optimizer's parameter order), then ``scale_grad`` divides by the
-    expected batch size. Clipping, accumulation over physical batches, the zero-grad checks
-    and the skipped steps of ``BatchMemoryManager`` are Opacus' own.
-    """
+    noise_multiplier: float
+    max_grad_norm: float
+    params: list[Any]  # parameters, with Opacus' summed_grad attribute
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, *, noise: NoiseSource, **kwargs: Any
     ) -> None:
-        super().__init__(optimizer, **kwargs)
+        super().__init__(optimizer, **kwargs)  # type: ignore[call-arg]
         self.noise_source = noise
 
     def add_noise(self) -> None:
@@ -238,6 +259,46 @@ class NoiseSourceDPOptimizer(DPOptimizer):  # type: ignore[misc]  # opacus is un
                 noisy = summed + gaussian_tensor_like(self.noise_source, summed, std)
             p.grad = noisy.view_as(p)
             _mark_as_processed(p.summed_grad)
+
+
+class NoiseSourceDPOptimizer(_NoiseFromSource, DPOptimizer):  # type: ignore[misc]
+    """Opacus' ``DPOptimizer`` drawing its Gaussian noise from a :class:`NoiseSource`.
+
+    Only ``add_noise`` differs: as in Opacus, ``p.grad = p.summed_grad + N(0, (sigma C)^2)``
+    per parameter (in the optimizer's parameter order), then ``scale_grad`` divides by the
+    expected batch size. Clipping, accumulation over physical batches, the zero-grad checks
+    and the skipped steps of ``BatchMemoryManager`` are Opacus' own.
+    """
+
+
+class NoiseSourceFastClipOptimizer(
+    _NoiseFromSource,
+    DPOptimizerFastGradientClipping,  # type: ignore[misc]  # opacus is untyped
+):
+    """Opacus' optimizer for an already clipped sum in ``p.grad``, noise from a NoiseSource.
+
+    ``p.grad`` holds each physical batch's clipped sum (from :class:`BookKeepingClipper`);
+    Opacus accumulates it into ``p.summed_grad`` over the physical batches of a logical
+    batch, then ``add_noise`` and ``scale_grad`` act exactly as for
+    :class:`NoiseSourceDPOptimizer`.
+    """
+
+
+def resolve_clipping(model: nn.Module, clipping: Clipping) -> Literal["book-keeping", "opacus"]:
+    """The engine ``clipping`` means for ``model``: ``auto`` picks book-keeping when it can.
+
+    Raises:
+        PrivacyError: if ``book-keeping`` is asked for a model with unsupported layers.
+    """
+    if clipping == "opacus":
+        return "opacus"
+    unsupported = unsupported_modules(model)
+    if not unsupported:
+        return "book-keeping"
+    if clipping == "book-keeping":
+        BookKeepingClipper(model, 1.0)  # raises, naming the layers
+    logger.info("DP-SGD clips with Opacus' hooks: %s", "; ".join(unsupported))
+    return "opacus"
 
 
 def train_local_dpsgd(
@@ -280,7 +341,6 @@ def train_local_dpsgd(
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     absent = AbsentRows(model, data.class_mask)
-    loss_fn = nn.CrossEntropyLoss()
     loss_sum = 0.0
     correct = seen = 0
     taken = [0]
@@ -293,11 +353,19 @@ def train_local_dpsgd(
         batch_sampler=PoissonBatchSampler(n, settings.sample_rate, steps, noise),
         collate_fn=_as_batch,
     )
+    engine = resolve_clipping(model, settings.clipping)
     gsm: GradSampleModule | None = None
-    optimizer: NoiseSourceDPOptimizer | None = None
+    clipper: BookKeepingClipper | None = None
+    optimizer: DPOptimizer | None = None
     try:
-        gsm = GradSampleModule(model, batch_first=True, loss_reduction="mean", strict=True)
-        optimizer = NoiseSourceDPOptimizer(
+        optimizer_class: type[DPOptimizer]
+        if engine == "opacus":
+            gsm = GradSampleModule(model, batch_first=True, loss_reduction="mean", strict=True)
+            optimizer_class = NoiseSourceDPOptimizer
+        else:
+            clipper = BookKeepingClipper(model, settings.max_grad_norm)
+            optimizer_class = NoiseSourceFastClipOptimizer
+        optimizer = optimizer_class(
             make_optimizer(params, training),
             noise=noise,
             noise_multiplier=settings.noise_multiplier,
@@ -311,24 +379,29 @@ def train_local_dpsgd(
             max_physical_batch_size=settings.max_physical_batch_size,
             optimizer=optimizer,
         )
-        with manager as physical, warnings.catch_warnings():
+        with manager as physical, warnings.catch_warnings(), _attached(clipper):
             # The stem's input (the images) needs no gradient; Opacus still gets its backprops.
             warnings.filterwarnings("ignore", message=_NO_INPUT_GRAD_WARNING)
             for images, targets in physical:
                 if len(targets) == 0:
                     # Empty Poisson batch: zero per-example gradients, so the step adds only
                     # noise (what Opacus' DPDataLoader achieves with empty batches).
-                    for p in params:
+                    if clipper is not None:
+                        clipper.zero_grads()
+                    for p in params if clipper is None else ():
                         p.grad_sample = p.new_zeros((0, *p.shape))  # type: ignore[attr-defined]
                 else:  # FaceModel.forward, split to reuse the embeddings for the accuracy
                     embeddings = model.backbone(images)
                     logits = model.head(embeddings, targets, data.class_mask)
-                    loss = loss_fn(logits, targets)
-                    loss.backward()
+                    losses = nn.functional.cross_entropy(logits, targets, reduction="none")
+                    if clipper is None:
+                        losses.mean().backward()  # type: ignore[no-untyped-call]
+                    else:
+                        clipper.clip_and_sum(losses)
                     with torch.no_grad():
                         plain = model.head(embeddings.detach(), None, data.class_mask)
                         correct += int((plain.argmax(1) == targets).sum())
-                    loss_sum += float(loss.detach()) * len(targets)
+                    loss_sum += float(losses.detach().sum())
                     seen += len(targets)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -347,6 +420,16 @@ def train_local_dpsgd(
         "local_steps": float(steps),
         "dp_noise_secure": 1.0 if noise.secure else 0.0,
     }
+
+
+@contextlib.contextmanager
+def _attached(clipper: BookKeepingClipper | None) -> Iterator[None]:
+    """The clipper's forward hooks while the block runs (nothing for Opacus' hooks)."""
+    if clipper is None:
+        yield
+        return
+    with clipper.attached():
+        yield
 
 
 def _strip_opacus_state(model: nn.Module) -> None:

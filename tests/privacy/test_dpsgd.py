@@ -16,6 +16,7 @@ from fl_secure.errors import PrivacyError
 from fl_secure.messages import LocalTraining
 from fl_secure.training import FaceModel, LocalData, build_model, train_local
 from privacy.dpsgd import (
+    Clipping,
     DPSGDSettings,
     PoissonBatchSampler,
     dpsgd_steps,
@@ -71,8 +72,9 @@ def _assert_parameters(
         torch.testing.assert_close(p.detach(), want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("clipping", ["book-keeping", "opacus"])
 @pytest.mark.parametrize(("head", "masked"), [("arcface", True), ("softmax", False)])
-def test_one_step_equals_hand_computation(head: str, masked: bool) -> None:
+def test_one_step_equals_hand_computation(head: str, masked: bool, clipping: Clipping) -> None:
     # Prepare: 6 examples, q = 0.5 (expected batch 3), physical batches of 2, plain SGD.
     n, q, sigma, seed = 6, 0.5, 0.7, 3
     model, data = _model(head), _data(n, masked=masked)
@@ -96,7 +98,7 @@ def test_one_step_equals_hand_computation(head: str, masked: bool) -> None:
     ]
     if masked:  # the absent class keeps its row exactly
         expected[-1][CLASSES - 1] = before[-1][CLASSES - 1]
-    settings = DPSGDSettings(sigma, clip, q, max_physical_batch_size=2)
+    settings = DPSGDSettings(sigma, clip, q, max_physical_batch_size=2, clipping=clipping)
 
     # Execute
     metrics = train_local_dpsgd(model, data, _sgd(1, lr), settings, noise=SeededGaussian(seed))
@@ -132,7 +134,8 @@ def test_zero_noise_without_clipping_is_sgd_on_the_expected_batch_mean() -> None
     _assert_parameters(model, expected, before)
 
 
-def test_empty_batch_step_adds_exactly_the_noise() -> None:
+@pytest.mark.parametrize("clipping", ["book-keeping", "opacus"])
+def test_empty_batch_step_adds_exactly_the_noise(clipping: Clipping) -> None:
     # Prepare: n = 20, q = 0.1 (expected batch 2); a seed whose first two batches are empty.
     n, q, sigma, clip, lr = 20, 0.1, 1.5, 0.4, 0.5
 
@@ -154,9 +157,8 @@ def test_empty_batch_step_adds_exactly_the_noise() -> None:
             total += gaussian_tensor_like(replica, p, sigma * clip)
 
     # Execute
-    metrics = train_local_dpsgd(
-        model, data, _sgd(2, lr), DPSGDSettings(sigma, clip, q), noise=SeededGaussian(seed)
-    )
+    settings = DPSGDSettings(sigma, clip, q, clipping=clipping)
+    metrics = train_local_dpsgd(model, data, _sgd(2, lr), settings, noise=SeededGaussian(seed))
 
     # Assert: two noise-only steps, each dividing by the expected batch size 2.
     for p, b, z in zip(model.parameters(), before, noise, strict=True):
@@ -217,10 +219,11 @@ def _hook_state(model: nn.Module) -> list[tuple[str, list[str]]]:
     return [(name, sorted(vars(m))) for name, m in model.named_modules()]
 
 
-def test_model_is_plain_after_training_and_can_train_again() -> None:
+@pytest.mark.parametrize("clipping", ["book-keeping", "opacus"])
+def test_model_is_plain_after_training_and_can_train_again(clipping: Clipping) -> None:
     # Prepare
     model, data, fresh = _model(), _data(12, masked=True), _model()
-    settings = DPSGDSettings(1.0, 1.0, 0.5, max_physical_batch_size=4)
+    settings = DPSGDSettings(1.0, 1.0, 0.5, max_physical_batch_size=4, clipping=clipping)
     snapshots = [copy.deepcopy(model.state_dict())]
 
     # Execute: SGD with momentum, then Adam, then plain train_local.
