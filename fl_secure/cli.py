@@ -59,6 +59,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.config is None:
             raise FlSecureError("train needs --config FILE (or --resume RUN_DIR)")
         config = load_config(args.config, args.set)
+        if args.audit:  # refuse before training, not after it
+            from audits.observations import check_auditable
+
+            check_auditable(config.algorithm.name)
     _torch_threads(config.train.threads if config is not None else 1)
     if args.centralized:
         from fl_secure.centralized import run_centralized

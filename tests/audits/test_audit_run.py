@@ -216,3 +216,25 @@ def test_cli_audit_writes_json(runs: dict[str, dict[str, Any]], capsys) -> None:
     assert main(["audit", "--run", run, "--attack", "pixels"]) == 2
     with pytest.raises(ConfigError):
         AuditSettings(targets=1)
+
+
+def test_a_fedaffect_run_is_refused_by_name_before_any_work(tmp_path: Path, capsys) -> None:
+    # Prepare: a run directory whose config names FedAffect (no identity head to attack).
+    config = (Path(__file__).parents[2] / "examples" / "fedaffect.toml").read_text()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.toml").write_text(config)
+    (tmp_path / "config.toml").write_text(config)
+
+    # Execute
+    audited = main(["audit", "--run", str(tmp_path / "run")])
+    audit_err = capsys.readouterr().err
+    trained = main(["train", "--config", str(tmp_path / "config.toml"), "--audit",
+                    "--out", str(tmp_path / "out")])  # fmt: skip
+    train_err = capsys.readouterr().err
+
+    # Assert: exit 2, the algorithm named, nothing trained or written.
+    assert audited == 2 and trained == 2
+    for err in (audit_err, train_err):
+        assert "does not support algorithm.name = 'fedaffect'" in err
+    assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.toml"]
