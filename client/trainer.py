@@ -2,8 +2,9 @@
 
 Private parameters (for example FedPE's class embeddings) never leave this object; they are
 kept in memory and, when ``state_dir`` is given, saved as safetensors after every round so a
-restarted client continues with its own head. In ``server-sees-heads`` designs (FedGC) the
-head is still kept and saved here, but it also travels: the server's task may carry this
+restarted client continues with its own head, together with the design's own client state
+(AdaFedFR's adapter and ``phi``) under ``strategy.*`` keys. In ``server-sees-heads`` designs
+(FedGC) the head is still kept and saved here, but it also travels: the server's task may carry this
 client's corrected head (``head.*`` tensors next to the shared ones), which replaces the local
 rows before training, and every update carries the trained head's values after the shared
 parameters' update.
@@ -28,6 +29,10 @@ from fl_secure.training import FaceModel, LocalData, set_tensors
 from privacy.client_side import ClientPrivacy
 
 log = logging.getLogger(__name__)
+
+#: Key prefix, in ``private.safetensors``, of the design's own client state
+#: (:meth:`Strategy.private_state`, e.g. AdaFedFR's adapter and ``phi``).
+STRATEGY_PREFIX = "strategy."
 
 
 class LocalTrainer:
@@ -72,6 +77,10 @@ class LocalTrainer:
         if path is None or not path.exists():
             return
         saved = load_file(str(path))
+        extra = {
+            k[len(STRATEGY_PREFIX) :]: v for k, v in saved.items() if k.startswith(STRATEGY_PREFIX)
+        }
+        saved = {k: v for k, v in saved.items() if not k.startswith(STRATEGY_PREFIX)}
         state = self.model.state_dict()
         if set(saved) != set(self._private_names()) or any(
             saved[k].shape != state[k].shape for k in saved
@@ -79,6 +88,10 @@ class LocalTrainer:
             log.warning("ignoring private state %s: it does not fit this model", path)
             return
         self.model.load_state_dict(saved, strict=False)
+        try:
+            self.strategy.restore_private_state(self.model, extra)
+        except ValueError as exc:
+            log.warning("ignoring the %s state in %s: %s", self.strategy.name, path, exc)
         log.info("restored private parameters from %s", path)
 
     def _save_private(self) -> None:
@@ -87,6 +100,8 @@ class LocalTrainer:
             return
         state = self.model.state_dict()
         tensors = {k: state[k].contiguous().clone() for k in self._private_names()}
+        for k, v in self.strategy.private_state(self.model).items():
+            tensors[STRATEGY_PREFIX + k] = v.contiguous().clone()
         if not tensors:
             return
         atomic_write_bytes(path, save(tensors))

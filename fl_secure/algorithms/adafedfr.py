@@ -73,8 +73,9 @@ callable that, before every round, extracts ``R`` with the round's global backbo
 tensor ``broadcast.public_representations`` with the parameters the client downloads (gRPC
 ``GetParameters``, or the simulation's hand-over: one code path) and
 :meth:`AdaFedFR.take_broadcast` checks it (shape ``[G, d]``, finite, unit rows) before the
-client trains. The adapter and ``phi`` live beside the model (per model object) and are not
-saved in a client's ``state_dir``: a restarted client starts them afresh.
+client trains. The adapter and ``phi`` live beside the model (per model object); a client
+with a ``state_dir`` saves them with its private head (:meth:`AdaFedFR.private_state`) and a
+restarted client continues with them.
 """
 
 from __future__ import annotations
@@ -377,6 +378,37 @@ class AdaFedFR(Strategy):
             state = ClientState.for_model(model, num_public)
             self._states[model] = state
         return state
+
+    def private_state(self, model: FaceModel) -> dict[str, torch.Tensor]:
+        """The adapter ``theta`` and ``phi`` of ``model``'s client, once they exist."""
+        state = self._states.get(model)
+        if state is None:
+            return {}
+        return {k: v.detach().clone() for k, v in state.state_dict().items()}
+
+    def restore_private_state(self, model: FaceModel, tensors: Mapping[str, torch.Tensor]) -> None:
+        """A restarted client's saved adapter and ``phi`` (checked against ``model``'s head).
+
+        Raises:
+            ValueError: if the tensors are not a :class:`ClientState` for this model.
+        """
+        if not tensors:
+            return
+        classes, logits = tensors.get("adapter.classes"), tensors.get("selection.logits")
+        weight = model.head.weight
+        if classes is None or logits is None or classes.shape != weight.shape:
+            raise ValueError(
+                "the saved AdaFedFR state does not fit this model: expected adapter.classes "
+                f"of shape {tuple(weight.shape)} and selection.logits"
+            )
+        state = ClientState(int(weight.shape[1]), int(weight.shape[0]), int(logits.numel()))
+        try:
+            state.load_state_dict(dict(tensors))
+        except RuntimeError as exc:
+            raise ValueError(f"the saved AdaFedFR state does not fit this model: {exc}") from exc
+        if not all(bool(torch.isfinite(t).all()) for t in tensors.values()):
+            raise ValueError("the saved AdaFedFR state contains NaN or infinity")
+        self._states[model] = state
 
     def broadcaster(self, config: Config) -> Broadcaster:
         """Algorithm 1 lines 6-8 on the server: ``R`` under each round's global backbone."""

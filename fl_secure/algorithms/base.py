@@ -166,6 +166,26 @@ class Strategy(ABC):
         """
         return evaluate_local(self.personalized(model), data)
 
+    def private_state(self, model: FaceModel) -> dict[str, torch.Tensor]:
+        """Client-side tensors the design keeps beside ``model`` (none by default).
+
+        They never leave the client; :class:`client.trainer.LocalTrainer` saves them with the
+        model's private parameters so that a restarted client continues with them
+        (:meth:`restore_private_state`). AdaFedFR returns its adapter and ``phi``.
+        """
+        del model
+        return {}
+
+    def restore_private_state(self, model: FaceModel, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Take back what :meth:`private_state` returned, for ``model`` (a restarted client).
+
+        Raises:
+            ValueError: naming the problem if ``tensors`` do not fit this design and model.
+        """
+        del model
+        if tensors:
+            raise ValueError(f"{self.name} keeps no client state, got {sorted(tensors)}")
+
     def take_broadcast(self, model: FaceModel, tensors: Tensors) -> None:
         """A client receives the round's ``broadcast.*`` tensors; validate, then keep them.
 

@@ -318,3 +318,49 @@ def test_simulation_sends_r_each_round_and_counts_its_bytes(tiny_adafedfr: Path)
     assert public.identity_names[0] == "synthetic-000012" and len(public) == 10
     run_ids = set(load_dataset(config.data, config.run.seed).identity_names)
     assert run_ids.isdisjoint(public.identity_names)
+
+
+def test_a_restarted_client_continues_with_its_adapter_and_phi(tmp_path: Path, caplog) -> None:
+    # Prepare: a client whose adapter and phi moved away from their initial values.
+    from safetensors.torch import load_file, save
+
+    from client.trainer import LocalTrainer
+
+    strategy = AdaFedFR()
+    model, data = _client(strategy)
+    trainer = LocalTrainer(strategy, model, data, state_dir=tmp_path, seed=0)
+    state = strategy.client_state(model, num_public=6)
+    with torch.no_grad():
+        for p in state.parameters():
+            p.add_(torch.randn_like(p))
+    saved = {k: v.clone() for k, v in state.state_dict().items()}
+
+    # Execute: the client evaluates (which saves its private state), then restarts.
+    trainer.evaluate(trainer.shared_parameters())
+    restarted_strategy = AdaFedFR()
+    restarted_model, _ = _client(restarted_strategy)
+    LocalTrainer(restarted_strategy, restarted_model, data, state_dir=tmp_path, seed=0)
+
+    # Assert: the same adapter and phi, so the same personalised embeddings.
+    restored = restarted_strategy.client_state(restarted_model).state_dict()
+    assert set(restored) == set(saved) and len(saved) >= 4
+    for k, v in saved.items():
+        assert torch.equal(restored[k], v), k
+    images = data.test.images[:4]
+    with torch.no_grad():
+        torch.testing.assert_close(
+            restarted_strategy.personalized(restarted_model)(images),
+            strategy.personalized(model)(images),
+        )
+
+    # A saved state that does not fit this model is ignored with a warning naming why.
+    path = tmp_path / "private.safetensors"
+    tensors = load_file(str(path))
+    tensors["strategy.adapter.classes"] = torch.zeros(5, 16)
+    path.write_bytes(save(tensors))
+    other_strategy = AdaFedFR()
+    other_model, _ = _client(other_strategy)
+    with caplog.at_level("WARNING"):
+        LocalTrainer(other_strategy, other_model, data, state_dir=tmp_path, seed=0)
+    assert other_model not in other_strategy._states
+    assert "the saved AdaFedFR state does not fit this model" in caplog.text
