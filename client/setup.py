@@ -64,6 +64,11 @@ def trainer_factory(
             train, test, identities = share.train, share.test, plan.train_identities
             image_size = cfg.data.image_size
         elif source.data_path is not None:
+            if isinstance(strategy, FedAffect):
+                raise ConfigError(
+                    "fedaffect needs an expression label per image, which identity folders "
+                    "(--data DIR) do not carry: run it on the embedded synthetic data"
+                )
             if strategy.shares_head:
                 raise ConfigError(
                     f"{strategy.name} shares a global head, which needs one label space across "

@@ -1,0 +1,55 @@
+"""A client joining with identity folders: designs it cannot run are refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from client.setup import ClientDataSource, trainer_factory
+from fl_secure.errors import ConfigError
+from fl_secure.messages import JoinReply
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+
+
+def _folders(root: Path) -> Path:
+    rng = np.random.default_rng(0)
+    for person in ("ann", "bob"):
+        (root / person).mkdir(parents=True)
+        for k in range(4):
+            pixels = rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / person / f"{k}.png")
+    return root
+
+
+def _join(config: str) -> JoinReply:
+    return JoinReply("client-0", "run", "0", run_config_toml=config)
+
+
+QUICKSTART = (EXAMPLES / "quickstart.toml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ((EXAMPLES / "fedaffect.toml").read_text(), "fedaffect needs an expression label"),
+        (QUICKSTART.replace('name = "fedpe"', 'name = "fedavg"'), "fedavg shares a global head"),
+    ],
+)
+def test_folder_clients_are_refused_by_what_the_design_needs(
+    tmp_path: Path, config: str, message: str
+) -> None:
+    make = trainer_factory(ClientDataSource(data_path=_folders(tmp_path)), state_dir=None)
+    with pytest.raises(ConfigError, match=message):
+        make(_join(config))
+
+
+def test_a_private_head_design_trains_on_the_folders(tmp_path: Path) -> None:
+    make = trainer_factory(ClientDataSource(data_path=_folders(tmp_path)), state_dir=None)
+    trainer = make(_join(QUICKSTART))
+    assert trainer.strategy.name == "fedpe"
+    assert trainer.data.train.identity_names == ("ann", "bob")
+    assert trainer.model.head.weight.shape[0] == 2  # one private row per local identity
