@@ -201,6 +201,11 @@ class AlgorithmConfig:
         _check(self.beta > 0, "algorithm.beta", "a number > 0")
         _check(self.delta > 0, "algorithm.delta", "a number > 0")
         _check(self.embedding_reg >= 0, "algorithm.embedding_reg", "a number >= 0")
+        if self.embedding_reg > 0 and self.name not in ("hfmaml", "hfmaml-global"):
+            raise ConfigError(
+                f"algorithm.embedding_reg = {self.embedding_reg:g} (HF-MAML Eq. 4) is implemented "
+                f"by hfmaml and hfmaml-global only; {self.name} would ignore it"
+            )
         _check(self.labels_per_class >= 1, "algorithm.labels_per_class", "an integer >= 1")
         _check(2 <= self.n_way <= 5, "algorithm.n_way", "an integer in [2, 5] (5 expressions)")
         _check(self.k_shot >= 1, "algorithm.k_shot", "an integer >= 1")

@@ -61,7 +61,6 @@ COLUMNS = (
     "clients_rank1_std", "untrained_tar_at_far_1e-2", *GROUP_COLUMNS, "bytes_per_round",
     "duration_s",
 )  # fmt: skip
-HFMAML = ("hfmaml", "hfmaml-global")
 
 
 @dataclass(frozen=True)
@@ -145,12 +144,11 @@ def run_experiment(
 
     configs = []
     for algorithm, partition, seed in experiment.cells():  # validate every cell first
-        config = load_config(experiment.base, experiment.cell_overrides(algorithm, partition, seed))
-        if config.algorithm.embedding_reg > 0 and config.algorithm.name not in HFMAML:
-            raise ConfigError(
-                f"algorithm entry {algorithm!r}: algorithm.embedding_reg (Eq. 4) is implemented "
-                f"by {' and '.join(HFMAML)} only; {config.algorithm.name} would ignore it"
-            )
+        overrides = experiment.cell_overrides(algorithm, partition, seed)
+        try:  # the config refuses settings an algorithm would ignore (algorithm.embedding_reg)
+            config = load_config(experiment.base, overrides)
+        except ConfigError as exc:
+            raise ConfigError(f"algorithm entry {algorithm!r}: {exc}") from exc
         configs.append((algorithm, partition, seed, config))
     rows: list[dict[str, Any]] = []
     out.mkdir(parents=True, exist_ok=True)

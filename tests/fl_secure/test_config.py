@@ -85,3 +85,11 @@ def test_attribute_partition_needs_one_predicate_per_client() -> None:
         {"partition": {"kind": "attribute", "num_clients": 2, "clients": ["hat=1", "hat=0"]}}
     )
     assert list(cfg.partition.clients) == ["hat=1", "hat=0"]
+
+
+def test_embedding_reg_is_refused_where_the_algorithm_would_ignore_it() -> None:
+    with pytest.raises(ConfigError, match="embedding_reg = 1 .* fedavg would ignore it"):
+        config_from_dict({"algorithm": {"name": "fedavg", "embedding_reg": 1.0}})
+    for name in ("hfmaml", "hfmaml-global"):
+        reg = config_from_dict({"algorithm": {"name": name, "embedding_reg": 1.0}})
+        assert reg.algorithm.embedding_reg == 1.0
