@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -186,8 +189,8 @@ class FlClient:
             return serde.parameters_from_chunks(chunks, max_bytes=limit)[1]
 
         if task.kind is TaskKind.TRAIN and task.secagg_setup:
-            # The key stages (which wait for the whole cohort) come before the download, so
-            # the downloads, training and uploads of the cohort overlap as in a plain round.
+            # The key stages (which wait for the whole cohort) come before training; the
+            # download runs alongside them, so no stage waits for a client's download.
             self._secure_round(stub, task, fetch, time.monotonic())
             return
         shared = fetch()
@@ -233,6 +236,7 @@ class FlClient:
             load_secret_context,
         )
         from privacy.secagg_session import (
+            MASKED,
             MASKED_TENSOR,
             RoundSetup,
             client_secure_update,
@@ -252,8 +256,8 @@ class FlClient:
         metrics: dict[str, float] = {}
         timeout = max(60.0, (task.deadline_unix_ms / 1000.0) - time.time() + 60.0)
 
-        def exchange(stage: int, payload: bytes) -> bytes:
-            reply = stub.SecAggExchange(
+        def start(stage: int, payload: bytes) -> Any:  # a grpc.Future of the reply
+            return stub.SecAggExchange.future(
                 pb.SecAggMessage(
                     round=task.round,
                     nonce=task.nonce,
@@ -263,10 +267,26 @@ class FlClient:
                 metadata=self._metadata,
                 timeout=timeout,
             )
-            return bytes(reply.payload)
 
-        def compute() -> Tensors:  # after the key stages: download, then train
-            update, _, found = trainer.train(fetch(), task.training)
+        # The "masked input" call only waits for the server's unmask request (sent once every
+        # upload is in); it is started with the upload (see upload) so that the request
+        # reaches this client without a round trip after the upload's reply.
+        pending: dict[int, Any] = {}
+
+        def exchange(stage: int, payload: bytes) -> bytes:
+            call = pending.pop(stage, None)
+            if call is None:
+                call = start(stage, payload)
+            elif payload:  # pragma: no cover - only the empty "masked input" call is started
+                raise FlSecureError("a secure-aggregation call was started with another payload")
+            return bytes(call.result().payload)
+
+        # The global parameters download while the key stages run (they are public to the
+        # cohort); training starts only after the key stages, as before.
+        parameters = _background(fetch)
+
+        def compute() -> Tensors:  # after the key stages: the download, then training
+            update, _, found = trainer.train(parameters.result(), task.training)
             metrics.update(found)
             return update
 
@@ -281,10 +301,21 @@ class FlClient:
             if ckks:
                 tensors = OrderedDict([(CKKS_TENSOR, vector.astype(np.uint8))])
             else:
-                tensors = OrderedDict([(MASKED_TENSOR, vector.astype(wire_dtype(setup)))])
-            stub.SubmitUpdate(
-                serde.update_to_chunks(header, tensors), metadata=self._metadata, timeout=600
-            )
+                tensors = OrderedDict(
+                    [(MASKED_TENSOR, vector.astype(wire_dtype(setup), copy=False))]
+                )
+                # Nothing is revealed before the upload has succeeded and the request is in:
+                # client_secure_update reads the reply only after upload() returned.
+                pending[MASKED] = start(MASKED, b"")
+            try:
+                stub.SubmitUpdate(
+                    serde.update_to_chunks(header, tensors), metadata=self._metadata, timeout=600
+                )
+            except BaseException:
+                call = pending.pop(MASKED, None)
+                if call is not None:
+                    call.cancel()
+                raise
 
         try:
             if ckks:
@@ -311,9 +342,28 @@ class FlClient:
         except FlSecureError as exc:  # a peer's bad key or share: this round is lost to us
             log.warning("round %d: secure aggregation refused: %s", task.round, exc)
             return
+        finally:
+            for call in pending.values():  # a call left over by a failed round
+                call.cancel()
         log.info("round %d: masked update in the secure sum", task.round)
         self.last_round = task.round
         self.rounds_done += 1
+
+
+def _background(work: Callable[[], Tensors]) -> Future[Tensors]:
+    """Run ``work`` in a daemon thread (it never holds up the process's exit)."""
+    future: Future[Tensors] = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():  # pragma: no cover - never cancelled
+            return
+        try:
+            future.set_result(work())
+        except BaseException as exc:  # handed to whoever waits for the result
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="fl-secure-prefetch", daemon=True).start()
+    return future
 
 
 __all__ = ["Backoff", "Connection", "FlClient", "ProtocolError", "open_channel"]

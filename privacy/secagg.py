@@ -85,6 +85,10 @@ _MAX_ID_BYTES = 255
 _MAX_ROUND_ID_BYTES = 255
 _MAX_CIPHERTEXT_BYTES = 4096
 _CHUNK = 1 << 16  # mask words per AES-CTR call: 512 KB buffers (8 MB ones fault pages: 2.6x slower)
+# The plaintext of every keystream chunk (AES-CTR of zeros is the keystream), made once: the
+# keystreams are written with ``update_into`` into reused buffers, never freshly allocated ones.
+_ZEROS = memoryview(bytes(8 * _CHUNK))
+_BLOCK = 16  # AES block: ``update_into`` wants room for ``len(data) + _BLOCK - 1`` bytes
 _MAX_EXACT = 2**52  # clip_range * scale must stay exactly representable in float64
 
 
@@ -546,13 +550,29 @@ class SecureUniform:
 
     def __init__(self) -> None:
         self._stream = Cipher(algorithms.AES(os.urandom(32)), modes.CTR(bytes(16))).encryptor()
+        self._buf = bytearray(8 * _CHUNK + _BLOCK - 1)
 
     def uniform(self, n: int) -> np.ndarray:
         """``n`` independent uniforms in [0, 1) with 53 random bits each."""
         if n < 0:
             raise ValueError(f"n = {n}: expected a count >= 0")
-        words = np.frombuffer(self._stream.update(bytes(8 * n)), dtype="<u8") >> np.uint64(11)
-        return words.astype(np.float64) * 2.0**-53
+        return self.uniform_into(np.empty(n, dtype=np.float64))
+
+    def uniform_into(self, out: np.ndarray) -> np.ndarray:
+        """:meth:`uniform` written into ``out`` (1-D float64): the same draws, no allocation.
+
+        The next ``8 * out.size`` keystream bytes, read as little-endian ``u64`` words, each
+        shifted right by 11 and scaled by ``2^-53`` (exact in float64).
+        """
+        if out.dtype != np.float64 or out.ndim != 1:
+            raise ValueError("out must be a 1-D float64 array")
+        for start in range(0, out.size, _CHUNK):
+            m = min(_CHUNK, out.size - start)
+            self._stream.update_into(_ZEROS[: 8 * m], self._buf)
+            words = np.frombuffer(self._buf, dtype="<u8", count=m)  # a view of the buffer
+            np.right_shift(words, np.uint64(11), out=words)
+            np.multiply(words.view(np.int64), 2.0**-53, out=out[start : start + m])  # < 2^53
+        return out
 
 
 def _modulus_mask(modulus_bits: int) -> np.uint64:
@@ -642,29 +662,62 @@ def encode(
         PrivacyError: If the update is not finite or the parameters are out of range.
     """
     mask = _modulus_mask(modulus_bits)
-    check_modulus(1, clip_range, scale, modulus_bits)
     x = np.asarray(update).ravel()
-    source = rounding if rounding is not None else SecureUniform()
+    encoder = _FixedPointEncoder(clip_range, scale, modulus_bits, rounding)
     out = np.empty(x.size, dtype=word_dtype(modulus_bits) if words else np.uint64)
-    # Chunks of _CHUNK values: the float64 temporaries stay small and are reused by the
-    # allocator, where whole-vector ones would fault fresh pages (about 2x slower at d = 1e6).
+    # Chunks of _CHUNK values: the float64 temporaries stay small (and are reused), where
+    # whole-vector ones would fault fresh pages (about 2x slower at d = 1e6).
     for start in range(0, x.size, _CHUNK):
-        m = min(_CHUNK, x.size - start)
-        scaled = x[start : start + m].astype(np.float64)
-        if not np.isfinite(scaled).all():
-            raise PrivacyError("the update contains NaN or infinity; refusing to encode it")
-        np.clip(scaled, -clip_range, clip_range, out=scaled)
-        scaled *= scale
-        low = np.floor(scaled)
-        scaled -= low  # the fractional part: round up with this probability
-        u = source.uniform(m)
-        if np.shape(u) != (m,):
-            raise PrivacyError(f"the rounding source returned shape {np.shape(u)}, not ({m},)")
-        low += u < scaled
-        # two's complement; a 32-bit word keeps the value mod 2^32, which 2^bits divides
-        out[start : start + m] = low.astype(np.int64).view(np.uint64).astype(out.dtype, copy=False)
+        encoder.encode_into(x[start : start + _CHUNK], out[start : start + _CHUNK])
     out &= out.dtype.type(mask)
     return out
+
+
+class _FixedPointEncoder:
+    """:func:`encode`, one chunk of at most ``_CHUNK`` values at a time, into given words.
+
+    The float64 scratch buffers are made once and reused for every chunk (no temporaries),
+    and :class:`SecureUniform` writes its draws into one of them. The words are the encoded
+    values mod 2^32 or 2^64 (two's complement), not yet reduced mod ``2^bits``.
+    """
+
+    def __init__(
+        self, clip_range: float, scale: float, modulus_bits: int, rounding: UniformSource | None
+    ) -> None:
+        check_modulus(1, clip_range, scale, modulus_bits)
+        self.clip_range, self.scale = clip_range, scale
+        self.source = rounding if rounding is not None else SecureUniform()
+        self._scaled = np.empty(_CHUNK, dtype=np.float64)
+        self._low = np.empty(_CHUNK, dtype=np.float64)
+        self._u = np.empty(_CHUNK, dtype=np.float64)
+        self._ints = np.empty(_CHUNK, dtype=np.int64)
+        self._flags = np.empty(_CHUNK, dtype=bool)
+
+    def _uniform(self, m: int) -> np.ndarray:
+        if isinstance(self.source, SecureUniform):
+            return self.source.uniform_into(self._u[:m])
+        u = self.source.uniform(m)
+        if np.shape(u) != (m,):
+            raise PrivacyError(f"the rounding source returned shape {np.shape(u)}, not ({m},)")
+        return np.asarray(u)
+
+    def encode_into(self, x: np.ndarray, out: np.ndarray) -> None:
+        """Encode the values ``x`` (at most ``_CHUNK``) into the words ``out``."""
+        m = x.size
+        scaled, low, flags = self._scaled[:m], self._low[:m], self._flags[:m]
+        np.copyto(scaled, x, casting="unsafe")  # x.astype(float64)
+        if not np.isfinite(scaled, out=flags).all():
+            raise PrivacyError("the update contains NaN or infinity; refusing to encode it")
+        np.clip(scaled, -self.clip_range, self.clip_range, out=scaled)
+        scaled *= self.scale
+        np.floor(scaled, out=low)
+        scaled -= low  # the fractional part: round up with this probability
+        np.less(self._uniform(m), scaled, out=flags)
+        low += flags
+        # two's complement; a 32-bit word keeps the value mod 2^32, which 2^bits divides
+        ints = self._ints[:m]
+        np.copyto(ints, low, casting="unsafe")  # exact: |values| <= 2^52
+        np.copyto(out, ints.view(np.uint64), casting="unsafe")
 
 
 def decode(
@@ -739,26 +792,54 @@ def _check_vector(
 # Masks
 
 
+class _Keystreams:
+    """Several AES-256-CTR(seed, IV = 0) masks, applied chunk by chunk to an accumulator.
+
+    Each mask is its keystream read as little-endian words of the accumulator's width
+    (``uint32`` words add mod 2^32, ``uint64`` words mod 2^64; see :func:`word_dtype`), added
+    or subtracted. :meth:`apply` takes the next chunk of every stream in turn, so a chunk of
+    the accumulator stays in cache while all masks are applied to it; the keystreams are
+    written with ``update_into`` into one reused buffer (no allocation per chunk).
+    """
+
+    def __init__(self, seeds: Sequence[tuple[bytes, bool]], dtype: np.dtype) -> None:
+        if np.dtype(dtype) not in (np.uint32, np.uint64):
+            raise PrivacyError(f"mask accumulators are uint32 or uint64, not {dtype}")
+        for seed, _ in seeds:
+            if len(seed) != SECRET_BYTES:
+                raise PrivacyError(f"mask seeds must be {SECRET_BYTES} bytes, got {len(seed)}")
+        self._wire = np.dtype(dtype).newbyteorder("<")
+        self._streams = [
+            (Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor(), subtract)
+            for seed, subtract in seeds
+        ]
+        self._buf = bytearray(self._wire.itemsize * _CHUNK + _BLOCK - 1)
+
+    def apply(self, part: np.ndarray) -> None:
+        """``part +=`` (or ``-=``) the next ``part.size <= _CHUNK`` words of every stream."""
+        m = part.size
+        for stream, subtract in self._streams:
+            stream.update_into(_ZEROS[: self._wire.itemsize * m], self._buf)
+            words = np.frombuffer(self._buf, dtype=self._wire, count=m)
+            if subtract:
+                np.subtract(part, words, out=part)
+            else:
+                np.add(part, words, out=part)
+
+
+def _apply_keystreams(acc: np.ndarray, seeds: Sequence[tuple[bytes, bool]]) -> None:
+    """For each ``(seed, subtract)``: ``acc += / -= AES-256-CTR(seed, IV = 0)`` as words."""
+    streams = _Keystreams(seeds, acc.dtype)
+    for start in range(0, acc.size, _CHUNK):
+        streams.apply(acc[start : start + _CHUNK])
+
+
 def _add_keystream(acc: np.ndarray, seed: bytes, subtract: bool = False) -> None:
     """``acc += / -= AES-256-CTR(seed, IV = 0)``, read as little-endian words of acc's width.
 
     ``uint32`` words add mod 2^32, ``uint64`` words mod 2^64 (see :func:`word_dtype`).
     """
-    if len(seed) != SECRET_BYTES:
-        raise PrivacyError(f"mask seeds must be {SECRET_BYTES} bytes, got {len(seed)}")
-    if acc.dtype not in (np.uint32, np.uint64):
-        raise PrivacyError(f"mask accumulators are uint32 or uint64, not {acc.dtype}")
-    width = acc.dtype.itemsize
-    wire = f"<u{width}"
-    stream = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
-    zeros = bytes(width * min(_CHUNK, acc.size))
-    for start in range(0, acc.size, _CHUNK):
-        m = min(_CHUNK, acc.size - start)
-        words = np.frombuffer(stream.update(zeros[: width * m]), dtype=wire)
-        if subtract:
-            acc[start : start + m] -= words
-        else:
-            acc[start : start + m] += words
+    _apply_keystreams(acc, [(seed, subtract)])
 
 
 def prg_mask(seed: bytes, length: int, modulus_bits: int) -> np.ndarray:
@@ -1162,18 +1243,27 @@ class SecAggClient:
                 f"{self.client_id!r}: only {len(self._held)} neighbours shared keys, fewer "
                 f"than the threshold t = {t}"
             )
-        bits = self.config.modulus_bits
-        if encoded is None:
-            acc = self.config.encode(update, self._rounding, words=True)
+        cfg, bits = self.config, self.config.modulus_bits
+        seeds = [(self._b, False)]
+        for v in sorted(self._held):
+            shared = _agree(self._s_sk, self._peers[v].s_pk, v)
+            seed = _kdf(b"mask-seed", shared, cfg.round_id, self.client_id, v)
+            seeds.append((seed, v < self.client_id))
+        masks = _Keystreams(seeds, word_dtype(bits))
+        if encoded is None:  # encode a chunk, mask it, next chunk (it stays in cache)
+            encoder = _FixedPointEncoder(cfg.clip_range, cfg.scale, bits, self._rounding)
+            x = update.ravel()
+            acc = np.empty(self.vector_length, dtype=word_dtype(bits))
+            for start in range(0, acc.size, _CHUNK):
+                part = acc[start : start + _CHUNK]
+                encoder.encode_into(x[start : start + _CHUNK], part)
+                masks.apply(part)
         else:
             acc = _check_vector(
                 np.array(encoded, dtype=np.uint64), bits, self.vector_length, "encoded update"
             ).astype(word_dtype(bits))
-        _add_keystream(acc, self._b)
-        for v in sorted(self._held):
-            shared = _agree(self._s_sk, self._peers[v].s_pk, v)
-            seed = _kdf(b"mask-seed", shared, self.config.round_id, self.client_id, v)
-            _add_keystream(acc, seed, subtract=v < self.client_id)
+            for start in range(0, acc.size, _CHUNK):
+                masks.apply(acc[start : start + _CHUNK])
         acc &= acc.dtype.type(_modulus_mask(bits))
         self._b, self._s_sk = None, None  # no longer needed by this client
         self._stage = 3
@@ -1506,12 +1596,13 @@ class SecAggServer:
                 f"too few unmasking responses: shares of {detail}, t = {t} needed; round aborted"
             )
         total = self._sum
+        seeds: list[tuple[bytes, bool]] = []  # every mask to remove, applied in one pass
         try:
             for u in sorted(self._u3):
                 b = shamir_interpolate(sorted(self._b_shares[u])[:t])
                 if b >= 1 << (8 * SECRET_BYTES):
                     raise ProtocolError(f"the shares of {u!r}'s self-mask seed are inconsistent")
-                _add_keystream(total, b.to_bytes(SECRET_BYTES, "big"), subtract=True)
+                seeds.append((b.to_bytes(SECRET_BYTES, "big"), True))
             for u in sorted(self._dropped):
                 s = shamir_interpolate(sorted(self._s_shares[u])[:t])
                 if s >= 1 << (8 * SECRET_BYTES):
@@ -1523,10 +1614,11 @@ class SecAggServer:
                     shared = _agree(s_sk, self._adverts[v].s_pk, v)
                     seed = _kdf(b"mask-seed", shared, self.config.round_id, u, v)
                     # v added PRG(s_uv) if v < u, subtracted it if v > u: undo that
-                    _add_keystream(total, seed, subtract=v < u)
+                    seeds.append((seed, v < u))
         except ProtocolError:
             self._abort("inconsistent shares")
             raise
+        _apply_keystreams(total, seeds)
         total = total.astype(np.uint64) & _modulus_mask(self.config.modulus_bits)
         self._result, self._sum = total, None
         self._stage = 4

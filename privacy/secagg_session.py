@@ -254,6 +254,21 @@ def flatten(tensors: Mapping[str, np.ndarray]) -> np.ndarray:
     return np.concatenate([np.asarray(v, dtype=np.float64).ravel() for v in tensors.values()])
 
 
+def concatenate(tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+    """All tensors as one flat vector of their own dtype (a view when there is one tensor).
+
+    The same values as :func:`flatten` without its float64 copy: fixed-point encoding reads
+    the vector chunk by chunk in float64 anyway. Tensors of different dtypes are concatenated
+    as float64 (exactly :func:`flatten`).
+    """
+    arrays = [np.asarray(v) for v in tensors.values()]
+    if len(arrays) == 1:
+        return arrays[0].ravel()
+    if arrays and all(a.dtype == arrays[0].dtype for a in arrays):
+        return np.concatenate([a.ravel() for a in arrays])
+    return flatten(tensors)
+
+
 def unflatten(vector: np.ndarray, specs: Sequence[TensorSpec]) -> Tensors:
     """Inverse of :func:`flatten` for tensors of ``specs`` (float64 values)."""
     out: Tensors = OrderedDict()
@@ -466,7 +481,9 @@ def client_secure_update(
         EncryptedShare.from_bytes(b)
         for b in unpack(exchange(SHARE, pack([s.to_bytes() for s in shares])), "shares")
     ]
-    vector = flatten(compute_update())
+    update = compute_update()
+    # fixed point encodes chunk by chunk in float64: no float64 copy of the whole update here
+    vector = flatten(update) if setup.encoding == "ddg" else concatenate(update)
     if vector.size != setup.vector_length:
         raise FlSecureError(
             f"update has {vector.size} values, the round expects {setup.vector_length}"
