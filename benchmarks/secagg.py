@@ -90,7 +90,7 @@ PRG = {
     "ours": (
         "AES-256-CTR keystream (cryptography/OpenSSL), keyed by a 256-bit seed, IV 0, read "
         "as little-endian u32 words (u64 above 32 modulus bits) reduced mod 2^bits "
-        "(privacy.secagg.prg_mask / _add_keystream). Self-mask seed b_u = "
+        "(privacy.secagg.prg_mask / _apply_keystreams). Self-mask seed b_u = "
         "secrets.token_bytes(32); pairwise seed s_uv = HKDF-SHA256 of an X25519 agreement, "
         "bound to the round id and both client ids. Stochastic rounding uniforms: AES-256-CTR "
         "keystream keyed by os.urandom (privacy.secagg.SecureUniform)."

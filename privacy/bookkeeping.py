@@ -79,6 +79,20 @@ def unsupported_modules(model: nn.Module) -> list[str]:
     return found
 
 
+def require_supported(model: nn.Module) -> None:
+    """Raise unless the book-keeping engine can clip every trainable module of ``model``.
+
+    Raises:
+        PrivacyError: naming every unsupported module (:func:`unsupported_modules`).
+    """
+    unsupported = unsupported_modules(model)
+    if unsupported:
+        raise PrivacyError(
+            "book-keeping clipping cannot handle " + "; ".join(unsupported) + ": use "
+            "privacy.clipping = 'opacus' (per-example gradients from Opacus' hooks)"
+        )
+
+
 def _sum_to_sample(t: torch.Tensor) -> torch.Tensor:
     """``[B, ...]`` -> ``[B]``: sum over every dimension but the first."""
     return t.reshape(len(t), -1).sum(1)
@@ -146,13 +160,7 @@ class BookKeepingClipper:
     """
 
     def __init__(self, model: nn.Module, max_grad_norm: float) -> None:
-        unsupported = unsupported_modules(model)
-        if unsupported:
-            raise PrivacyError(
-                "book-keeping clipping cannot handle " + "; ".join(unsupported) + ": use "
-                "privacy.clipping = 'opacus' (per-example gradients from Opacus' hooks)"
-            )
-        self.model = model
+        require_supported(model)
         self.max_grad_norm = max_grad_norm
         self.modules = {name: m for name, m in model.named_modules() if _trainable(m)}
         self._names = {id(m): name for name, m in self.modules.items()}

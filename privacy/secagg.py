@@ -815,6 +815,11 @@ class _Keystreams:
         ]
         self._buf = bytearray(self._wire.itemsize * _CHUNK + _BLOCK - 1)
 
+    def apply_all(self, acc: np.ndarray) -> None:
+        """:meth:`apply` to ``acc`` chunk by chunk, from the streams' current position."""
+        for start in range(0, acc.size, _CHUNK):
+            self.apply(acc[start : start + _CHUNK])
+
     def apply(self, part: np.ndarray) -> None:
         """``part +=`` (or ``-=``) the next ``part.size <= _CHUNK`` words of every stream."""
         m = part.size
@@ -828,18 +833,12 @@ class _Keystreams:
 
 
 def _apply_keystreams(acc: np.ndarray, seeds: Sequence[tuple[bytes, bool]]) -> None:
-    """For each ``(seed, subtract)``: ``acc += / -= AES-256-CTR(seed, IV = 0)`` as words."""
-    streams = _Keystreams(seeds, acc.dtype)
-    for start in range(0, acc.size, _CHUNK):
-        streams.apply(acc[start : start + _CHUNK])
+    """For each ``(seed, subtract)``: ``acc += / -= AES-256-CTR(seed, IV = 0)``.
 
-
-def _add_keystream(acc: np.ndarray, seed: bytes, subtract: bool = False) -> None:
-    """``acc += / -= AES-256-CTR(seed, IV = 0)``, read as little-endian words of acc's width.
-
-    ``uint32`` words add mod 2^32, ``uint64`` words mod 2^64 (see :func:`word_dtype`).
+    The keystream is read as little-endian words of acc's width: ``uint32`` words add mod
+    2^32, ``uint64`` words mod 2^64 (see :func:`word_dtype`).
     """
-    _apply_keystreams(acc, [(seed, subtract)])
+    _Keystreams(seeds, acc.dtype).apply_all(acc)
 
 
 def prg_mask(seed: bytes, length: int, modulus_bits: int) -> np.ndarray:
@@ -860,7 +859,7 @@ def prg_mask(seed: bytes, length: int, modulus_bits: int) -> np.ndarray:
     """
     mask = _modulus_mask(modulus_bits)
     out = np.zeros(length, dtype=word_dtype(modulus_bits))
-    _add_keystream(out, seed)
+    _apply_keystreams(out, [(seed, False)])
     return out.astype(np.uint64) & mask
 
 
@@ -1262,8 +1261,7 @@ class SecAggClient:
             acc = _check_vector(
                 np.array(encoded, dtype=np.uint64), bits, self.vector_length, "encoded update"
             ).astype(word_dtype(bits))
-            for start in range(0, acc.size, _CHUNK):
-                masks.apply(acc[start : start + _CHUNK])
+            masks.apply_all(acc)
         acc &= acc.dtype.type(_modulus_mask(bits))
         self._b, self._s_sk = None, None  # no longer needed by this client
         self._stage = 3

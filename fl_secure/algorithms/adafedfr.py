@@ -380,11 +380,14 @@ class AdaFedFR(Strategy):
         return state
 
     def private_state(self, model: FaceModel) -> dict[str, torch.Tensor]:
-        """The adapter ``theta`` and ``phi`` of ``model``'s client, once they exist."""
+        """The adapter ``theta`` and ``phi`` of ``model``'s client, once they exist.
+
+        The live (detached) tensors: the trainer copies them when it saves them.
+        """
         state = self._states.get(model)
         if state is None:
             return {}
-        return {k: v.detach().clone() for k, v in state.state_dict().items()}
+        return {k: v.detach() for k, v in state.state_dict().items()}
 
     def restore_private_state(self, model: FaceModel, tensors: Mapping[str, torch.Tensor]) -> None:
         """A restarted client's saved adapter and ``phi`` (checked against ``model``'s head).

@@ -169,8 +169,8 @@ class Strategy(ABC):
     def private_state(self, model: FaceModel) -> dict[str, torch.Tensor]:
         """Client-side tensors the design keeps beside ``model`` (none by default).
 
-        They never leave the client; :class:`client.trainer.LocalTrainer` saves them with the
-        model's private parameters so that a restarted client continues with them
+        They never leave the client; :class:`client.trainer.LocalTrainer` saves copies of them
+        with the model's private parameters so that a restarted client continues with them
         (:meth:`restore_private_state`). AdaFedFR returns its adapter and ``phi``.
         """
         del model
