@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from client.trainer import LocalTrainer
 from fl_secure import __version__, serde
 from fl_secure.errors import FlSecureError, ProtocolError, TlsError
+from fl_secure.memory import retain_freed_memory
 from fl_secure.messages import JoinReply, Task, TaskKind, Tensors, UpdateHeader
 from fl_secure.tls import channel_credentials, warn_insecure
 from fl_secure.tls.identity import load_signing_key, load_signing_registry
@@ -115,6 +116,7 @@ class FlClient:
 
     def run(self) -> str:
         """Loop until FINISHED; return the server's closing message."""
+        retain_freed_memory()  # reuse each round's buffers (fl_secure/memory.py)
         backoff = Backoff()
         unreachable_since: float | None = None
         while True:
