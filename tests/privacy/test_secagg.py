@@ -541,6 +541,35 @@ def test_stochastic_rounding_is_unbiased(value: float, scale: float) -> None:
     assert abs(dec.mean() - value) < 5 * (hi - lo) * math.sqrt(p * (1 - p) / n)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_encode_is_clip_scale_and_round_up_below_the_fraction(dtype: type) -> None:
+    # Prepare: values inside and beyond the clip range, at a scale that leaves fractions,
+    # longer than one encoding chunk (65 536 values)
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal(70_000) * 1.5).astype(dtype)
+    clip, scale, bits = 2.0, 2.0**20 / 3, 32
+    # Execute
+    enc = encode(x, clip, scale, bits, rounding=SeededUniform(9))
+    # Assert: bit-exact against the definition, with the same uniforms
+    scaled = np.clip(x.astype(np.float64), -clip, clip) * scale
+    low = np.floor(scaled)
+    want = (low + (SeededUniform(9).uniform(x.size) < scaled - low)).astype(np.int64)
+    np.testing.assert_array_equal(enc, want.view(np.uint64) & np.uint64(2**bits - 1))
+
+
+def test_encode_refuses_non_finite_values_and_clips_huge_finite_ones() -> None:
+    for bad in (np.nan, np.inf, -np.inf):
+        for dtype in (np.float32, np.float64):
+            x = np.zeros(100, dtype=dtype)
+            x[57] = bad
+            with pytest.raises(PrivacyError, match="NaN or infinity"):
+                encode(x, 2.0, 4.0, 32)
+    # finite float64 values whose sum overflows are clipped like any other value
+    huge = np.array([1e308, 1e308, -1e308, 0.5])
+    dec = decode(encode(huge, 2.0, 4.0, 32), 1, 2.0, 4.0, 32)
+    np.testing.assert_array_equal(dec, [2.0, 2.0, -2.0, 0.5])
+
+
 def test_check_modulus_refuses_a_wrapping_configuration() -> None:
     # Prepare / Execute / Assert: 2 n B < 2^bits exactly at the boundary
     assert check_modulus(1, 2.0**31 - 1, 1.0, 32) == 2**31 - 1
