@@ -752,16 +752,21 @@ def decode(
     """
     bound = check_modulus(num_inputs, clip_range, scale, modulus_bits)
     v = _check_vector(np.asarray(sum_vector), modulus_bits, None, "decode")
-    mask = _modulus_mask(modulus_bits)
-    # sign extension: values >= 2^(bits-1) get every bit above ``bits`` set (two's complement)
-    negative = v >= np.uint64(1 << (modulus_bits - 1))
-    signed = np.where(negative, v | ~mask, v).view(np.int64)
-    if signed.size and int(np.abs(signed).max()) > bound:
+    if modulus_bits == 64 and v.dtype == np.uint64:  # two's complement already
+        signed = v.view(np.int64)
+    else:
+        signed = v.astype(np.int64)  # exact: v < 2^bits and a uint32 word < 2^32
+    if modulus_bits < 64:  # sign extension: (v XOR 2^(bits-1)) - 2^(bits-1)
+        half = np.int64(1 << (modulus_bits - 1))
+        signed ^= half
+        signed -= half
+    peak = max(-int(signed.min()), int(signed.max())) if signed.size else 0
+    if peak > bound:
         raise ProtocolError(
-            f"decoded sum has a coordinate of magnitude {int(np.abs(signed).max())} > {bound}, "
+            f"decoded sum has a coordinate of magnitude {peak} > {bound}, "
             f"more than {num_inputs} clipped inputs can produce: the sum is corrupted"
         )
-    result: np.ndarray = signed.astype(np.float64) / scale
+    result: np.ndarray = np.divide(signed, scale, dtype=np.float64)
     return result
 
 

@@ -570,6 +570,24 @@ def test_encode_refuses_non_finite_values_and_clips_huge_finite_ones() -> None:
     np.testing.assert_array_equal(dec, [2.0, 2.0, -2.0, 0.5])
 
 
+@pytest.mark.parametrize("bits", [8, 31, 32, 33, 63, 64])
+def test_decode_is_the_centred_lift(bits: int) -> None:
+    # Prepare: the largest bound n B the modulus allows (B <= 2^52), residues at 0, +/-1 and
+    # +/- n B, and one just beyond
+    n = 1 if bits <= 53 else 1 << (bits - 55)
+    b = min((1 << (bits - 1)) - 1, 1 << 52)
+    top, nb = 1 << bits, n * b
+    residues = [0, 1, nb, top - 1, top - nb]
+    want = [0, 1, nb, -1, -nb]
+    for dtype in (np.uint32, np.uint64) if bits <= 32 else (np.uint64,):
+        # Execute
+        got = decode(np.array(residues, dtype=dtype), n, float(b), 1.0, bits)
+        # Assert: exact, in float64; one unit more than n B is refused
+        np.testing.assert_array_equal(got, np.array(want, dtype=np.float64))
+        with pytest.raises(ProtocolError, match=f"magnitude {nb + 1} > {nb}"):
+            decode(np.array([top - nb - 1], dtype=dtype), n, float(b), 1.0, bits)
+
+
 def test_check_modulus_refuses_a_wrapping_configuration() -> None:
     # Prepare / Execute / Assert: 2 n B < 2^bits exactly at the boundary
     assert check_modulus(1, 2.0**31 - 1, 1.0, 32) == 2**31 - 1
