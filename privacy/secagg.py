@@ -1094,6 +1094,7 @@ class SecAggClient:
         self._b: bytes | None = None
         self._advert: AdvertiseKeys | None = None
         self._peers: dict[str, AdvertiseKeys] = {}
+        self._share_keys: dict[str, bytes] = {}  # peer -> AES-GCM key (see _share_key)
         self._held: dict[str, tuple[int, int, int]] = {}  # sender -> (x, y of b, y of s_sk)
         self._revealed: dict[str, str] = {}  # owner -> "b" or "s"
         self._stage = 0
@@ -1165,8 +1166,7 @@ class SecAggClient:
         s_ys = shamir_split(int.from_bytes(self._s_sk.private_bytes_raw(), "big"), xs, t)
         out = []
         for v, x, b_y, s_y in zip(peers, xs, b_ys, s_ys, strict=True):
-            shared = _agree(self._c_sk, self._peers[v].c_pk, v)
-            key = _kdf(b"share-key", shared, self.config.round_id, self.client_id, v)
+            key = self._share_key(v)
             plaintext = (
                 _Writer(_KIND_SHARE_PLAINTEXT)
                 .text(self.client_id)
@@ -1183,6 +1183,20 @@ class SecAggClient:
         self._stage = 2
         return tuple(out)
 
+    def _share_key(self, peer: str) -> bytes:
+        """The AES-GCM key of the pair's shares, one per pair for both directions.
+
+        :func:`_kdf` orders the two ids, so the key that sealed this client's shares for
+        ``peer`` also opens ``peer``'s shares for it (each direction has its own associated
+        data and random nonces); it is derived once per round.
+        """
+        key = self._share_keys.get(peer)
+        if key is None:
+            shared = _agree(self._c_sk, self._peers[peer].c_pk, peer)
+            key = _kdf(b"share-key", shared, self.config.round_id, self.client_id, peer)
+            self._share_keys[peer] = key
+        return key
+
     def _open_share(self, share: EncryptedShare) -> tuple[int, int, int]:
         sender = share.sender
         if share.round_id != self.config.round_id:
@@ -1192,8 +1206,7 @@ class SecAggClient:
         advert = self._peers.get(sender)
         if advert is None:
             raise ProtocolError(f"share from {sender!r}, which is not a neighbour with keys")
-        shared = _agree(self._c_sk, advert.c_pk, sender)
-        key = _kdf(b"share-key", shared, self.config.round_id, sender, self.client_id)
+        key = self._share_key(sender)
         ad = _share_ad(self.config.round_id, sender, self.client_id)
         try:
             plaintext = AESGCM(key).decrypt(share.nonce, share.ciphertext, ad)
@@ -1276,6 +1289,7 @@ class SecAggClient:
             masks.apply_all(acc)
         acc &= acc.dtype.type(_modulus_mask(bits))
         self._b, self._s_sk = None, None  # no longer needed by this client
+        self._share_keys.clear()
         self._stage = 3
         return MaskedInput(self.client_id, self.config.round_id, self.config.modulus_bits, acc)
 
