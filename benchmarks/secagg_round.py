@@ -10,7 +10,8 @@ opens the channels and TLS sessions; ``--warmup``) is a sample.
 ``--clients-as threads`` runs them as threads of the server's interpreter (one GIL for all),
 one round per server. The plaintext round streams float32
 updates into the running mean; the secure round runs SecAgg (or SecAgg+ with ``--neighbours``)
-end to end: signed key advertisements, encrypted shares, masked uint64 uploads, unmasking.
+end to end: signed key advertisements, encrypted shares, masked uploads (32-bit words at the
+default modulus), unmasking.
 Sides alternate over ``--repeats`` runs; medians are reported with their ratio (goal: secure
 <= 1.5x plaintext at n = 10, d = 1e6). ``--ckks`` adds a CKKS round (TenSEAL: encrypted
 uploads, server-side ciphertext sum, two clients decrypt) to the same alternation.
