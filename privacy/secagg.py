@@ -707,15 +707,13 @@ class _FixedPointEncoder:
         """Encode the values ``x`` (at most ``_CHUNK``) into the words ``out``."""
         m = x.size
         scaled, low, flags = self._scaled[:m], self._low[:m], self._flags[:m]
-        # A float64 sum is finite exactly when every float32 value is (it cannot overflow);
-        # one pass where isfinite + all took two. Only a float64 update near its own range
-        # can overflow the sum, so the exact check decides then.
-        with np.errstate(over="ignore"):  # overflow to +/-inf is clipped like the values
-            total = np.add.reduce(x, dtype=np.float64)
-            if not math.isfinite(total) and not np.isfinite(x).all():
-                raise PrivacyError("the update contains NaN or infinity; refusing to encode it")
+        with np.errstate(over="ignore", invalid="ignore"):  # inf is refused or clipped below
             # clip(x, -c, c) * s == clip(x * s, -fl(c s), fl(c s)): rounding is monotonic
             np.multiply(x, self.scale, out=scaled, dtype=np.float64)
+            # The sum is finite when every value is, unless finite values overflow it (only
+            # absurdly large ones can); the exact check decides then. Cheaper than isfinite.
+            if not math.isfinite(np.add.reduce(scaled)) and not np.isfinite(x).all():
+                raise PrivacyError("the update contains NaN or infinity; refusing to encode it")
         np.clip(scaled, -self._bound, self._bound, out=scaled)
         np.floor(scaled, out=low)
         scaled -= low  # the fractional part: round up with this probability
