@@ -6,8 +6,8 @@ gRPC's request serializer). With glibc's defaults each buffer is freed back to t
 the end of the round and the next round takes every page fault again, the kernel zeroing each
 page: about 4,700 faults (18 MB) per client and secure round at 10^6 parameters, a quarter of
 the client's CPU in that round (``benchmarks/secagg_round.py``). Raising glibc's mmap and trim
-thresholds (``mallopt``) keeps freed memory for the next round: a process's resident memory
-then stays at its peak rather than falling back between rounds.
+thresholds and capping its arenas (``mallopt``) keeps freed memory for the next round: a
+process's resident memory then stays at its peak rather than falling back between rounds.
 
 Only glibc has ``mallopt``; elsewhere (musl, macOS, Windows) :func:`retain_freed_memory`
 changes nothing and says so.
@@ -38,7 +38,7 @@ _applied: bool | None = None
 
 
 def retain_freed_memory() -> bool:
-    """Set glibc's mmap and trim thresholds for this process (once); ``True`` if they are set.
+    """Set glibc's thresholds and arena cap for this process (once); ``True`` if all are set.
 
     Idempotent and thread-safe. Returns ``False``, changing nothing, where the C library has
     no ``mallopt`` or refuses the values.
@@ -67,8 +67,8 @@ def _mallopt() -> bool:
             (M_ARENA_MAX, ARENA_MAX),
         )
     )
-    if not ok:  # pragma: no cover - glibc accepts both values
-        log.debug("mallopt refused the thresholds; freed memory goes back to the kernel")
+    if not ok:  # pragma: no cover - glibc accepts all three values
+        log.debug("mallopt refused a setting; freed memory may go back to the kernel")
     return ok
 
 

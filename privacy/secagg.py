@@ -686,7 +686,7 @@ class _FixedPointEncoder:
         self, clip_range: float, scale: float, modulus_bits: int, rounding: UniformSource | None
     ) -> None:
         check_modulus(1, clip_range, scale, modulus_bits)
-        self.clip_range, self.scale = clip_range, scale
+        self.scale = scale
         self._bound = clip_range * scale  # fl(c s), as clip-then-scale rounds it
         self.source = rounding if rounding is not None else SecureUniform()
         self._scaled = np.empty(_CHUNK, dtype=np.float64)
@@ -1201,8 +1201,7 @@ class SecAggClient:
             raise ProtocolError(f"share from {sender!r} is for another round")
         if share.receiver != self.client_id:
             raise ProtocolError(f"share from {sender!r} is addressed to {share.receiver!r}")
-        advert = self._peers.get(sender)
-        if advert is None:
+        if sender not in self._peers:
             raise ProtocolError(f"share from {sender!r}, which is not a neighbour with keys")
         key = self._share_key(sender)
         ad = _share_ad(self.config.round_id, sender, self.client_id)
