@@ -2,12 +2,16 @@
 
 A client handles several multi-megabyte buffers every round (the downloaded parameters, the
 update, a masked vector, their protobuf chunks) in several threads (the download prefetch,
-gRPC's request serializer). With glibc's defaults each buffer is freed back to the kernel at
-the end of the round and the next round takes every page fault again, the kernel zeroing each
-page: about 4,700 faults (18 MB) per client and secure round at 10^6 parameters, a quarter of
-the client's CPU in that round (``benchmarks/secagg_round.py``). Raising glibc's mmap and trim
-thresholds and capping its arenas (``mallopt``) keeps freed memory for the next round: a
-process's resident memory then stays at its peak rather than falling back between rounds.
+gRPC's request serializer); the server handles ten times as many (every cohort member's
+download and upload chunks in gRPC's threads, the running sum, the unmasked and decoded
+sums). With glibc's defaults each buffer is freed back to the kernel at the end of the round
+and the next round takes every page fault again, the kernel zeroing each page: about 4,700
+faults (18 MB) per client and secure round at 10^6 parameters, a quarter of the client's CPU
+in that round (``benchmarks/secagg_round.py``); on the server, the unmasking and decoding
+after the last upload of a secure round took 55 ms instead of 12. Raising glibc's mmap and
+trim thresholds and putting every thread on one arena (``mallopt``) keeps freed memory for
+the next round: a process's resident memory then stays at its peak rather than falling back
+between rounds.
 
 Only glibc has ``mallopt``; elsewhere (musl, macOS, Windows) :func:`retain_freed_memory`
 changes nothing and says so.
@@ -29,9 +33,12 @@ M_ARENA_MAX = -8
 MMAP_THRESHOLD = 32 << 20
 #: Free memory kept at the top of a heap before glibc trims it.
 TRIM_THRESHOLD = 256 << 20
-#: Heaps shared by all threads (glibc's default is 8 per core): gRPC's event-engine threads
-#: come and go, and a thread given a fresh arena faults in its buffers again.
-ARENA_MAX = 2
+#: One heap for all threads (glibc's default is 8 arenas per core). gRPC's threads come and
+#: go, and a thread given a fresh arena faults in its buffers again; and a second arena is
+#: made of 64 MB sub-heaps that glibc unmaps whenever one empties, whatever the trim
+#: threshold: with two arenas the server still took ~3,300 faults per secure round (13 MB),
+#: with one ~700 (tests/fl_secure/test_memory.py has the same pattern in small).
+ARENA_MAX = 1
 
 _lock = threading.Lock()
 _applied: bool | None = None

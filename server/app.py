@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 
 from fl_secure.errors import ConfigError
+from fl_secure.memory import retain_freed_memory
 from fl_secure.tls import (
     CertificateSet,
     EnrollmentList,
@@ -66,6 +67,7 @@ def start_server(
     max_workers: int | None = None,
 ) -> tuple[grpc.Server, int]:
     """Bind and start; return the server and the port actually bound (address port 0 = any)."""
+    retain_freed_memory()  # the round's unmasking and aggregation reuse freed buffers
     workers = max_workers or 2 * max(len(coordinator.enrolled), 1) + 8
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fl-secure-rpc"),
