@@ -59,9 +59,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.config is None:
             raise FlSecureError("train needs --config FILE (or --resume RUN_DIR)")
         config = load_config(args.config, args.set)
-        if args.audit:  # refuse before training, not after it
-            from audits.observations import check_auditable
+    if args.audit:  # refuse before training, not after it (a resumed run: its own config)
+        from audits.observations import check_auditable
+        from fl_secure.runs import RunDir
 
+        resumed = RunDir(args.resume).config if args.resume is not None else None
+        if resumed is not None and resumed.exists():
+            check_auditable(load_config(resumed).algorithm.name)
+        elif config is not None:
             check_auditable(config.algorithm.name)
     _torch_threads(config.train.threads if config is not None else 1)
     if args.centralized:

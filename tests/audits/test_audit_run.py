@@ -219,7 +219,8 @@ def test_cli_audit_writes_json(runs: dict[str, dict[str, Any]], capsys) -> None:
 
 
 def test_a_fedaffect_run_is_refused_by_name_before_any_work(tmp_path: Path, capsys) -> None:
-    # Prepare: a run directory whose config names FedAffect (no identity head to attack).
+    # Prepare: a run directory whose config names FedAffect (no identity head to attack);
+    # it is audited, trained with --audit, and resumed with --audit.
     config = (Path(__file__).parents[2] / "examples" / "fedaffect.toml").read_text()
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.toml").write_text(config)
@@ -231,10 +232,12 @@ def test_a_fedaffect_run_is_refused_by_name_before_any_work(tmp_path: Path, caps
     trained = main(["train", "--config", str(tmp_path / "config.toml"), "--audit",
                     "--out", str(tmp_path / "out")])  # fmt: skip
     train_err = capsys.readouterr().err
+    resumed = main(["train", "--resume", str(tmp_path / "run"), "--audit"])
+    resume_err = capsys.readouterr().err
 
     # Assert: exit 2, the algorithm named, nothing trained or written.
-    assert audited == 2 and trained == 2
-    for err in (audit_err, train_err):
+    assert audited == 2 and trained == 2 and resumed == 2
+    for err in (audit_err, train_err, resume_err):
         assert "does not support algorithm.name = 'fedaffect'" in err
     assert not (tmp_path / "out").exists()
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.toml"]
