@@ -110,6 +110,7 @@ class FlClient:
         self.trainer: LocalTrainer | None = None
         self._signing: tuple[Ed25519PrivateKey, dict[str, Ed25519PublicKey]] | None = None
         self._ckks_secret: bytes | None = None  # the clients' shared CKKS key (scheme ckks)
+        self._attend: Any = None  # the open attendance call of the current secure round
         self.last_round = 0
         self.rounds_done = 0
         self._metadata = ((INSECURE_ID_HEADER, conn.client_id),) if conn.insecure else ()
@@ -270,6 +271,16 @@ class FlClient:
                 timeout=timeout,
             )
 
+        # Held open for the whole round, so that the server notices at once if this process
+        # dies (the call closes); the server answers it when the round ends. Kept on self:
+        # gRPC cancels a call whose future is garbage collected.
+        self._attend = attend = stub.SecAggExchange.future(
+            pb.SecAggMessage(round=task.round, nonce=task.nonce, stage=pb.SECAGG_STAGE_ATTEND),
+            metadata=self._metadata,
+            timeout=timeout,
+        )
+        finished = False
+
         # The "masked input" call only waits for the server's unmask request (sent once every
         # upload is in); it is started with the upload (see upload) so that the request
         # reaches this client without a round trip after the upload's reply.
@@ -332,24 +343,42 @@ class FlClient:
                 client_secure_update(
                     setup, self.conn.client_id, identity, registry, exchange, compute, upload
                 )
-        except grpc.RpcError as exc:
-            if exc.code() in (
+            finished = True
+        except Exception as exc:
+            # Say so at once, so that the cohort does not wait for this client to a deadline.
+            self._withdraw(stub, task)
+            if isinstance(exc, grpc.RpcError) and exc.code() in (
                 grpc.StatusCode.ABORTED,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 grpc.StatusCode.INVALID_ARGUMENT,
             ):
                 log.warning("round %d: secure aggregation ended: %s", task.round, exc.details())
                 return
+            if isinstance(exc, FlSecureError):  # a peer's bad key or share: the round is lost
+                log.warning("round %d: secure aggregation refused: %s", task.round, exc)
+                return
             raise
-        except FlSecureError as exc:  # a peer's bad key or share: this round is lost to us
-            log.warning("round %d: secure aggregation refused: %s", task.round, exc)
-            return
         finally:
             for call in pending.values():  # a call left over by a failed round
                 call.cancel()
+            if not finished:  # leaving the round (as a killed process would)
+                attend.cancel()
         log.info("round %d: masked update in the secure sum", task.round)
         self.last_round = task.round
         self.rounds_done += 1
+
+    def _withdraw(self, stub: pb_grpc.FlSecureStub, task: Task) -> None:
+        """Leave a secure round this client can no longer finish (best effort)."""
+        try:
+            stub.SecAggExchange(
+                pb.SecAggMessage(
+                    round=task.round, nonce=task.nonce, stage=pb.SECAGG_STAGE_WITHDRAW
+                ),
+                metadata=self._metadata,
+                timeout=10,
+            )
+        except grpc.RpcError as exc:  # the round is over, or the server is out of reach
+            log.info("round %d: withdrawal not delivered: %s", task.round, exc.code())
 
 
 def _background(work: Callable[[], Tensors]) -> Future[Tensors]:

@@ -211,6 +211,7 @@ class ServerCkksRound(StagedRound):
     stage: int = MASKED
     deadline: float = 0.0
     answered: set[str] = field(default_factory=set)
+    gone: set[str] = field(default_factory=set)
     aborted: str = ""
     dropped: dict[str, str] = field(default_factory=dict)
     result: np.ndarray | None = None

@@ -287,12 +287,14 @@ class StagedRound:
 
     A stage closes when everyone :meth:`expected` answered or its deadline passed; the late
     ones are recorded as dropped at that stage, a protocol failure aborts the round, and the
-    next stage gets a fresh deadline. Subclasses are dataclasses holding these attributes.
+    next stage gets a fresh deadline. A client whose connection is known to be gone
+    (:meth:`mark_gone`) is not waited for. Subclasses are dataclasses holding these attributes.
     """
 
     stage: int
     deadline: float
     answered: set[str]
+    gone: set[str]  # clients whose connection closed: no stage waits for them
     aborted: str
     dropped: dict[str, str]  # client -> the stage it missed
     stage_timeout: float
@@ -304,7 +306,15 @@ class StagedRound:
 
     def ready(self) -> bool:
         """Whether the open stage may close now."""
-        return self.expected() <= self.answered or self.clock() >= self.deadline
+        return self.expected() - self.gone <= self.answered or self.clock() >= self.deadline
+
+    def mark_gone(self, client_id: str) -> None:
+        """``client_id``'s connection closed: the open and later stages stop waiting for it.
+
+        Only the waiting ends early; what the protocol does with a missing client (recover
+        its masks from the survivors' shares, or abort) is what it does at a deadline.
+        """
+        self.gone.add(client_id)
 
     def _close(self, step: Callable[[], None], what: str) -> None:
         """Record the missing as dropped, run the stage's ``step``, open the next stage."""
@@ -331,6 +341,7 @@ class ServerSecureRound(StagedRound):
     stage: int = ADVERTISE
     deadline: float = 0.0
     answered: set[str] = field(default_factory=set)
+    gone: set[str] = field(default_factory=set)
     routed: dict[str, bytes] = field(default_factory=dict)
     unmask_payload: bytes = b""
     aborted: str = ""

@@ -68,7 +68,8 @@ def start_server(
 ) -> tuple[grpc.Server, int]:
     """Bind and start; return the server and the port actually bound (address port 0 = any)."""
     retain_freed_memory()  # the round's unmasking and aggregation reuse freed buffers
-    workers = max_workers or 2 * max(len(coordinator.enrolled), 1) + 8
+    # a client holds at most 3 calls: a secure round's attendance, a stage, a transfer
+    workers = max_workers or 3 * max(len(coordinator.enrolled), 1) + 8
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fl-secure-rpc"),
         options=[

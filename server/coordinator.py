@@ -115,6 +115,7 @@ class _Round:
     received: dict[str, UpdateHeader] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     uploading: set[str] = field(default_factory=set)
+    attending: set[str] = field(default_factory=set)  # open attendance calls (secure rounds)
     started: float = field(default_factory=time.monotonic)
     secure: ServerSecureRound | ServerCkksRound | None = None
     heads: dict[str, Tensors] = field(default_factory=dict)  # uploaded heads (FedGC)
@@ -390,6 +391,67 @@ class Coordinator:
                     break
                 self._cv.wait(timeout=0.25)
             return sec.reply(stage, client_id)
+
+    def secagg_attend(
+        self, client_id: str, round_: int, nonce: bytes, alive: Callable[[], bool]
+    ) -> None:
+        """Hold a cohort member's attendance call until its secure round ends.
+
+        ``alive`` tells whether the call is still open. A call that closes first means the
+        client is gone (its process died, or its link): the round stops waiting for it at
+        once instead of at a deadline (:meth:`_client_gone`).
+        """
+        from privacy.secagg_session import STAGE_NAMES
+
+        with self._cv:
+            rnd = self._check_member(client_id, round_, nonce)
+            sec = rnd.secure
+            if sec is None:
+                raise ProtocolError(f"round {round_} is not securely aggregated")
+            if client_id in rnd.attending:
+                raise ProtocolError(f"client {client_id} already attends round {round_}")
+            rnd.attending.add(client_id)
+            try:
+                while self._round is rnd and not sec.aborted and not self._stop.is_set():
+                    if not alive():
+                        where = STAGE_NAMES.get(sec.stage, str(sec.stage))
+                        self._client_gone(rnd, client_id, f"disconnected at {where}")
+                        return
+                    self._cv.wait(timeout=0.25)
+            finally:
+                rnd.attending.discard(client_id)
+
+    def secagg_withdraw(self, client_id: str, round_: int, nonce: bytes) -> None:
+        """``client_id`` leaves its secure round (it failed locally): a dropout, noticed now."""
+        from privacy.secagg_session import STAGE_NAMES
+
+        with self._cv:
+            rnd = self._check_member(client_id, round_, nonce)
+            if rnd.secure is None:
+                raise ProtocolError(f"round {round_} is not securely aggregated")
+            self._client_gone(rnd, client_id, f"withdrew at {STAGE_NAMES[rnd.secure.stage]}")
+
+    def _client_gone(self, rnd: _Round, client_id: str, how: str) -> None:
+        """``client_id`` left the secure round: its open call closed, or it withdrew.
+
+        No stage waits for it any more; if it has not uploaded, it never will, and the round
+        stops waiting for its update too. The protocol then treats it as it treats a client
+        that missed a deadline (under the lock).
+        """
+        sec = rnd.secure
+        assert sec is not None
+        if client_id in sec.gone:  # withdrew, then its attendance call closed
+            return
+        sec.mark_gone(client_id)
+        if client_id in rnd.pending and client_id not in rnd.uploading:
+            rnd.failed[client_id] = f"secure aggregation: {how}"
+        log.warning("round %d: %s left secure aggregation: %s", rnd.number, client_id, how)
+        self._cv.notify_all()
+
+    def wake(self) -> None:
+        """Wake the waiting round driver and handlers (a call ended somewhere)."""
+        with self._cv:
+            self._cv.notify_all()
 
     def _close_secure_stage(self, rnd: _Round) -> None:
         """Close the open secure stage (under the lock); late clients count as dropped."""

@@ -94,6 +94,25 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
         """One secure-aggregation stage; answers when the stage has closed for the cohort."""
         client_id = self.authenticate(context)
         stage = int(request.stage) - 1  # wire stages start at 1, privacy.secagg_session at 0
+        if request.stage == pb.SECAGG_STAGE_WITHDRAW:
+            try:
+                self.coordinator.secagg_withdraw(
+                    client_id, int(request.round), bytes(request.nonce)
+                )
+            except FlSecureError as exc:  # not (or no longer) in that round: nothing to do
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            return pb.SecAggMessage(round=request.round, nonce=request.nonce, stage=request.stage)
+        if request.stage == pb.SECAGG_STAGE_ATTEND:
+            # A closed call (the client died) wakes the round at once, not after the
+            # coordinator's next look.
+            context.add_callback(self.coordinator.wake)
+            try:
+                self.coordinator.secagg_attend(
+                    client_id, int(request.round), bytes(request.nonce), context.is_active
+                )
+            except FlSecureError as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            return pb.SecAggMessage(round=request.round, nonce=request.nonce, stage=request.stage)
         try:
             payload = self.coordinator.secagg_exchange(
                 client_id, int(request.round), bytes(request.nonce), stage, bytes(request.payload)

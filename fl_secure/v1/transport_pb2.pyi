@@ -104,6 +104,15 @@ class _SecAggStageEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SecAggSta
     """send: nothing; reply: which shares to reveal"""
     SECAGG_STAGE_UNMASK_REPLY: _SecAggStage.ValueType  # 4
     """send: the revealed shares; reply: acknowledgement"""
+    SECAGG_STAGE_WITHDRAW: _SecAggStage.ValueType  # 5
+    """send: nothing; the client leaves the round now (it failed locally). Treated as a dropout
+    at whatever stage the round is in; an input already uploaded stays in the sum.
+    """
+    SECAGG_STAGE_ATTEND: _SecAggStage.ValueType  # 6
+    """send: nothing; held open by the client from the start of its round. The server answers
+    when the round ends; if the call closes before, the client is gone (a dropout noticed at
+    once instead of at a deadline).
+    """
 
 class SecAggStage(_SecAggStage, metaclass=_SecAggStageEnumTypeWrapper): ...
 
@@ -116,6 +125,15 @@ SECAGG_STAGE_UNMASK: SecAggStage.ValueType  # 3
 """send: nothing; reply: which shares to reveal"""
 SECAGG_STAGE_UNMASK_REPLY: SecAggStage.ValueType  # 4
 """send: the revealed shares; reply: acknowledgement"""
+SECAGG_STAGE_WITHDRAW: SecAggStage.ValueType  # 5
+"""send: nothing; the client leaves the round now (it failed locally). Treated as a dropout
+at whatever stage the round is in; an input already uploaded stays in the sum.
+"""
+SECAGG_STAGE_ATTEND: SecAggStage.ValueType  # 6
+"""send: nothing; held open by the client from the start of its round. The server answers
+when the round ends; if the call closes before, the client is gone (a dropout noticed at
+once instead of at a deadline).
+"""
 Global___SecAggStage: _TypeAlias = SecAggStage  # noqa: Y015
 
 @_typing.final

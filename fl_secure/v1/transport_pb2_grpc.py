@@ -94,6 +94,8 @@ class FlSecureServicer:
         stage has closed for the cohort (everyone answered or the deadline passed) and returns
         what the server relays to this client for the next stage. The masked input itself is
         uploaded with SubmitUpdate as one DTYPE_UINT32 (k <= 32) or DTYPE_UINT64 tensor.
+        A client also holds one SECAGG_STAGE_ATTEND call open for its whole round, so the server
+        sees a client that dies when that call closes, and no stage waits for it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

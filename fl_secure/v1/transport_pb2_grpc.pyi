@@ -47,6 +47,8 @@ class FlSecureStub:
     stage has closed for the cohort (everyone answered or the deadline passed) and returns
     what the server relays to this client for the next stage. The masked input itself is
     uploaded with SubmitUpdate as one DTYPE_UINT32 (k <= 32) or DTYPE_UINT64 tensor.
+    A client also holds one SECAGG_STAGE_ATTEND call open for its whole round, so the server
+    sees a client that dies when that call closes, and no stage waits for it.
     """
 
 @_typing.type_check_only
@@ -62,6 +64,8 @@ class FlSecureAsyncStub(FlSecureStub):
     stage has closed for the cohort (everyone answered or the deadline passed) and returns
     what the server relays to this client for the next stage. The masked input itself is
     uploaded with SubmitUpdate as one DTYPE_UINT32 (k <= 32) or DTYPE_UINT64 tensor.
+    A client also holds one SECAGG_STAGE_ATTEND call open for its whole round, so the server
+    sees a client that dies when that call closes, and no stage waits for it.
     """
 
 class FlSecureServicer(metaclass=_abc_1.ABCMeta):
@@ -104,6 +108,8 @@ class FlSecureServicer(metaclass=_abc_1.ABCMeta):
         stage has closed for the cohort (everyone answered or the deadline passed) and returns
         what the server relays to this client for the next stage. The masked input itself is
         uploaded with SubmitUpdate as one DTYPE_UINT32 (k <= 32) or DTYPE_UINT64 tensor.
+        A client also holds one SECAGG_STAGE_ATTEND call open for its whole round, so the server
+        sees a client that dies when that call closes, and no stage waits for it.
         """
 
 def add_FlSecureServicer_to_server(servicer: FlSecureServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -656,3 +656,30 @@ def test_secure_uniform_is_uniform() -> None:
     u = SecureUniform().uniform(100_000)
     assert 0.0 <= u.min() and u.max() < 1.0
     assert stats.kstest(u, "uniform").pvalue > 1e-4
+
+
+def test_a_client_seen_to_go_is_not_waited_for_and_counts_as_dropped() -> None:
+    # Prepare: the server's session of a 4-client SecAgg round (t = 2) on a clock that never
+    # moves, so no deadline can close a stage; client-003 never advertises
+    from fl_secure.config import SecureAggregationConfig
+    from privacy.secagg_session import ADVERTISE, SHARE, ServerSecureRound, make_setup
+
+    ids = _ids(4)
+    setup = make_setup(
+        SecureAggregationConfig(scheme="secagg"), run_id="gone", round_=1, attempt=0,
+        cohort=ids, vector_length=8,
+    )  # fmt: skip
+    keys = {u: Ed25519PrivateKey.generate() for u in ids}
+    registry = {u: k.public_key() for u, k in keys.items()}
+    session = ServerSecureRound(setup, registry, stage_timeout=60.0, clock=lambda: 0.0)
+    for u in ids[:3]:
+        client = SecAggClient(u, keys[u], setup.config(), registry, setup.vector_length)
+        session.submit(ADVERTISE, u, client.advertise_keys().to_bytes())
+    waiting = session.ready()
+    # Execute: its connection is seen to close
+    session.mark_gone(ids[3])
+    # Assert: the stage closes now, without a deadline, with client-003 dropped at that stage
+    assert not waiting and session.ready()
+    session.close_stage()
+    assert session.stage == SHARE and session.dropped == {ids[3]: "advertise keys"}
+    assert set(session.expected()) == set(ids[:3])  # the next stage asks only the others

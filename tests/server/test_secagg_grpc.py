@@ -69,8 +69,13 @@ def _serve(
     privacy=None,
     initial: Tensors | None = None,
     ckks_layers: tuple[str, ...] = (),
+    clock=None,
 ):
-    """Certificates for n clients, a one-round coordinator and its gRPC server on port 0."""
+    """Certificates for n clients, a one-round coordinator and its gRPC server on port 0.
+
+    ``clock`` replaces the coordinator's monotonic clock: a frozen one means no deadline ever
+    passes, so a round can only end because every client answered or was seen to go.
+    """
     certs = tmp_path / "certs"
     init_certificates(certs, clients=n)
     if initial is None:
@@ -106,6 +111,7 @@ def _serve(
         server_step=lambda p, u, r: OrderedDict((k, p[k] + u[k]) for k in p),
         signing_registry=load_signing_registry(certs),
         privacy=privacy,
+        **({"clock": clock} if clock is not None else {}),
     )
     server, port = start_server(coord, "127.0.0.1:0", cert_dir=certs)
     return coord, server, port, certs
@@ -123,8 +129,10 @@ def _run(
         tmp_path,
         len(shifts),
         min_clients=min_clients or len(shifts) - len(failing),
-        round_timeout=15.0 if failing else 60.0,  # a dead client is noticed at the deadline
+        round_timeout=60.0,
         stage_timeout=10,
+        # No deadline passes: a client that dies is noticed when its open call closes.
+        clock=_frozen,
         **kw,
     )
     driver = threading.Thread(target=coord.run, daemon=True)
@@ -143,6 +151,10 @@ def _run(
     driver.join(timeout=120)
     server.stop(grace=None)
     return coord
+
+
+def _frozen() -> float:
+    return 0.0
 
 
 def _quiet(fn) -> None:
@@ -174,11 +186,14 @@ def test_a_client_dropping_after_sharing_keys_is_recovered(tmp_path: Path) -> No
     shifts = [0.5, 1.0, -0.25, 2.0]
     # Execute
     coord = _run(tmp_path, shifts, failing={3})
-    # Assert: its pairwise masks were removed with the survivors' shares; exact mean of three
+    # Assert: its pairwise masks were removed with the survivors' shares; exact mean of three.
+    # The clock never moves, so the round went on because client-3 withdrew, not at a deadline
     assert coord.status == "completed", coord.stop_reason
     np.testing.assert_allclose(coord.params["w"], np.mean(shifts[:3]), atol=4 * 2.0**-20)
     sa = RunDir(tmp_path / "run").read_metrics()[-1]["secure_aggregation"]
     assert sa["survivors"] == ["client-0", "client-1", "client-2"]
+    failed = coord.events[-1]["failed"]
+    assert failed == {"client-3": "secure aggregation: withdrew at masked input"}
 
 
 def test_ten_clients_two_killed_after_their_masked_input(tmp_path: Path, monkeypatch) -> None:
@@ -196,6 +211,8 @@ def test_ten_clients_two_killed_after_their_masked_input(tmp_path: Path, monkeyp
     sa = RunDir(tmp_path / "run").read_metrics()[-1]["secure_aggregation"]
     assert (sa["scheme"], sa["neighbours"], sa["threshold"]) == ("secagg+", 6, 4), sa
     assert len(sa["survivors"]) == 10
+    # no deadline passed (frozen clock): the two were seen to go and the unmasking ended
+    assert sorted(sa["dropped"]) == ["client-3", "client-7"], sa
 
 
 def test_too_few_survivors_abort_without_a_result(tmp_path: Path, monkeypatch) -> None:
@@ -252,9 +269,10 @@ def test_ten_client_processes_two_killed_9_after_their_masked_input(tmp_path: Pa
     import time
 
     shifts = [0.1 * (i + 1) for i in range(10)]
+    # the coordinator's clock never moves: only the closed connections can end the unmasking
     coord, server, port, certs = _serve(
         tmp_path, 10, min_clients=10, round_timeout=120.0, stage_timeout=20,
-        neighbours=6, scheme="secagg+",
+        neighbours=6, scheme="secagg+", clock=_frozen,
     )  # fmt: skip
     worker = Path(__file__).with_name("secagg_worker.py")
     dying = {3, 7}
@@ -295,7 +313,7 @@ def test_ten_client_processes_two_killed_9_after_their_masked_input(tmp_path: Pa
     sa = RunDir(tmp_path / "run").read_metrics()[-1]["secure_aggregation"]
     assert (sa["scheme"], sa["neighbours"], sa["threshold"]) == ("secagg+", 6, 4), sa
     assert len(sa["survivors"]) == 10
-    assert sorted(sa["dropped"]) == ["client-3", "client-7"], sa  # gone before unmasking
+    assert sa["dropped"] == {"client-3": "unmasking", "client-7": "unmasking"}, sa
     assert codes == [0] * 8, logs  # the eight others finished normally
 
 
@@ -316,6 +334,8 @@ def test_ckks_round_decrypts_the_mean_of_the_cohort(tmp_path: Path) -> None:
         np.testing.assert_allclose(coord.params[name], expected, rtol=1e-6)
     sa = RunDir(tmp_path / "run").read_metrics()[-1]["secure_aggregation"]
     assert sa["scheme"] == "ckks" and sa["survivors"] == ["client-0", "client-1", "client-2"]
+    failed = coord.events[-1]["failed"]  # seen at once: the clock never moves
+    assert failed == {"client-3": "secure aggregation: withdrew at masked input"}
     assert sa["ciphertexts"] == 3 and sa["encrypted_layers"] == "all"
     assert len(sa["decryptors"]) == 2 and set(sa["decryptors"]) <= set(sa["survivors"])
 
