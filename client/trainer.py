@@ -62,7 +62,14 @@ class LocalTrainer:
 
     @property
     def num_examples(self) -> int:
-        """Training images held by this client."""
+        """The example count this client tells the server (at join and with its updates).
+
+        Its number of training images; 1 under client-level DP, where the count depends on
+        the site's data and is not covered by the guarantee (the secure and DP means are
+        unweighted, so the server has no use for it).
+        """
+        if self.privacy is not None and self.privacy.cfg.unit == "client":
+            return 1
         return len(self.data.train)
 
     def _private_path(self) -> Path | None:

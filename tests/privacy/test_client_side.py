@@ -75,3 +75,31 @@ def test_example_level_calibrates_to_the_target_over_the_planned_rounds() -> Non
     total = epsilon_for(accountant="prv", noise_multiplier=privacy.noise_multiplier,
                         sample_rate=0.05, steps=5 * 20, delta=1e-5)  # fmt: skip
     assert 0.99 * 4.0 <= total <= 4.0
+
+
+@pytest.mark.parametrize("unit", ["client", "example", "none"])
+def test_client_level_dp_keeps_the_example_count_home(unit: str) -> None:
+    # Prepare: one client of a tiny synthetic federation (16 of its images are for training)
+    from client.setup import build_local_trainer
+    from fl_secure.data.plan import plan_federation
+
+    table: dict[str, object] = {
+        "data": {"image_size": 32, "num_identities": 8, "images_per_identity": 6,
+                 "held_out_identities": 0},
+        "partition": {"num_clients": 2},
+        "model": {"backbone": "cnn-small", "embedding_size": 16},
+    }  # fmt: skip
+    if unit != "none":
+        table["privacy"] = {"unit": unit, "noise_multiplier": 1.0}
+    config = config_from_dict(table)
+    plan = plan_federation(config)
+    share = plan.clients[0]
+    # Execute
+    trainer = build_local_trainer(
+        config, share.train, share.test, plan.train_identities, client_id="client-0",
+        image_size=32,
+    )  # fmt: skip
+    # Assert: the count sent at join and with updates is the image count, except under
+    # client-level DP, whose guarantee does not cover it
+    assert len(share.train) == 16
+    assert trainer.num_examples == (1 if unit == "client" else 16)
