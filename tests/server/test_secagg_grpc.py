@@ -371,3 +371,76 @@ def test_ckks_decryptors_that_disagree_abort_the_round(tmp_path: Path, monkeypat
     assert coord.status == "aborted"
     np.testing.assert_array_equal(coord.params["w"], np.zeros((90, 100), np.float32))
     assert "different sums" in coord.events[-1]["secure_aggregation"]["aborted"]
+
+
+def test_bad_attend_and_withdraw_messages_are_refused_and_a_withdrawal_is_honoured(
+    tmp_path: Path,
+) -> None:
+    # Prepare: SecAgg over 4 clients (t = 2) on a clock that never moves; client-3 is a raw
+    # gRPC stub that takes its task and never advertises keys
+    import grpc
+
+    from client.app import open_channel
+    from fl_secure import __version__
+    from fl_secure.v1 import transport_pb2 as pb
+    from fl_secure.v1 import transport_pb2_grpc as pb_grpc
+
+    shifts = [0.5, 1.0, -0.25]
+    coord, server, port, certs = _serve(
+        tmp_path, 4, min_clients=3, round_timeout=60.0, stage_timeout=10, clock=_frozen
+    )
+    driver = threading.Thread(target=coord.run, daemon=True)
+    driver.start()
+    channel = open_channel(Connection(f"localhost:{port}", "client-3", cert_dir=certs))
+    stub = pb_grpc.FlSecureStub(channel)
+    stub.Join(pb.JoinRequest(software_version=__version__, num_examples=1), timeout=10)
+    for i, shift in enumerate(shifts):
+        trainer = ShiftTrainer(shift)
+        client = FlClient(
+            Connection(f"localhost:{port}", f"client-{i}", cert_dir=certs),
+            lambda reply, t=trainer: t,  # type: ignore[misc]
+            max_wait=20.0,
+        )
+        threading.Thread(target=lambda c=client: _quiet(c.run), daemon=True).start()
+    task = stub.PollTask(pb.PollRequest(last_round=0), timeout=30)
+    while task.kind != pb.TASK_KIND_TRAIN:
+        task = stub.PollTask(pb.PollRequest(last_round=0), timeout=30)
+
+    def message(stage: int, nonce: bytes = task.nonce) -> pb.SecAggMessage:
+        return pb.SecAggMessage(round=task.round, nonce=nonce, stage=stage)  # type: ignore[arg-type]
+
+    try:
+        # Execute: a withdrawal with another nonce, a second attendance call, a withdrawal
+        attend = stub.SecAggExchange.future(message(pb.SECAGG_STAGE_ATTEND), timeout=60)
+        refused = []
+        for request in (
+            message(pb.SECAGG_STAGE_WITHDRAW, nonce=bytes(16)),
+            message(pb.SECAGG_STAGE_ATTEND),
+        ):
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.SecAggExchange(request, timeout=30)
+            refused.append((caught.value.code(), caught.value.details()))
+        stub.SecAggExchange(message(pb.SECAGG_STAGE_WITHDRAW), timeout=30)
+        driver.join(timeout=120)
+        ended = attend.result(timeout=30)  # answered when the round ended
+    finally:
+        channel.close()
+        server.stop(grace=None)
+    # Assert: both refused with the reason; the round finished without client-3 (its
+    # withdrawal closed the advertise stage, no deadline could) over the three others' mean
+    assert refused[0] == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"client client-3 holds no task of round {task.round}",
+    )
+    assert refused[1] == (
+        grpc.StatusCode.FAILED_PRECONDITION,
+        f"client client-3 already attends round {task.round}",
+    )
+    assert ended.stage == pb.SECAGG_STAGE_ATTEND
+    assert coord.status == "completed", coord.stop_reason
+    np.testing.assert_allclose(coord.params["w"], np.mean(shifts), atol=4 * 2.0**-20)
+    sa = RunDir(tmp_path / "run").read_metrics()[-1]["secure_aggregation"]
+    assert sa["survivors"] == ["client-0", "client-1", "client-2"]
+    assert sa["dropped"] == {"client-3": "advertise keys"}
+    failed = coord.events[-1]["failed"]
+    assert failed == {"client-3": "secure aggregation: withdrew at advertise keys"}
