@@ -115,7 +115,8 @@ class _Round:
     received: dict[str, UpdateHeader] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     uploading: set[str] = field(default_factory=set)
-    attending: set[str] = field(default_factory=set)  # open attendance calls (secure rounds)
+    # open attendance calls of a secure round: client -> the event that wakes its handler
+    attending: dict[str, threading.Event] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     secure: ServerSecureRound | ServerCkksRound | None = None
     heads: dict[str, Tensors] = field(default_factory=dict)  # uploaded heads (FedGC)
@@ -393,13 +394,20 @@ class Coordinator:
             return sec.reply(stage, client_id)
 
     def secagg_attend(
-        self, client_id: str, round_: int, nonce: bytes, alive: Callable[[], bool]
+        self,
+        client_id: str,
+        round_: int,
+        nonce: bytes,
+        alive: Callable[[], bool],
+        wake: threading.Event,
     ) -> None:
         """Hold a cohort member's attendance call until its secure round ends.
 
-        ``alive`` tells whether the call is still open. A call that closes first means the
-        client is gone (its process died, or its link): the round stops waiting for it at
-        once instead of at a deadline (:meth:`_client_gone`).
+        ``alive`` tells whether the call is still open; ``wake`` is set when it closes (a
+        gRPC callback) and when the round ends. A call that closes first means the client is
+        gone (its process died, or its link): the round stops waiting for it at once instead
+        of at a deadline (:meth:`_client_gone`). The wait is on ``wake``, not on the round's
+        condition, so the round's every step does not wake every attendance handler.
         """
         from privacy.secagg_session import STAGE_NAMES
 
@@ -410,16 +418,21 @@ class Coordinator:
                 raise ProtocolError(f"round {round_} is not securely aggregated")
             if client_id in rnd.attending:
                 raise ProtocolError(f"client {client_id} already attends round {round_}")
-            rnd.attending.add(client_id)
-            try:
-                while self._round is rnd and not sec.aborted and not self._stop.is_set():
+            rnd.attending[client_id] = wake
+        try:
+            while True:
+                wake.wait(timeout=5.0)
+                wake.clear()  # before the checks: a later wake-up is not lost
+                with self._cv:
+                    if self._round is not rnd or sec.aborted or self._stop.is_set():
+                        return
                     if not alive():
                         where = STAGE_NAMES.get(sec.stage, str(sec.stage))
                         self._client_gone(rnd, client_id, f"disconnected at {where}")
                         return
-                    self._cv.wait(timeout=0.25)
-            finally:
-                rnd.attending.discard(client_id)
+        finally:
+            with self._cv:
+                rnd.attending.pop(client_id, None)
 
     def secagg_withdraw(self, client_id: str, round_: int, nonce: bytes) -> None:
         """``client_id`` leaves its secure round (it failed locally): a dropout, noticed now."""
@@ -447,11 +460,6 @@ class Coordinator:
             rnd.failed[client_id] = f"secure aggregation: {how}"
         log.warning("round %d: %s left secure aggregation: %s", rnd.number, client_id, how)
         self._cv.notify_all()
-
-    def wake(self) -> None:
-        """Wake the waiting round driver and handlers (a call ended somewhere)."""
-        with self._cv:
-            self._cv.notify_all()
 
     def _close_secure_stage(self, rnd: _Round) -> None:
         """Close the open secure stage (under the lock); late clients count as dropped."""
@@ -501,6 +509,9 @@ class Coordinator:
         self._stop.set()
         with self._cv:
             self._cv.notify_all()
+            if self._round is not None:
+                for wake in self._round.attending.values():
+                    wake.set()
 
     def _sample_cohort(self, online: list[str]) -> list[str]:
         s = self.settings
@@ -576,6 +587,8 @@ class Coordinator:
                 if rnd.secure is not None and not secure_error and not self._stop.is_set():
                     secure_error = self._unmask(rnd)
                 self._round = None
+                for wake in rnd.attending.values():  # their round is over: answer them
+                    wake.set()
                 self._cv.notify_all()
             if self._stop.is_set():
                 raise RoundAborted(self.stop_reason or "stopped")

@@ -7,6 +7,7 @@ NaN/Inf, oversize) is answered with ``INVALID_ARGUMENT`` and the round goes on f
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -103,12 +104,12 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             return pb.SecAggMessage(round=request.round, nonce=request.nonce, stage=request.stage)
         if request.stage == pb.SECAGG_STAGE_ATTEND:
-            # A closed call (the client died) wakes the round at once, not after the
-            # coordinator's next look.
-            context.add_callback(self.coordinator.wake)
+            # A closed call (the client died) wakes its handler at once.
+            wake = threading.Event()
+            context.add_callback(wake.set)
             try:
                 self.coordinator.secagg_attend(
-                    client_id, int(request.round), bytes(request.nonce), context.is_active
+                    client_id, int(request.round), bytes(request.nonce), context.is_active, wake
                 )
             except FlSecureError as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
