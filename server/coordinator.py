@@ -711,6 +711,8 @@ class Coordinator:
             **sec.record(),
             "survivors": list(sec.survivors()) if not error else [],
             "dropped": dict(sorted(sec.dropped.items())),
+            # seen to leave (a closed attendance call or a withdrawal), not at a deadline
+            "left": sorted(sec.gone),
             "aborted": error,
         }
 

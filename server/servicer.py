@@ -94,35 +94,35 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
     ) -> pb.SecAggMessage:
         """One secure-aggregation stage; answers when the stage has closed for the cohort."""
         client_id = self.authenticate(context)
+        round_, nonce = int(request.round), bytes(request.nonce)
+        if request.stage in (pb.SECAGG_STAGE_WITHDRAW, pb.SECAGG_STAGE_ATTEND):
+            try:
+                if request.stage == pb.SECAGG_STAGE_WITHDRAW:
+                    self.coordinator.secagg_withdraw(client_id, round_, nonce)
+                else:  # held until the round ends; a closed call wakes its handler at once
+                    wake = threading.Event()
+                    context.add_callback(wake.set)
+                    self.coordinator.secagg_attend(
+                        client_id, round_, nonce, context.is_active, wake
+                    )
+            except FlSecureError as exc:  # not (or no longer) in that round, or attending
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            return pb.SecAggMessage(round=request.round, nonce=request.nonce, stage=request.stage)
+        if not pb.SECAGG_STAGE_ADVERTISE_KEYS <= request.stage <= pb.SECAGG_STAGE_UNMASK_REPLY:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"unknown secure-aggregation stage {int(request.stage)}",
+            )
         stage = int(request.stage) - 1  # wire stages start at 1, privacy.secagg_session at 0
-        if request.stage == pb.SECAGG_STAGE_WITHDRAW:
-            try:
-                self.coordinator.secagg_withdraw(
-                    client_id, int(request.round), bytes(request.nonce)
-                )
-            except FlSecureError as exc:  # not (or no longer) in that round: nothing to do
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            return pb.SecAggMessage(round=request.round, nonce=request.nonce, stage=request.stage)
-        if request.stage == pb.SECAGG_STAGE_ATTEND:
-            # A closed call (the client died) wakes its handler at once.
-            wake = threading.Event()
-            context.add_callback(wake.set)
-            try:
-                self.coordinator.secagg_attend(
-                    client_id, int(request.round), bytes(request.nonce), context.is_active, wake
-                )
-            except FlSecureError as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            return pb.SecAggMessage(round=request.round, nonce=request.nonce, stage=request.stage)
         try:
             payload = self.coordinator.secagg_exchange(
-                client_id, int(request.round), bytes(request.nonce), stage, bytes(request.payload)
+                client_id, round_, nonce, stage, bytes(request.payload)
             )
         except RoundAborted as exc:
             context.abort(grpc.StatusCode.ABORTED, str(exc))
         except FlSecureError as exc:  # malformed, unsigned, out of order: this client drops
             log.warning("secure aggregation message from %s refused: %s", client_id, exc)
-            self.coordinator.record_failure(client_id, int(request.round), str(exc))
+            self.coordinator.record_failure(client_id, round_, str(exc))
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return pb.SecAggMessage(
             round=request.round, nonce=request.nonce, stage=request.stage, payload=payload

@@ -314,6 +314,7 @@ def test_ten_client_processes_two_killed_9_after_their_masked_input(tmp_path: Pa
     assert (sa["scheme"], sa["neighbours"], sa["threshold"]) == ("secagg+", 6, 4), sa
     assert len(sa["survivors"]) == 10
     assert sa["dropped"] == {"client-3": "unmasking", "client-7": "unmasking"}, sa
+    assert sa["left"] == ["client-3", "client-7"], sa
     assert codes == [0] * 8, logs  # the eight others finished normally
 
 
@@ -410,12 +411,15 @@ def test_bad_attend_and_withdraw_messages_are_refused_and_a_withdrawal_is_honour
         return pb.SecAggMessage(round=task.round, nonce=nonce, stage=stage)  # type: ignore[arg-type]
 
     try:
-        # Execute: a withdrawal with another nonce, a second attendance call, a withdrawal
+        # Execute: a withdrawal with another nonce, a second attendance call, stages 0 and
+        # 9, then a withdrawal
         attend = stub.SecAggExchange.future(message(pb.SECAGG_STAGE_ATTEND), timeout=60)
         refused = []
         for request in (
             message(pb.SECAGG_STAGE_WITHDRAW, nonce=bytes(16)),
             message(pb.SECAGG_STAGE_ATTEND),
+            message(pb.SECAGG_STAGE_UNSPECIFIED),
+            message(9),
         ):
             with pytest.raises(grpc.RpcError) as caught:
                 stub.SecAggExchange(request, timeout=30)
@@ -426,7 +430,7 @@ def test_bad_attend_and_withdraw_messages_are_refused_and_a_withdrawal_is_honour
     finally:
         channel.close()
         server.stop(grace=None)
-    # Assert: both refused with the reason; the round finished without client-3 (its
+    # Assert: all four refused with the reason; the round finished without client-3 (its
     # withdrawal closed the advertise stage, no deadline could) over the three others' mean
     assert refused[0] == (
         grpc.StatusCode.FAILED_PRECONDITION,
@@ -436,11 +440,15 @@ def test_bad_attend_and_withdraw_messages_are_refused_and_a_withdrawal_is_honour
         grpc.StatusCode.FAILED_PRECONDITION,
         f"client client-3 already attends round {task.round}",
     )
+    assert refused[2:] == [
+        (grpc.StatusCode.INVALID_ARGUMENT, f"unknown secure-aggregation stage {stage}")
+        for stage in (0, 9)
+    ]
     assert ended.stage == pb.SECAGG_STAGE_ATTEND
     assert coord.status == "completed", coord.stop_reason
     np.testing.assert_allclose(coord.params["w"], np.mean(shifts), atol=4 * 2.0**-20)
     sa = RunDir(tmp_path / "run").read_metrics()[-1]["secure_aggregation"]
     assert sa["survivors"] == ["client-0", "client-1", "client-2"]
-    assert sa["dropped"] == {"client-3": "advertise keys"}
+    assert sa["dropped"] == {"client-3": "advertise keys"} and sa["left"] == ["client-3"]
     failed = coord.events[-1]["failed"]
     assert failed == {"client-3": "secure aggregation: withdrew at advertise keys"}
