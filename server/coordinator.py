@@ -280,6 +280,15 @@ class Coordinator:
             raise ProtocolError(f"client {client_id} holds no task of round {round_}")
         return rnd
 
+    def _secure_member(
+        self, client_id: str, round_: int, nonce: bytes
+    ) -> tuple[_Round, ServerSecureRound | ServerCkksRound]:
+        """The open round and its secure session, if ``client_id`` holds its task."""
+        rnd = self._check_member(client_id, round_, nonce)
+        if rnd.secure is None:
+            raise ProtocolError(f"round {round_} is not securely aggregated")
+        return rnd, rnd.secure
+
     def open_upload(self, client_id: str, header: UpdateHeader) -> UploadTicket:
         """Check an update header and take an upload slot (bounded server memory)."""
         with self._cv:
@@ -375,10 +384,7 @@ class Coordinator:
         from privacy.secagg_session import ADVERTISE, SHARE, UNMASK
 
         with self._cv:
-            rnd = self._check_member(client_id, round_, nonce)
-            sec = rnd.secure
-            if sec is None:
-                raise ProtocolError(f"round {round_} is not securely aggregated")
+            rnd, sec = self._secure_member(client_id, round_, nonce)
             if stage in (ADVERTISE, SHARE, UNMASK):
                 sec.submit(stage, client_id, payload)
                 self._cv.notify_all()
@@ -412,10 +418,7 @@ class Coordinator:
         from privacy.secagg_session import STAGE_NAMES
 
         with self._cv:
-            rnd = self._check_member(client_id, round_, nonce)
-            sec = rnd.secure
-            if sec is None:
-                raise ProtocolError(f"round {round_} is not securely aggregated")
+            rnd, sec = self._secure_member(client_id, round_, nonce)
             if client_id in rnd.attending:
                 raise ProtocolError(f"client {client_id} already attends round {round_}")
             rnd.attending[client_id] = wake
@@ -439,10 +442,8 @@ class Coordinator:
         from privacy.secagg_session import STAGE_NAMES
 
         with self._cv:
-            rnd = self._check_member(client_id, round_, nonce)
-            if rnd.secure is None:
-                raise ProtocolError(f"round {round_} is not securely aggregated")
-            self._client_gone(rnd, client_id, f"withdrew at {STAGE_NAMES[rnd.secure.stage]}")
+            rnd, sec = self._secure_member(client_id, round_, nonce)
+            self._client_gone(rnd, client_id, f"withdrew at {STAGE_NAMES[sec.stage]}")
 
     def _client_gone(self, rnd: _Round, client_id: str, how: str) -> None:
         """``client_id`` left the secure round: its open call closed, or it withdrew.
