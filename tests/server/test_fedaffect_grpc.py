@@ -84,7 +84,10 @@ def _check_split_and_privacy_of_p(
             min(LABELS_PER_CLASS, int(n)) for n in counts
         ]
         np.testing.assert_array_equal(targets[labelled], expr[labelled])
-        assert rec.num_examples == len(data.train) == labelled.sum() + (~labelled).sum()
+        assert len(data.train) == labelled.sum() + (~labelled).sum()
+        # the count it tells the server: its images, or 1 under client-level DP
+        client_level = config.privacy.unit == "client"
+        assert rec.num_examples == (1 if client_level else len(data.train))
         # the shared names are f and g; p stays private: never received, never uploaded
         model = rec.trainer.model
         assert isinstance(model, FedAffectModel)
