@@ -273,11 +273,12 @@ class FlClient:
 
         # Held open for the whole round, so that the server notices at once if this process
         # dies (the call closes); the server answers it when the round ends. Kept on self:
-        # gRPC cancels a call whose future is garbage collected.
+        # gRPC cancels a call whose future is garbage collected. No deadline: the unmasking
+        # may run a stage timeout past the round's deadline, and an expired call would tell
+        # the server this client had gone. Nothing waits for its reply.
         self._attend = attend = stub.SecAggExchange.future(
             pb.SecAggMessage(round=task.round, nonce=task.nonce, stage=pb.SECAGG_STAGE_ATTEND),
             metadata=self._metadata,
-            timeout=timeout,
         )
         finished = False
 
