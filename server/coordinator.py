@@ -125,6 +125,13 @@ class _Round:
     def pending(self) -> set[str]:
         return set(self.cohort) - set(self.received) - set(self.failed)
 
+    def fail(self, client_id: str, reason: str) -> bool:
+        """Stop waiting for ``client_id``'s update, unless it is in or arriving; True if so."""
+        if client_id not in self.pending or client_id in self.uploading:
+            return False
+        self.failed[client_id] = reason
+        return True
+
 
 @dataclass(frozen=True)
 class UploadTicket:
@@ -457,8 +464,7 @@ class Coordinator:
         if client_id in sec.gone:  # withdrew, then its attendance call closed
             return
         sec.mark_gone(client_id)
-        if client_id in rnd.pending and client_id not in rnd.uploading:
-            rnd.failed[client_id] = f"secure aggregation: {how}"
+        rnd.fail(client_id, f"secure aggregation: {how}")
         log.warning("round %d: %s left secure aggregation: %s", rnd.number, client_id, how)
         self._cv.notify_all()
 
@@ -470,18 +476,15 @@ class Coordinator:
             sec.close_stage()
         finally:
             for client, where in sec.dropped.items():
-                if client in rnd.pending and client not in rnd.uploading:
-                    rnd.failed[client] = f"dropped at secure-aggregation stage {where}"
+                rnd.fail(client, f"dropped at secure-aggregation stage {where}")
             self._cv.notify_all()
 
     def record_failure(self, client_id: str, round_: int, error: str) -> None:
         """A cohort member's upload was refused: the round goes on without it."""
         with self._cv:
             rnd = self._round
-            if rnd is not None and rnd.number == round_ and client_id in rnd.pending:
-                if client_id not in rnd.uploading:
-                    rnd.failed[client_id] = error
-                    self._cv.notify_all()
+            if rnd is not None and rnd.number == round_ and rnd.fail(client_id, error):
+                self._cv.notify_all()
 
     def release_upload(self, ticket: UploadTicket, error: str | None = None) -> None:
         """Free the upload slot; record a failed upload (the round goes on without it)."""
