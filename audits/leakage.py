@@ -15,6 +15,18 @@ example activated (``g[n, i] != 0`` for one ``n`` only, as behind a ReLU; Fowl e
 the Fed", ICLR 2022, Sec. 3) still recovers that example exactly; other rows give weighted
 mixtures. Several local steps or a secure-aggregated sum of clients mix inputs further.
 
+**Who took part, from a sum.** The rows of one step's weight update are combinations of the
+inputs, ``dW = sum_n g[:, n] x_n^T``, so the row space of ``dW`` lies in ``span{x_n}``, and
+equals it when the ``g[:, n]`` are linearly independent (at most ``out`` inputs). A sum of
+clients' updates -- what the server holds under secure aggregation -- keeps this: its row space
+is the span of every participant's inputs. :func:`span_membership` takes the top ``r`` right
+singular vectors ``V_r`` of the summed ``dW`` and scores each gallery vector ``v`` by how much
+of it lies in that span, ``||V_r^T v|| / ||v||`` (the cosine between ``v`` and its
+projection). The mixing of rows that defeats :func:`recover_fc_inputs` does not matter to it:
+with one image per client the span holds each participant's input exactly, whatever the
+weights of the mixture. It follows from the same identity as the row ratio above. Distributed
+DP noise spreads over every direction and hides the span.
+
 **Identity templates.** The rows ``W_c`` of a shared margin head are class embeddings: a party
 that sees the head holds one template per identity and can match it against embeddings of
 faces -- the leak FedGC (Niu & Deng, AAAI 2022) keeps heads away from other clients for.
@@ -169,6 +181,52 @@ def identify_head_templates(
     """
     result = identify(head_weight, gallery, gallery_labels)
     return result, result.accuracy(class_identities)
+
+
+def span_membership(
+    weight_delta: torch.Tensor,
+    gallery: torch.Tensor,
+    gallery_labels: torch.Tensor,
+    *,
+    rank: int,
+) -> Identification:
+    """Rank gallery identities by how much of their vectors lies in the row space of ``dW``.
+
+    Args:
+        weight_delta: ``[out, in]`` update of a fully connected layer's weight, one client's or
+            the sum of several (the server's view under secure aggregation).
+        gallery: ``[G, in]`` vectors of known identities, in the layer's input space.
+        gallery_labels: ``[G]`` int64 identity of each gallery vector.
+        rank: how many singular directions span the inputs: the number of inputs that went
+            into the update (the server knows its cohort's size, and without client-level DP
+            each client's example count), capped at ``min(out, in)``.
+
+    Returns:
+        One query row: identities ordered by their best ``||V_r^T v|| / ||v||`` over their
+        gallery vectors (1 for a vector inside the span, 0 for one orthogonal to it); pass it
+        to :func:`participant_precision`.
+
+    Raises:
+        ValueError: on mismatched shapes, an empty gallery or ``rank < 1``.
+    """
+    if weight_delta.dim() != 2 or gallery.dim() != 2 or gallery.shape[1] != weight_delta.shape[1]:
+        raise ValueError(
+            f"weight [out, in] and gallery [G, in] must share in; got "
+            f"{tuple(weight_delta.shape)} and {tuple(gallery.shape)}"
+        )
+    if gallery_labels.shape != gallery.shape[:1] or gallery.shape[0] == 0:
+        raise ValueError("gallery_labels must be [G] for a non-empty gallery")
+    if rank < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
+    _, _, vh = torch.linalg.svd(weight_delta.double(), full_matrices=False)
+    basis = vh[: min(rank, vh.shape[0])]  # [r, in], orthonormal rows
+    g = gallery.double()
+    inside = (g @ basis.T).norm(dim=1) / g.norm(dim=1).clamp_min(torch.finfo(g.dtype).tiny)
+    identities, inverse = torch.unique(gallery_labels, return_inverse=True)
+    best = torch.full((identities.numel(),), -1.0, dtype=torch.float64)
+    best = best.scatter_reduce(0, inverse, inside, reduce="amax", include_self=True)
+    order = torch.argsort(best, descending=True, stable=True)
+    return Identification(ranked=identities[order][None], scores=best[order][None])
 
 
 def participant_precision(

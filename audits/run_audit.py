@@ -51,6 +51,7 @@ from audits.leakage import (
     identify_head_templates,
     participant_precision,
     recover_fc_inputs,
+    span_membership,
 )
 from audits.mechanism import audit_mechanism, mechanism_of_run
 from audits.observations import (
@@ -346,6 +347,12 @@ def _privatise(
     return dw, db
 
 
+def _numerical_rank(weight: torch.Tensor) -> int:
+    """Rank of a float32 update: singular values above float32 rounding of the largest."""
+    tol = torch.finfo(torch.float32).eps * max(weight.shape)
+    return int(torch.linalg.matrix_rank(weight.double(), rtol=tol).item())
+
+
 def _leakage(run: RunContext, view: View, settings: AuditSettings) -> dict[str, Any]:
     if view.updates == "none":
         return {"applicable": False, "why": "this party receives no client's update"}
@@ -373,6 +380,7 @@ def _leakage(run: RunContext, view: View, settings: AuditSettings) -> dict[str, 
     single_ids: list[torch.Tensor] = []
     single_truth: list[torch.Tensor] = []
     batch_ids: list[torch.Tensor] = []
+    batch_truth: list[torch.Tensor] = []
     single_hits, single_err = [], []
     batch_prec, batch_chance = [], []
     for k in range(len(run.plan.clients)):
@@ -397,6 +405,7 @@ def _leakage(run: RunContext, view: View, settings: AuditSettings) -> dict[str, 
         dw, db = _privatise(run, dw, db, norm, f"client-{k}-b")
         updates.append((dw, db))
         batch_ids.append(run.plan.clients[k].train.labels[idx])
+        batch_truth.append(_penultimate(backbone, run.plan.clients[k].train.images[idx]))
         if view.updates == "each client's update":
             participants = torch.unique(run.plan.clients[k].train.labels[idx])
             found = identify(recover_fc_inputs(dw, db).vectors[:64], gallery, gallery_labels)
@@ -415,26 +424,43 @@ def _leakage(run: RunContext, view: View, settings: AuditSettings) -> dict[str, 
             "chance": float(np.mean(batch_chance)),
             "clients": len(batch_prec),
         }
-    for name, parts, ids in (("secure_sum_one_image_each", singles, single_ids),
-                             (f"secure_sum_batch_{batch}", updates, batch_ids)):  # fmt: skip
+    for name, parts, ids, truths in (
+        ("secure_sum_one_image_each", singles, single_ids, single_truth),
+        (f"secure_sum_batch_{batch}", updates, batch_ids, batch_truth),
+    ):
         total_w = torch.stack([u[0] for u in parts]).sum(0)
         total_b = torch.stack([u[1] for u in parts]).sum(0)
         everyone = torch.unique(torch.cat(ids))
+        inputs = torch.cat(truths)
         rec = recover_fc_inputs(total_w, total_b)
-        found = identify(rec.vectors[:64], gallery, gallery_labels)
+        by_row = participant_precision(
+            identify(rec.vectors[:64], gallery, gallery_labels), everyone
+        )
+        span = participant_precision(
+            span_membership(total_w, gallery, gallery_labels, rank=inputs.shape[0]), everyone
+        )
         out[name] = {
-            "participant_precision": participant_precision(found, everyone),
+            "participant_precision": max(by_row, span),
+            "by_attack": {"row_ratios": by_row, "span": span},
+            "exact_inputs": participant_precision(
+                identify(inputs, gallery, gallery_labels), everyone
+            ),
             "chance": int(everyone.numel()) / identities,
             "clients": len(parts),
             "participants": int(everyone.numel()),
+            "images": int(inputs.shape[0]),
+            "rank": _numerical_rank(total_w),
         }
         if parts is singles and len(rec.vectors):  # exact recovery of any one input?
-            truth = F.normalize(torch.cat(single_truth), dim=1)
-            closest = F.normalize(rec.vectors, dim=1) @ truth.T
+            closest = F.normalize(rec.vectors, dim=1) @ F.normalize(inputs, dim=1).T
             out[name]["max_cosine_to_a_single_input"] = float(closest.max())
     out["secure_sum_note"] = (
         "sum of every client's rebuilt update (what the server sees under secure "
-        "aggregation); the attacker names as many identities as took part; chance = "
+        "aggregation); the attacker names as many identities as took part, by the better of "
+        "two attacks: row ratios (dW[i] / db[i]) and the span (the sum's row space is the "
+        "span of its inputs; the attacker is told how many images went in); exact_inputs is "
+        "what naming from the inputs themselves scores (an attack on the sum that reaches it "
+        "lost nothing to the summation); rank is the sum's numerical rank; chance = "
         "participants / gallery identities"
     )
     return out

@@ -165,6 +165,10 @@ def test_leakage_single_client_update_exact_and_the_sum_mixes(
     assert single["top1"] > single["chance"]  # measured 0.67 vs 1/24
     summed = leak["secure_sum_one_image_each"]
     assert summed["max_cosine_to_a_single_input"] < 0.999  # no input recovered from the sum
+    # ...but the sum of three one-image updates has rank 3: its row space is their span
+    assert summed["rank"] == summed["images"] == 3
+    assert summed["participant_precision"] == max(summed["by_attack"].values())
+    assert 0.0 <= summed["exact_inputs"] <= 1.0
     assert runs["fedpe"]["attacks"]["leakage"]["curious_client"]["applicable"] is False
 
 
