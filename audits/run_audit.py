@@ -623,6 +623,57 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def summary_lines(results: dict[str, Any]) -> list[str]:
+    """What ``fl-secure audit`` prints: each attack that ran, per party, beside chance."""
+    attacks = results["attacks"]
+    lines = []
+    for row in table_rows(results):
+        lines.append(
+            f"{row['party']:>15}: inversion top-1 {row['top1']:.2f} (chance {row['chance']:.2f}, "
+            f"{row['direction']}), KNN distance {row['knn_distance']:.3f}, SSIM {row['ssim']:.3f}"
+        )
+
+    def servers_first(item: tuple[str, Any]) -> tuple[bool, str]:
+        return item[0] != "server", item[0]
+
+    for party, res in sorted(attacks.get("templates", {}).items(), key=servers_first):
+        if res["applicable"]:
+            lines.append(
+                f"{party:>15}: head templates identified, top-1 {res['top1']:.2f} "
+                f"(chance {res['chance']:.2f})"
+            )
+        else:
+            lines.append(f"{party:>15}: head templates: {res['why']}")
+    for party, res in sorted(attacks.get("leakage", {}).items(), key=servers_first):
+        if not res.get("applicable"):
+            lines.append(f"{party:>15}: update leakage: {res.get('why', 'not applicable')}")
+            continue
+        one = res.get("single_client_one_image")
+        if one:
+            lines.append(
+                f"{party:>15}: one client's update -> its input recovered (1 - cosine "
+                f"{one['mean_one_minus_cosine_to_truth']:.1e}), identified top-1 "
+                f"{one['top1']:.2f} (chance {one['chance']:.3f})"
+            )
+        total = res["secure_sum_one_image_each"]
+        lines.append(
+            f"{party:>15}: sum of {total['clients']} one-image updates (rank {total['rank']}) -> "
+            f"participants named {total['participant_precision']:.2f} (span "
+            f"{total['by_attack']['span']:.2f}, row ratios {total['by_attack']['row_ratios']:.2f};"
+            f" from the exact inputs {total['exact_inputs']:.2f}; chance {total['chance']:.2f})"
+        )
+    canary = attacks.get("canary")
+    if canary:
+        acc = canary["accountant_epsilon"]
+        lines.append(
+            f"empirical epsilon >= {canary['epsilon_lower_bound']:.3f} (95% confidence; at most "
+            f"{canary['one_run']['max_epsilon_lower_bound']:.2f} one-run, "
+            f"{canary['clopper_pearson']['max_epsilon_lower_bound']:.2f} over trials); "
+            f"accountant: {'no DP' if acc is None else f'{acc:.3f}'}"
+        )
+    return lines
+
+
 def markdown_table(all_results: Sequence[dict[str, Any]]) -> str:
     """README table: design x party view x inversion/templates/leakage, empirical epsilon."""
     lines = [

@@ -298,7 +298,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def cmd_audit(args: argparse.Namespace) -> int:
     """Attack a run's views (inversion, templates, leakage, canary); write RUN/audit/."""
-    from audits.run_audit import AuditSettings, audit_run, table_rows
+    from audits.run_audit import AuditSettings, audit_run, summary_lines
 
     _torch_threads(1)
     settings = AuditSettings(
@@ -314,20 +314,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(results)
         return 0
-    for row in table_rows(results):
-        print(
-            f"{row['party']:>15}: inversion top-1 {row['top1']:.2f} (chance {row['chance']:.2f}, "
-            f"{row['direction']}), KNN distance {row['knn_distance']:.3f}, SSIM {row['ssim']:.3f}"
-        )
-    canary = results["attacks"].get("canary")
-    if canary:
-        acc = canary["accountant_epsilon"]
-        print(
-            f"empirical epsilon >= {canary['epsilon_lower_bound']:.3f} (95% confidence; at most "
-            f"{canary['one_run']['max_epsilon_lower_bound']:.2f} one-run, "
-            f"{canary['clopper_pearson']['max_epsilon_lower_bound']:.2f} over trials); "
-            f"accountant: {'no DP' if acc is None else f'{acc:.3f}'}"
-        )
+    for line in summary_lines(results):
+        print(line)
     print(f"results: {Path(results['run']) / 'audit' / 'results.json'}")
     return 0
 

@@ -222,6 +222,23 @@ def test_cli_audit_writes_json(runs: dict[str, dict[str, Any]], capsys) -> None:
         AuditSettings(targets=1)
 
 
+def test_cli_audit_prints_every_attack_beside_chance(
+    runs: dict[str, dict[str, Any]], capsys
+) -> None:
+    run = runs["fedavg"]["run"]
+    assert main(["audit", "--run", run, "--attack", "templates,leakage", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    saved = json.loads((Path(run) / "audit" / "results.json").read_text())
+    templates = saved["attacks"]["templates"]["server"]
+    assert f"server: head templates identified, top-1 {templates['top1']:.2f} (chance " in out
+    summed = saved["attacks"]["leakage"]["server"]["secure_sum_one_image_each"]
+    assert "sum of 3 one-image updates (rank 3) -> participants named " in out
+    exact, chance = summed["exact_inputs"], summed["chance"]
+    assert f"from the exact inputs {exact:.2f}; chance {chance:.2f})" in out
+    assert "curious_client: update leakage: this party receives no client's update" in out
+    assert out.index("server: head") < out.index("curious_client: head")
+
+
 def test_a_fedaffect_run_is_refused_by_name_before_any_work(tmp_path: Path, capsys) -> None:
     # Prepare: a run directory whose config names FedAffect (no identity head to attack);
     # it is audited, trained with --audit, and resumed with --audit.
