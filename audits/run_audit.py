@@ -451,6 +451,11 @@ def _leakage(run: RunContext, view: View, settings: AuditSettings) -> dict[str, 
             "images": int(inputs.shape[0]),
             "rank": _numerical_rank(total_w),
         }
+        if int(everyone.numel()) == identities:
+            out[name]["uninformative"] = (
+                "every gallery identity took part: naming participants cannot differ from "
+                "chance (1.0), so this entry measures nothing"
+            )
         if parts is singles and len(rec.vectors):  # exact recovery of any one input?
             closest = F.normalize(rec.vectors, dim=1) @ F.normalize(inputs, dim=1).T
             out[name]["max_cosine_to_a_single_input"] = float(closest.max())
