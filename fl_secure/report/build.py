@@ -358,6 +358,16 @@ def _warnings(report: dict[str, Any], config: dict[str, Any]) -> list[dict[str, 
                 "server saw every client's individual update.",
             }
         )
+    elif not p["differential_privacy"]:
+        who = "every client" if report["secure_aggregation"]["scheme"] == "ckks" else "the server"
+        w.append(
+            {
+                "code": "secure-sum-without-dp",
+                "message": "Secure aggregation without differential privacy hides whose "
+                f"update is whose, not who took part: the summed update ({who} sees it) can "
+                "still show which identities trained (see the audit's secure_sum entries).",
+            }
+        )
     if "plaintext" in str(report["run"].get("transport", "")):
         w.append(
             {

@@ -146,6 +146,22 @@ def test_tampered_ledger_is_reported_up_front(run_dir: Path, tmp_path: Path) -> 
     assert "ledger-tampered" in [w["code"] for w in report["warnings"]]
 
 
+def test_secure_aggregation_without_dp_is_not_presented_as_hiding_the_cohort(
+    run_dir: Path,
+) -> None:
+    from fl_secure.report.build import _warnings
+
+    report = build_report(run_dir)  # SecAgg with client-level DP: no such warning
+    codes = [w["code"] for w in report["warnings"]]
+    assert "secure-sum-without-dp" not in codes and "dp-off" not in codes
+    report["privacy"]["differential_privacy"] = False
+    codes = [w["code"] for w in _warnings(report, {})]
+    assert "dp-off" in codes and "secure-sum-without-dp" in codes
+    report["secure_aggregation"]["scheme"] = "none"  # then the sum is not the server's view
+    codes = [w["code"] for w in _warnings(report, {})]
+    assert "no-secure-aggregation" in codes and "secure-sum-without-dp" not in codes
+
+
 def test_html_report_renders_in_headless_chromium(run_dir: Path, tmp_path: Path) -> None:
     chromium = find_chromium()
     if chromium is None:
