@@ -460,8 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
         "and settings (global model, heads, per-client updates or only their secure sum), "
         "then attacks exactly those views: model inversion of the head rows they hold (else of "
         "the best surrogate), identification of exposed head rows (templates), analytic "
-        "recovery of a fully connected layer's inputs from a rebuilt client update (leakage), "
-        "and a canary audit of the client-level DP mechanism (empirical epsilon beside the "
+        "recovery of a fully connected layer's inputs from a rebuilt client update, and of who "
+        "took part from the clients' summed update (leakage), and a canary audit of the "
+        "client-level DP mechanism (empirical epsilon beside the "
         "accountant's). An independent evaluator trained on the targets' own images judges "
         "every reconstruction, beside chance. Writes RUN/audit/results.json and PNG grids "
         "(grids of real faces only with --include-images).",
