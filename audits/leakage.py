@@ -145,18 +145,29 @@ def identify(
     Raises:
         ValueError: on mismatched shapes or an empty gallery.
     """
-    if queries.dim() != 2 or gallery.dim() != 2 or queries.shape[1] != gallery.shape[1]:
+    _check_gallery(queries, "queries [Q, D]", gallery, gallery_labels)
+    cosine = F.normalize(queries.double(), dim=1) @ F.normalize(gallery.double(), dim=1).T
+    return _rank_identities(cosine, gallery_labels)
+
+
+def _check_gallery(
+    vectors: torch.Tensor, what: str, gallery: torch.Tensor, gallery_labels: torch.Tensor
+) -> None:
+    if vectors.dim() != 2 or gallery.dim() != 2 or vectors.shape[1] != gallery.shape[1]:
         raise ValueError(
-            f"queries [Q, D] and gallery [G, D] must share D; got {tuple(queries.shape)} and "
+            f"{what} and gallery [G, D] must share D; got {tuple(vectors.shape)} and "
             f"{tuple(gallery.shape)}"
         )
     if gallery_labels.shape != gallery.shape[:1] or gallery.shape[0] == 0:
         raise ValueError("gallery_labels must be [G] for a non-empty gallery")
+
+
+def _rank_identities(scores: torch.Tensor, gallery_labels: torch.Tensor) -> Identification:
+    """Per query row of ``scores`` ``[Q, G]``: identities by their best score, highest first."""
     identities, inverse = torch.unique(gallery_labels, return_inverse=True)
-    cosine = F.normalize(queries.double(), dim=1) @ F.normalize(gallery.double(), dim=1).T
-    best = torch.full((queries.shape[0], identities.numel()), -2.0, dtype=torch.float64)
+    best = torch.full((scores.shape[0], identities.numel()), -2.0, dtype=torch.float64)
     best = best.scatter_reduce(
-        1, inverse.expand(queries.shape[0], -1), cosine, reduce="amax", include_self=True
+        1, inverse.expand(scores.shape[0], -1), scores, reduce="amax", include_self=True
     )
     order = torch.argsort(best, dim=1, descending=True, stable=True)
     return Identification(ranked=identities[order], scores=best.gather(1, order))
@@ -209,24 +220,14 @@ def span_membership(
     Raises:
         ValueError: on mismatched shapes, an empty gallery or ``rank < 1``.
     """
-    if weight_delta.dim() != 2 or gallery.dim() != 2 or gallery.shape[1] != weight_delta.shape[1]:
-        raise ValueError(
-            f"weight [out, in] and gallery [G, in] must share in; got "
-            f"{tuple(weight_delta.shape)} and {tuple(gallery.shape)}"
-        )
-    if gallery_labels.shape != gallery.shape[:1] or gallery.shape[0] == 0:
-        raise ValueError("gallery_labels must be [G] for a non-empty gallery")
+    _check_gallery(weight_delta, "weight [out, D]", gallery, gallery_labels)
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
     _, _, vh = torch.linalg.svd(weight_delta.double(), full_matrices=False)
-    basis = vh[: min(rank, vh.shape[0])]  # [r, in], orthonormal rows
+    basis = vh[: min(rank, vh.shape[0])]  # [r, D], orthonormal rows
     g = gallery.double()
     inside = (g @ basis.T).norm(dim=1) / g.norm(dim=1).clamp_min(torch.finfo(g.dtype).tiny)
-    identities, inverse = torch.unique(gallery_labels, return_inverse=True)
-    best = torch.full((identities.numel(),), -1.0, dtype=torch.float64)
-    best = best.scatter_reduce(0, inverse, inside, reduce="amax", include_self=True)
-    order = torch.argsort(best, descending=True, stable=True)
-    return Identification(ranked=identities[order][None], scores=best[order][None])
+    return _rank_identities(inside[None], gallery_labels)
 
 
 def participant_precision(

@@ -239,7 +239,7 @@ def test_span_membership_scores_the_share_of_a_vector_inside_the_span() -> None:
     assert participant_precision(found, torch.tensor([4, 6]), claims=2) == 1.0
     with pytest.raises(ValueError, match="rank"):
         span_membership(dw, gallery, torch.tensor([4, 6, 6, 8]), rank=0)
-    with pytest.raises(ValueError, match="share in"):
+    with pytest.raises(ValueError, match="must share D"):
         span_membership(dw, gallery[:, :3], torch.tensor([4, 6, 6, 8]), rank=2)
 
 
