@@ -353,6 +353,30 @@ def _numerical_rank(weight: torch.Tensor) -> int:
     return int(torch.linalg.matrix_rank(weight.double(), rtol=tol).item())
 
 
+def _name_participants(
+    dw: torch.Tensor,
+    db: torch.Tensor,
+    inputs: torch.Tensor,
+    participants: torch.Tensor,
+    gallery: torch.Tensor,
+    gallery_labels: torch.Tensor,
+) -> dict[str, float]:
+    """Precision of the identities named from an update by each attack, and from its inputs.
+
+    Row ratios (:func:`recover_fc_inputs`, the 64 largest-bias rows), the span of the update's
+    row space (:func:`span_membership`, told the number of inputs), and the exact inputs (the
+    reference an attack that lost nothing would reach).
+    """
+    rows = identify(recover_fc_inputs(dw, db).vectors[:64], gallery, gallery_labels)
+    span = span_membership(dw, gallery, gallery_labels, rank=inputs.shape[0])
+    exact = identify(inputs, gallery, gallery_labels)
+    return {
+        "row_ratios": participant_precision(rows, participants),
+        "span": participant_precision(span, participants),
+        "exact_inputs": participant_precision(exact, participants),
+    }
+
+
 def _leakage(run: RunContext, view: View, settings: AuditSettings) -> dict[str, Any]:
     if view.updates == "none":
         return {"applicable": False, "why": "this party receives no client's update"}
@@ -382,7 +406,8 @@ def _leakage(run: RunContext, view: View, settings: AuditSettings) -> dict[str, 
     batch_ids: list[torch.Tensor] = []
     batch_truth: list[torch.Tensor] = []
     single_hits, single_err = [], []
-    batch_prec, batch_chance = [], []
+    batch_scores: list[dict[str, float]] = []
+    batch_chance: list[float] = []
     for k in range(len(run.plan.clients)):
         n = len(run.plan.clients[k].train)
         order = torch.randperm(n, generator=gen)
@@ -408,8 +433,9 @@ def _leakage(run: RunContext, view: View, settings: AuditSettings) -> dict[str, 
         batch_truth.append(_penultimate(backbone, run.plan.clients[k].train.images[idx]))
         if view.updates == "each client's update":
             participants = torch.unique(run.plan.clients[k].train.labels[idx])
-            found = identify(recover_fc_inputs(dw, db).vectors[:64], gallery, gallery_labels)
-            batch_prec.append(participant_precision(found, participants))
+            batch_scores.append(
+                _name_participants(dw, db, batch_truth[-1], participants, gallery, gallery_labels)
+            )
             batch_chance.append(len(participants) / identities)
     out["client_head"] = head_source
     if view.updates == "each client's update":
@@ -419,10 +445,13 @@ def _leakage(run: RunContext, view: View, settings: AuditSettings) -> dict[str, 
             "mean_one_minus_cosine_to_truth": float(np.mean(single_err)) if single_err else None,
             "clients": len(single_hits),
         }
+        mean = {k: float(np.mean([b[k] for b in batch_scores])) for k in batch_scores[0]}
         out[f"single_client_batch_{batch}"] = {
-            "participant_precision": float(np.mean(batch_prec)),
+            "participant_precision": max(mean["row_ratios"], mean["span"]),
+            "by_attack": {"row_ratios": mean["row_ratios"], "span": mean["span"]},
+            "exact_inputs": mean["exact_inputs"],
             "chance": float(np.mean(batch_chance)),
-            "clients": len(batch_prec),
+            "clients": len(batch_scores),
         }
     for name, parts, ids, truths in (
         ("secure_sum_one_image_each", singles, single_ids, single_truth),
@@ -433,18 +462,11 @@ def _leakage(run: RunContext, view: View, settings: AuditSettings) -> dict[str, 
         everyone = torch.unique(torch.cat(ids))
         inputs = torch.cat(truths)
         rec = recover_fc_inputs(total_w, total_b)
-        by_row = participant_precision(
-            identify(rec.vectors[:64], gallery, gallery_labels), everyone
-        )
-        span = participant_precision(
-            span_membership(total_w, gallery, gallery_labels, rank=inputs.shape[0]), everyone
-        )
+        named = _name_participants(total_w, total_b, inputs, everyone, gallery, gallery_labels)
         out[name] = {
-            "participant_precision": max(by_row, span),
-            "by_attack": {"row_ratios": by_row, "span": span},
-            "exact_inputs": participant_precision(
-                identify(inputs, gallery, gallery_labels), everyone
-            ),
+            "participant_precision": max(named["row_ratios"], named["span"]),
+            "by_attack": {"row_ratios": named["row_ratios"], "span": named["span"]},
+            "exact_inputs": named["exact_inputs"],
             "chance": int(everyone.numel()) / identities,
             "clients": len(parts),
             "participants": int(everyone.numel()),

@@ -169,6 +169,8 @@ def test_leakage_single_client_update_exact_and_the_sum_mixes(
     assert summed["rank"] == summed["images"] == 3
     assert summed["participant_precision"] == max(summed["by_attack"].values())
     assert 0.0 <= summed["exact_inputs"] <= 1.0
+    per_client = leak["single_client_batch_16"]  # one client's batch: both attacks
+    assert per_client["participant_precision"] == max(per_client["by_attack"].values())
     batch = leak["secure_sum_batch_16"]  # flagged when every identity took part
     assert ("uninformative" in batch) == (batch["chance"] == 1.0)
     assert runs["fedpe"]["attacks"]["leakage"]["curious_client"]["applicable"] is False
