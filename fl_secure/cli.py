@@ -85,10 +85,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     code = _report(result.summary, result.run_dir, args.json)
     if args.audit and not args.json:
-        from audits.run_audit import AuditSettings, audit_run
+        from audits.run_audit import AuditSettings, audit_run, summary_lines
 
         print("auditing the run (what each party could reconstruct) ...")
-        audit_run(result.run_dir, AuditSettings(), progress=True)
+        for line in summary_lines(audit_run(result.run_dir, AuditSettings(), progress=True)):
+            print(line)
         print(f"audit: {result.run_dir / 'audit' / 'results.json'}")
     if args.report and not args.json:
         from fl_secure.report import write_report

@@ -14,12 +14,13 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from audits.mechanism import Mechanism, audit_mechanism
-from audits.run_audit import AuditSettings, audit_run, table_rows
+from audits.run_audit import AuditSettings, audit_run, summary_lines, table_rows
 from audits.simulated import write_simulated_run
 from fl_secure.cli import main
 from fl_secure.config import config_from_dict
@@ -241,6 +242,24 @@ def test_cli_audit_prints_every_attack_beside_chance(
     assert f"from the exact inputs {exact:.2f}; chance {chance:.2f})" in out
     assert "curious_client: update leakage: this party receives no client's update" in out
     assert out.index("server: head") < out.index("curious_client: head")
+
+
+def test_train_with_audit_prints_what_audit_prints(
+    runs: dict[str, dict[str, Any]], capsys, monkeypatch, tmp_path: Path
+) -> None:
+    # Prepare: `train --audit` whose training returns an existing run (no second training).
+    run = Path(runs["fedavg"]["run"])
+    (tmp_path / "config.toml").write_text(TINY.format(algorithm="fedavg"))
+    trained = SimpleNamespace(summary=json.loads((run / "summary.json").read_text()), run_dir=run)
+    monkeypatch.setattr("server.embedded.run_embedded", lambda *a, **k: trained)
+    # Execute
+    assert main(["train", "--config", str(tmp_path / "config.toml"), "--audit"]) == 0
+    # Assert: every line of the audit's summary, from the results it wrote
+    out = capsys.readouterr().out
+    lines = summary_lines(json.loads((run / "audit" / "results.json").read_text()))
+    assert len(lines) >= 6  # inversion x 2 parties, templates, leakage, canary
+    for line in lines:
+        assert line in out
 
 
 def test_a_fedaffect_run_is_refused_by_name_before_any_work(tmp_path: Path, capsys) -> None:
