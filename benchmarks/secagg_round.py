@@ -13,7 +13,11 @@ updates into the running mean; the secure round runs SecAgg (or SecAgg+ with ``-
 end to end: signed key advertisements, encrypted shares, masked uploads (32-bit words at the
 default modulus), unmasking.
 Sides alternate over ``--repeats`` runs; medians are reported with their ratio (goal: secure
-<= 1.5x plaintext at n = 10, d = 1e6). ``--ckks`` adds a CKKS round (TenSEAL: encrypted
+<= 1.5x plaintext at n = 10, d = 1e6). With client processes the CPU time of each counted
+round is reported too: the server process (``time.process_time``) and every client process
+(the nanosecond run time of each of its threads, ``/proc/PID/task/*/schedstat``), between the
+ends of consecutive rounds. Other tenants of the machine change the wall times more than they
+change these. ``--ckks`` adds a CKKS round (TenSEAL: encrypted
 uploads, server-side ciphertext sum, two clients decrypt) to the same alternation.
 
 Usage: python benchmarks/secagg_round.py [--clients 10] [--params 1000000] [--repeats 3]
@@ -134,10 +138,29 @@ def one_round(certs: Path, out: Path, clients: int, params: int, secure: str, k:
     return elapsed
 
 
+def _threads_cpu_s(pids: list[int]) -> float | None:
+    """CPU seconds the live threads of these processes have run (None without Linux /proc)."""
+    total = 0
+    for pid in pids:
+        tasks = Path(f"/proc/{pid}/task")
+        if not tasks.is_dir():
+            return None
+        for task in tasks.iterdir():
+            try:
+                total += int((task / "schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):  # the thread ended meanwhile
+                continue
+    return total / 1e9
+
+
 def process_rounds(
     certs: Path, out: Path, clients: int, params: int, secure: str, k: int, rounds: int
-) -> list[float]:
-    """Each round's ``duration_s`` (task out to aggregate applied), clients in processes."""
+) -> tuple[list[float], list[tuple[float, float]]]:
+    """Each round's ``duration_s`` (task out to aggregate applied), clients in processes.
+
+    Also each round's CPU seconds as ``(server, clients)``, from the end of the previous round
+    (the first from the start of the run) to the end of this one; empty without /proc.
+    """
     coord = _coordinator(certs, out, clients, params, secure, k, rounds=rounds)
     server, port = start_server(coord, "127.0.0.1:0", cert_dir=certs)
     workers = [
@@ -157,9 +180,18 @@ def process_rounds(
         for i in range(clients)
     ]
     durations: list[float] = []
+    marks: list[tuple[float, float | None]] = []
+    pids = [w.pid for w in workers]
+
+    def mark(record: dict[str, Any] | None = None) -> None:
+        marks.append((time.process_time(), _threads_cpu_s(pids)))
+        if record is not None:
+            durations.append(float(record["duration_s"]))
+
     try:
         _await_clients(coord, clients, workers)
-        coord.run(on_round=lambda record: durations.append(float(record["duration_s"])))
+        mark()
+        coord.run(on_round=mark)
         coord.wait_clients_finished(timeout=10.0)
     finally:
         server.stop(grace=None)
@@ -169,7 +201,12 @@ def process_rounds(
             except subprocess.TimeoutExpired:
                 w.kill()
     _check(coord, secure, clients, rounds)
-    return durations
+    cpu = [
+        (server - marks[i][0], ours - theirs)
+        for i, (server, ours) in enumerate(marks[1:])
+        if ours is not None and (theirs := marks[i][1]) is not None
+    ]
+    return durations, cpu
 
 
 def worker(address: str, certs: str, client_id: str, shift: float) -> None:
@@ -180,6 +217,27 @@ def worker(address: str, certs: str, client_id: str, shift: float) -> None:
         lambda reply: trainer,  # type: ignore[arg-type,return-value]
         max_wait=60.0,
     ).run()
+
+
+def _cpu_summary(cpu: dict[str, list[tuple[float, float]]], scheme: str) -> dict[str, Any]:
+    """Median CPU seconds per round (server, clients, both) per side, and the secure/plain ratio."""
+    if not cpu["none"] or not cpu[scheme]:
+        return {}
+    per_side = {
+        side: {
+            "server": round(statistics.median(s for s, _ in rounds), 3),
+            "clients": round(statistics.median(c for _, c in rounds), 3),
+            "total": round(statistics.median(s + c for s, c in rounds), 3),
+        }
+        for side, rounds in cpu.items()
+        if rounds
+    }
+    return {
+        "cpu_per_round_s": per_side,
+        "cpu_ratio_secure_to_plaintext": round(
+            per_side[scheme]["total"] / per_side["none"]["total"], 3
+        ),
+    }
 
 
 def main() -> None:
@@ -216,6 +274,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"none": [], scheme: []}
     if args.ckks:
         times["ckks"] = []
+    cpu: dict[str, list[tuple[float, float]]] = {side: [] for side in times}
     with tempfile.TemporaryDirectory() as tmp:
         certs = Path(tmp) / "certs"
         init_certificates(certs, clients=args.clients)
@@ -226,8 +285,9 @@ def main() -> None:
                 if args.clients_as == "threads":
                     times[side].append(one_round(certs, Path(tmp), *run))
                 else:
-                    durations = process_rounds(certs, Path(tmp), *run, rounds=args.rounds)
+                    durations, used = process_rounds(certs, Path(tmp), *run, rounds=args.rounds)
                     times[side] += durations[args.warmup :]
+                    cpu[side] += used[args.warmup :]
     plain, secure = statistics.median(times["none"]), statistics.median(times[scheme])
     result = {
         "clients": args.clients,
@@ -247,6 +307,7 @@ def main() -> None:
             if args.ckks
             else {}
         ),
+        **_cpu_summary(cpu, scheme),
         "runs_s": {k: [round(v, 3) for v in vs] for k, vs in times.items()},
         "clients_as": args.clients_as,
         "note": (
