@@ -47,6 +47,7 @@ from audits.inversion import (
 )
 from audits.judge import Evaluator, EvaluatorConfig, judge, train_evaluator
 from audits.leakage import (
+    RecoveredInputs,
     identify,
     identify_head_templates,
     participant_precision,
@@ -355,7 +356,7 @@ def _numerical_rank(weight: torch.Tensor) -> int:
 
 def _name_participants(
     dw: torch.Tensor,
-    db: torch.Tensor,
+    rec: RecoveredInputs,
     inputs: torch.Tensor,
     participants: torch.Tensor,
     gallery: torch.Tensor,
@@ -363,17 +364,26 @@ def _name_participants(
 ) -> dict[str, float]:
     """Precision of the identities named from an update by each attack, and from its inputs.
 
-    Row ratios (:func:`recover_fc_inputs`, the 64 largest-bias rows), the span of the update's
-    row space (:func:`span_membership`, told the number of inputs), and the exact inputs (the
-    reference an attack that lost nothing would reach).
+    Row ratios (``rec``, the update's :func:`recover_fc_inputs`: its 64 largest-bias rows),
+    the span of the update's row space (:func:`span_membership`, told the number of inputs),
+    and the exact inputs (the reference an attack that lost nothing would reach).
     """
-    rows = identify(recover_fc_inputs(dw, db).vectors[:64], gallery, gallery_labels)
+    rows = identify(rec.vectors[:64], gallery, gallery_labels)
     span = span_membership(dw, gallery, gallery_labels, rank=inputs.shape[0])
     exact = identify(inputs, gallery, gallery_labels)
     return {
         "row_ratios": participant_precision(rows, participants),
         "span": participant_precision(span, participants),
         "exact_inputs": participant_precision(exact, participants),
+    }
+
+
+def _naming_entry(named: dict[str, float]) -> dict[str, Any]:
+    """The better attack's precision, each attack's, and the exact-input reference."""
+    return {
+        "participant_precision": max(named["row_ratios"], named["span"]),
+        "by_attack": {"row_ratios": named["row_ratios"], "span": named["span"]},
+        "exact_inputs": named["exact_inputs"],
     }
 
 
@@ -433,8 +443,9 @@ def _leakage(run: RunContext, view: View, settings: AuditSettings) -> dict[str, 
         batch_truth.append(_penultimate(backbone, run.plan.clients[k].train.images[idx]))
         if view.updates == "each client's update":
             participants = torch.unique(run.plan.clients[k].train.labels[idx])
+            rec = recover_fc_inputs(dw, db)
             batch_scores.append(
-                _name_participants(dw, db, batch_truth[-1], participants, gallery, gallery_labels)
+                _name_participants(dw, rec, batch_truth[-1], participants, gallery, gallery_labels)
             )
             batch_chance.append(len(participants) / identities)
     out["client_head"] = head_source
@@ -447,9 +458,7 @@ def _leakage(run: RunContext, view: View, settings: AuditSettings) -> dict[str, 
         }
         mean = {k: float(np.mean([b[k] for b in batch_scores])) for k in batch_scores[0]}
         out[f"single_client_batch_{batch}"] = {
-            "participant_precision": max(mean["row_ratios"], mean["span"]),
-            "by_attack": {"row_ratios": mean["row_ratios"], "span": mean["span"]},
-            "exact_inputs": mean["exact_inputs"],
+            **_naming_entry(mean),
             "chance": float(np.mean(batch_chance)),
             "clients": len(batch_scores),
         }
@@ -462,11 +471,9 @@ def _leakage(run: RunContext, view: View, settings: AuditSettings) -> dict[str, 
         everyone = torch.unique(torch.cat(ids))
         inputs = torch.cat(truths)
         rec = recover_fc_inputs(total_w, total_b)
-        named = _name_participants(total_w, total_b, inputs, everyone, gallery, gallery_labels)
+        named = _name_participants(total_w, rec, inputs, everyone, gallery, gallery_labels)
         out[name] = {
-            "participant_precision": max(named["row_ratios"], named["span"]),
-            "by_attack": {"row_ratios": named["row_ratios"], "span": named["span"]},
-            "exact_inputs": named["exact_inputs"],
+            **_naming_entry(named),
             "chance": int(everyone.numel()) / identities,
             "clients": len(parts),
             "participants": int(everyone.numel()),
