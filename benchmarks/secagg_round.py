@@ -16,8 +16,7 @@ Sides alternate over ``--repeats`` runs; medians are reported with their ratio (
 <= 1.5x plaintext at n = 10, d = 1e6). With client processes the CPU time of each counted
 round is reported too: the server process (``time.process_time``) and every client process
 (the nanosecond run time of each of its threads, ``/proc/PID/task/*/schedstat``), between the
-ends of consecutive rounds. Other tenants of the machine change the wall times more than they
-change these. ``--ckks`` adds a CKKS round (TenSEAL: encrypted
+ends of consecutive rounds. ``--ckks`` adds a CKKS round (TenSEAL: encrypted
 uploads, server-side ciphertext sum, two clients decrypt) to the same alternation.
 
 Usage: python benchmarks/secagg_round.py [--clients 10] [--params 1000000] [--repeats 3]
@@ -201,10 +200,10 @@ def process_rounds(
             except subprocess.TimeoutExpired:
                 w.kill()
     _check(coord, secure, clients, rounds)
-    cpu = [
-        (server - marks[i][0], ours - theirs)
-        for i, (server, ours) in enumerate(marks[1:])
-        if ours is not None and (theirs := marks[i][1]) is not None
+    cpu = [  # (server, clients) between consecutive marks
+        (server - marks[i][0], clients - before)
+        for i, (server, clients) in enumerate(marks[1:])
+        if clients is not None and (before := marks[i][1]) is not None
     ]
     return durations, cpu
 
