@@ -180,8 +180,9 @@ def _named(fed: Federation, vectors: torch.Tensor, cohort: torch.Tensor) -> floa
 
 
 def test_exact_inputs_identify_the_cohort(fed: Federation) -> None:
-    # The ceiling of any attack on the sum: an attacker who knew every participant's input
-    # exactly names the 10 identities best matched by them (measured 0.75 = 3x chance).
+    # The reference for attacks on the sum: an attacker who knew every participant's input
+    # exactly names the 10 identities best matched by them (measured 0.75 = 3x chance). It is
+    # not a ceiling: a span scores gallery faces differently and may do better.
     scores = []
     for cohort in cohorts(8):
         truths = fed.features(fed.data.images[cohort * PER_ID])
