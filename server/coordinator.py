@@ -437,7 +437,7 @@ class Coordinator:
                     if self._round is not rnd or sec.aborted or self._stop.is_set():
                         return
                     if not alive():
-                        where = STAGE_NAMES.get(sec.stage, str(sec.stage))
+                        where = STAGE_NAMES[sec.stage]
                         self._client_gone(rnd, client_id, f"disconnected at {where}")
                         return
         finally:
