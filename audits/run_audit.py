@@ -494,8 +494,10 @@ def _leakage(run: RunContext, view: View, settings: AuditSettings) -> dict[str, 
         "two attacks: row ratios (dW[i] / db[i]) and the span (the sum's row space is the "
         "span of its inputs; the attacker is told how many images went in); exact_inputs is "
         "what naming from the inputs themselves scores (an attack on the sum that reaches it "
-        "lost nothing to the summation); rank is the sum's numerical rank; chance = "
-        "participants / gallery identities"
+        "lost nothing to the summation); rank is the sum's numerical rank; "
+        "max_cosine_to_a_single_input is the closest a row-ratio vector of the sum comes to "
+        "one participant's input (near 1: a row dominated by one input gives it away); "
+        "chance = participants / gallery identities"
     )
     return out
 

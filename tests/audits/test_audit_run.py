@@ -156,7 +156,7 @@ def test_fedgc_server_view_is_attacked_with_its_copy_of_the_heads(
     assert views["curious_client"]["head_rows_of_targets"] == 0
 
 
-def test_leakage_single_client_update_exact_and_the_sum_mixes(
+def test_leakage_single_client_update_exact_and_the_sum_spans_the_inputs(
     runs: dict[str, dict[str, Any]],
 ) -> None:
     leak = runs["fedpe"]["attacks"]["leakage"]["server"]
@@ -165,8 +165,10 @@ def test_leakage_single_client_update_exact_and_the_sum_mixes(
     assert single["mean_one_minus_cosine_to_truth"] < 1e-5  # exact up to float error
     assert single["top1"] > single["chance"]  # measured 0.67 vs 1/24
     summed = leak["secure_sum_one_image_each"]
-    assert summed["max_cosine_to_a_single_input"] < 0.999  # no input recovered from the sum
-    # ...but the sum of three one-image updates has rank 3: its row space is their span
+    # A sum does not hide its inputs: a row dominated by one input gives it away (measured
+    # cosine 0.997 here, 0.9999 on a FedAvg SecAgg run), so no bound is asserted on it.
+    assert -1.0 <= summed["max_cosine_to_a_single_input"] <= 1.0 + 1e-6
+    # The sum of three one-image updates has rank 3: its row space is their span
     assert summed["rank"] == summed["images"] == 3
     assert summed["participant_precision"] == max(summed["by_attack"].values())
     assert 0.0 <= summed["exact_inputs"] <= 1.0
