@@ -72,7 +72,7 @@ def grpc_mb_s(params: OrderedDict[str, np.ndarray], rounds: int = 3) -> dict[str
 
 
 SERVER_SNIPPET = r"""
-import sys, json, threading
+import os, sys, json, threading
 from pathlib import Path
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
 import numpy as np
@@ -108,7 +108,12 @@ def server_peak_kb(n: int, clients: int) -> dict[str, object]:
         port_file = Path(tmp) / "port"
         deadline = time.time() + 120
         while not port_file.exists() and time.time() < deadline:
+            if proc.poll() is not None:
+                raise SystemExit(f"the benchmark's server process exited ({proc.returncode})")
             time.sleep(0.1)
+        if not port_file.exists():
+            proc.kill()
+            raise SystemExit("the benchmark's server process did not start within 120 s")
         port = int(port_file.read_text())
         threads = []
         for i in range(clients):
