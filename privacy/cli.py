@@ -10,6 +10,7 @@ leaf sets ``func`` to a function ``(argparse.Namespace) -> int`` (exit code). Wi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -21,7 +22,7 @@ from fl_secure.errors import PrivacyError
 from privacy.accountants.accountant import ADJACENCY, SAMPLINGS
 from privacy.accountants.registry import ACCOUNTANTS, DEFAULT_CLIENT_LEVEL
 from privacy.calibration import calibrate_noise, epsilon_for
-from privacy.ledger import Ledger, LedgerError, format_ledger, ledger_json
+from privacy.ledger import Ledger, LedgerError, format_ledger, ledger_json, recorded_head
 
 
 def _number(flag: str, ok: Callable[[float], bool], allowed: str) -> Callable[[str], float]:
@@ -115,7 +116,12 @@ def add_privacy_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     g = sub.add_parser("ledger", help="print a run's privacy ledger; --verify checks its chain")
     g.add_argument("--run", type=Path, required=True, help="run directory (has ledger.sqlite)")
-    g.add_argument("--verify", action="store_true", help="check the hash chain; exit 1 if broken")
+    g.add_argument(
+        "--verify",
+        action="store_true",
+        help="check the hash chain, and against the entry count and head summary.json recorded "
+        "when the run ended (catches entries dropped from the end); exit 1 on any problem",
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     g.set_defaults(func=cmd_ledger)
     return p
@@ -124,23 +130,64 @@ def add_privacy_parser(subparsers: Any) -> argparse.ArgumentParser:
 def cmd_ledger(args: argparse.Namespace) -> int:
     """``privacy ledger``: the entries of a run's ledger and, with --verify, the chain check."""
     path = args.run / "ledger.sqlite"
+    record, record_note = _recorded(args.run) if args.verify else (None, None)
     try:
         with Ledger.read(path) as ledger:
             entries = ledger.entries()
-            result = ledger.verify() if args.verify else None
+            result = ledger.verify(recorded=record) if args.verify else None
             run_id = ledger.run_id
     except LedgerError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2
+    if result is not None and record_note is not None:
+        result = dataclasses.replace(result, ok=False, problems=[*result.problems, record_note])
     if args.json:
-        sys.stdout.write(json.dumps(ledger_json(entries, result, run_id=run_id)) + "\n")
+        out = ledger_json(entries, result, run_id=run_id)
+        if result is not None:
+            out["verify"] = {
+                "ok": result.ok,
+                "problems": list(result.problems),
+                "checked_against_summary": None
+                if record is None
+                else {"entries": record[0], "head": record[1]},
+                "entries_after_summary": result.after_record,
+            }
+        sys.stdout.write(json.dumps(out) + "\n")
     else:
         print(format_ledger(entries))
         if result is not None:
             print("chain verified: OK" if result.ok else "chain BROKEN:")
             for problem in result.problems:
                 print(f"  {problem}")
+            if record is not None:
+                print(
+                    f"checked against summary.json: {record[0]} entries, head {record[1][:12]}"
+                    + (
+                        f" ({result.after_record} appended since: a resumed run still going?)"
+                        if result.after_record
+                        else ""
+                    )
+                )
+            elif record_note is None:
+                print(
+                    "note: no summary.json with the ledger's head (the run has not ended): "
+                    "entries dropped from the end cannot be detected"
+                )
     return 0 if result is None or result.ok else 1
+
+
+def _recorded(run: Path) -> tuple[tuple[int, str] | None, str | None]:
+    """The ``(entries, head)`` summary.json recorded, or a problem if it cannot be read."""
+    path = run / "summary.json"
+    if not path.exists():
+        return None, None
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, f"summary.json: unreadable ({exc}); the ledger's head cannot be checked"
+    if not isinstance(summary, dict):
+        return None, "summary.json: not a JSON object; the ledger's head cannot be checked"
+    return recorded_head(summary), None
 
 
 def _check_population(args: argparse.Namespace) -> None:

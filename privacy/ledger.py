@@ -150,6 +150,8 @@ class VerifyResult:
     problems: list[str] = field(default_factory=list)
     entries: int = 0
     head: str = ""
+    #: entries appended after the recorded ``(entries, head)`` (a resumed run still going)
+    after_record: int = 0
 
 
 def check_payload(kind: str, payload: Mapping[str, Any]) -> None:
@@ -363,8 +365,18 @@ class Ledger:
         newest = self.last()
         return genesis_hash(self.run_id) if newest is None else newest.hash
 
-    def verify(self, expected_head: str | None = None) -> VerifyResult:
-        """Recheck meta and the whole chain; ``expected_head`` also catches a dropped tail."""
+    def verify(
+        self, expected_head: str | None = None, *, recorded: tuple[int, str] | None = None
+    ) -> VerifyResult:
+        """Recheck meta and the whole chain; a head kept elsewhere also catches a dropped tail.
+
+        Args:
+            expected_head: The hash the newest entry must have.
+            recorded: ``(entries, head)`` written elsewhere when the run ended (``summary.json``):
+                the ledger must hold at least that many entries and its ``entries``-th must
+                have that hash. Entries after it are counted in ``after_record``, not flagged
+                (a resumed run appends to a ledger whose summary is older).
+        """
         with self._lock:
             conn = self._db()
             meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
@@ -385,7 +397,37 @@ class Ledger:
                 f"seq {expected_seq - 1}: ledger head {head[:12]} is not the expected "
                 f"{expected_head[:12]} (entries dropped from the end, or the chain rewritten)"
             )
-        return VerifyResult(ok=not problems, problems=problems, entries=len(rows), head=head)
+        after = 0
+        if recorded is not None:
+            count, recorded_head = recorded
+            if len(rows) < count:
+                problems.append(
+                    f"seq {expected_seq - 1}: the ledger has {len(rows)} entries but the run "
+                    f"recorded {count} ending at {recorded_head[:12]} (entries dropped from "
+                    "the end)"
+                )
+            else:
+                at = genesis_hash(self.run_id) if count == 0 else str(rows[count - 1][7])
+                if at != recorded_head:
+                    problems.append(
+                        f"seq {count}: hash {at[:12]} is not the head {recorded_head[:12]} the "
+                        "run recorded (the chain was rewritten)"
+                    )
+                after = len(rows) - count
+        return VerifyResult(
+            ok=not problems, problems=problems, entries=len(rows), head=head, after_record=after
+        )
+
+
+def recorded_head(summary: Mapping[str, Any]) -> tuple[int, str] | None:
+    """``(entries, head)`` of the ledger as a run's ``summary.json`` recorded them, if it did."""
+    privacy = summary.get("privacy")
+    if not isinstance(privacy, Mapping):
+        return None
+    count, head = privacy.get("ledger_entries"), privacy.get("ledger_head")
+    if isinstance(count, int) and not isinstance(count, bool) and isinstance(head, str):
+        return count, head
+    return None
 
 
 def _connect(path: Path, mode: str) -> sqlite3.Connection:
@@ -541,6 +583,22 @@ def _short(value: JsonValue) -> str:
     return canonical_json(value)
 
 
+def ledger_guarantee(entries: Sequence[Entry]) -> tuple[JsonValue, JsonValue]:
+    """``(epsilon, delta)`` the ledger's entries state for the run (``None`` without any).
+
+    Client level: the newest ``client_level`` entry (each carries the running total).
+    Example level: the worst client's, each client's entries being cumulative.
+    """
+    client = [e for e in entries if e.kind == "client_level"]
+    example = [e for e in entries if e.kind == "example_level"]
+    if client:
+        return client[-1].payload.get("epsilon"), client[-1].payload.get("delta")
+    if example:
+        worst = max(example, key=lambda e: float(e.payload.get("epsilon") or 0.0))  # type: ignore[arg-type]
+        return worst.payload.get("epsilon"), worst.payload.get("delta")
+    return None, None
+
+
 def ledger_json(
     entries: Sequence[Entry], verify_result: VerifyResult | None, *, run_id: str | None = None
 ) -> dict[str, JsonValue]:
@@ -548,13 +606,7 @@ def ledger_json(
     client = [e for e in entries if e.kind == "client_level"]
     example = [e for e in entries if e.kind == "example_level"]
     recorded = client or example
-    epsilon: JsonValue = None
-    delta: JsonValue = None
-    if client:
-        epsilon, delta = client[-1].payload.get("epsilon"), client[-1].payload.get("delta")
-    elif example:  # the run's guarantee is the worst client's (each reports its cumulative)
-        worst = max(example, key=lambda e: float(e.payload.get("epsilon") or 0.0))  # type: ignore[arg-type]
-        epsilon, delta = worst.payload.get("epsilon"), worst.payload.get("delta")
+    epsilon, delta = ledger_guarantee(entries)
     out: dict[str, JsonValue] = {
         "format_version": FORMAT_VERSION,
         "run_id": run_id,

@@ -55,7 +55,7 @@ def build_report(run_dir: Path) -> dict[str, Any]:
     config = tomllib.loads(config_text.decode("utf-8"))
     audit_path = run.path / "audit" / "results.json"
     audit = _read_json(audit_path, "the audit results") if audit_path.exists() else None
-    ledger = _ledger(run.path / "ledger.sqlite")
+    ledger = _ledger(run.path / "ledger.sqlite", summary)
     privacy = _privacy(summary, config, ledger)
     secure = _secure_aggregation(summary, metrics)
     report: dict[str, Any] = {
@@ -86,14 +86,20 @@ def build_report(run_dir: Path) -> dict[str, Any]:
     return report
 
 
-def _ledger(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        return {"present": False, "source": "ledger.sqlite"}
-    from privacy.ledger import Ledger
+def _ledger(path: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    from privacy.ledger import Ledger, ledger_guarantee, recorded_head
 
+    recorded = recorded_head(summary)
+    if not path.exists():
+        return {
+            "present": False,
+            "recorded_entries": None if recorded is None else recorded[0],
+            "source": "ledger.sqlite",
+        }
     with Ledger.read(path) as ledger:
-        result = ledger.verify()
+        result = ledger.verify(recorded=recorded)
         entries = list(ledger.entries())
+    epsilon, delta = ledger_guarantee(entries)
     client_rows = [e for e in entries if e.kind == "client_level"]
     example_rows: dict[str, Any] = {}
     for e in entries:
@@ -113,6 +119,10 @@ def _ledger(path: Path) -> dict[str, Any]:
         "problems": list(result.problems),
         "entries": result.entries,
         "head": result.head,
+        "checked_against_summary": recorded is not None,
+        "entries_after_summary": result.after_record,
+        "epsilon": epsilon,
+        "delta": delta,
         "epsilon_by_round": [
             {"round": e.round, "epsilon": e.payload.get("epsilon"), "at": e.created_at}
             for e in client_rows
@@ -130,6 +140,7 @@ def _privacy(
     placement = summary.get("noise_placement")
     population = summary.get("num_clients")
     delta = summary.get("delta")
+    kept = ledger.get("epsilon")
     out: dict[str, Any] = {
         "setting": "cross-silo federated learning (a few institutions, each a client)",
         "differential_privacy": unit != "none",
@@ -146,7 +157,10 @@ def _privacy(
         "sampling_assumption": _sampling_note(p),
         "rounds_accounted": p.get("rounds_accounted"),
         "accountant": summary.get("accountant"),
-        "epsilon": summary.get("epsilon"),
+        # the ledger is the record; summary.json's copy is kept beside it (a warning if apart)
+        "epsilon": summary.get("epsilon") if kept is None else kept,
+        "epsilon_in_summary": summary.get("epsilon"),
+        "epsilon_source": "summary.json" if kept is None else "ledger.sqlite",
         "delta": delta,
         "population": population,
         "delta_below_one_over_population": (
@@ -392,6 +406,26 @@ def _warnings(report: dict[str, Any], config: dict[str, Any]) -> list[dict[str, 
                 "(central placement): the guarantee holds only if the server is trusted.",
             }
         )
+    led = report["ledger"]
+    if not led.get("present") and (led.get("recorded_entries") or 0) > 0:
+        w.append(
+            {
+                "code": "ledger-missing",
+                "message": f"ledger.sqlite is missing, but the run recorded "
+                f"{led['recorded_entries']} ledger entries: the privacy statement cannot be "
+                "checked against its record.",
+            }
+        )
+    stated, kept = p.get("epsilon_in_summary"), led.get("epsilon")
+    if isinstance(stated, (int, float)) and isinstance(kept, (int, float)):
+        if not math.isclose(stated, kept, rel_tol=1e-9, abs_tol=1e-12):
+            w.append(
+                {
+                    "code": "ledger-summary-mismatch",
+                    "message": f"summary.json states epsilon = {stated:.6g} but the privacy "
+                    f"ledger records {kept:.6g}; this report states the ledger's.",
+                }
+            )
     if report["ledger"].get("present") and not report["ledger"].get("verified"):
         w.append(
             {

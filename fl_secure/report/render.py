@@ -298,7 +298,7 @@ def render_html(
         cls = "ok" if led["verified"] else "bad"
         parts.append(
             f"<p>Hash chain: <b class='{cls}'>{e(status)}</b>, {led['entries']} "
-            f"entries, head <code>{e(str(led['head']))}</code>.</p>"
+            f"entries, head <code>{e(str(led['head']))}</code>. {e(_against(led))}</p>"
         )
         parts.append(
             img(
@@ -323,7 +323,7 @@ def render_html(
                 )
             )
     else:
-        parts.append("<p>No ledger: this run spent no privacy budget.</p>")
+        parts.append(f"<p>{e(_no_ledger(led))}</p>")
     parts.append("<h2>Secure aggregation</h2>")
     parts.append(
         f"<p>Scheme: <b>{e(sa['scheme'])}</b>. Server sees: {e(fmt(sa['server_sees']))}."
@@ -438,7 +438,7 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
     if led.get("present"):
         out.append(
             f"Hash chain: **{'verified' if led['verified'] else 'FAILED'}**, "
-            f"{led['entries']} entries, head `{led['head']}`."
+            f"{led['entries']} entries, head `{led['head']}`. {_against(led)}"
         )
         out += ["", "![epsilon versus round](epsilon.svg)"]
         if led["example_level"]:
@@ -453,7 +453,7 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
                 ),
             ]
     else:
-        out.append("No ledger: this run spent no privacy budget.")
+        out.append(_no_ledger(led))
     out += [
         "",
         "## Secure aggregation",
@@ -538,3 +538,21 @@ def print_pdf(html_path: Path, pdf_path: Path, chromium: str) -> None:
             capture_output=True,
             timeout=120,
         )
+
+
+def _no_ledger(led: dict[str, Any]) -> str:
+    if led.get("recorded_entries"):
+        return (
+            f"No ledger: ledger.sqlite is MISSING, though the run recorded "
+            f"{led['recorded_entries']} entries."
+        )
+    return "No ledger: this run spent no privacy budget."
+
+
+def _against(led: dict[str, Any]) -> str:
+    if not led.get("checked_against_summary"):
+        return "No head recorded in summary.json: entries dropped from the end go unseen."
+    after = led.get("entries_after_summary") or 0
+    return "Checked against the entry count and head summary.json recorded" + (
+        f" ({after} entries appended since)." if after else "."
+    )

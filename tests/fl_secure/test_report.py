@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -144,6 +145,51 @@ def test_tampered_ledger_is_reported_up_front(run_dir: Path, tmp_path: Path) -> 
     report = build_report(copy)
     assert report["ledger"]["verified"] is False
     assert "ledger-tampered" in [w["code"] for w in report["warnings"]]
+
+
+def test_report_checks_the_ledger_against_what_the_run_recorded(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    import shutil
+    import sqlite3
+
+    def copy(name: str) -> Path:
+        out = tmp_path / name
+        shutil.copytree(run_dir, out, ignore=shutil.ignore_patterns("report"))
+        return out
+
+    def codes(report: dict[str, Any]) -> list[str]:
+        return [w["code"] for w in report["warnings"]]
+
+    report = build_report(run_dir)
+    assert report["ledger"]["checked_against_summary"] is True
+    assert report["privacy"]["epsilon_source"] == "ledger.sqlite"
+    assert report["ledger"]["epsilon"] == report["ledger"]["epsilon_by_round"][-1]["epsilon"]
+    # the newest rows dropped: a valid chain on its own, but shorter than the run recorded
+    short = copy("short")
+    with sqlite3.connect(short / "ledger.sqlite") as db:
+        db.execute("DELETE FROM entries WHERE seq > 1")
+    report = build_report(short)
+    assert report["ledger"]["verified"] is False and "ledger-tampered" in codes(report)
+    assert "entries dropped from the end" in report["ledger"]["problems"][0]
+    # summary.json edited to a smaller epsilon: the report states the ledger's, and says so
+    edited = copy("edited")
+    summary = json.loads((edited / "summary.json").read_text())
+    kept = summary["epsilon"]
+    summary["epsilon"] = 0.5
+    (edited / "summary.json").write_text(json.dumps(summary))
+    report = build_report(edited)
+    assert report["privacy"]["epsilon"] == kept and report["privacy"]["epsilon_in_summary"] == 0.5
+    assert "ledger-summary-mismatch" in codes(report)
+    assert "ledger-summary-mismatch" not in codes(build_report(run_dir))
+    # the ledger deleted: not presented as a run that spent no budget
+    gone = copy("gone")
+    (gone / "ledger.sqlite").unlink()
+    report = build_report(gone)
+    assert report["ledger"]["recorded_entries"] == summary["privacy"]["ledger_entries"] > 0
+    assert "ledger-missing" in codes(report)
+    written = write_report(gone, ["md"], out=tmp_path / "gone-report")
+    assert "ledger.sqlite is MISSING" in written["md"].read_text()
 
 
 def test_secure_aggregation_without_dp_is_not_presented_as_hiding_the_cohort(

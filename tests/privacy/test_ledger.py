@@ -23,6 +23,7 @@ from privacy.ledger import (
     format_ledger,
     genesis_hash,
     ledger_json,
+    recorded_head,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -267,6 +268,31 @@ def test_dropped_tail_needs_the_expected_head(ledger_path: Path) -> None:
         assert ledger.verify().ok  # a truncated chain is still a valid chain ...
         result = ledger.verify(expected_head=head)  # ... unless the head was stored elsewhere
     assert not result.ok and result.problems[0].startswith("seq 5: ledger head")
+
+
+def test_recorded_head_catches_a_dropped_tail_and_a_rewrite_but_allows_appends(
+    ledger_path: Path,
+) -> None:
+    with Ledger.open(ledger_path, RUN) as ledger:
+        record = (len(ledger.entries()), ledger.head())  # what summary.json keeps: 6 entries
+        assert ledger.verify(recorded=record).ok
+        ledger.append("client_level", round=4, party="server", payload=client_payload(4))
+        grown = ledger.verify(recorded=record)  # a resumed run appends after its old summary
+    assert grown.ok and grown.after_record == 1 and grown.entries == 7
+    raw(ledger_path, "DELETE FROM entries WHERE seq >= 5")  # drop the last three rows
+    with Ledger.read(ledger_path) as ledger:
+        assert ledger.verify().ok  # a valid, shorter chain on its own
+        short = ledger.verify(recorded=record)
+    assert short.problems == [
+        f"seq 4: the ledger has 4 entries but the run recorded 6 ending at {record[1][:12]} "
+        "(entries dropped from the end)"
+    ]
+    with Ledger.read(ledger_path) as ledger:  # the same count, another chain
+        assert not ledger.verify(recorded=(4, record[1])).ok
+        assert ledger.verify(recorded=(0, genesis_hash(RUN))).after_record == 4
+    assert recorded_head({"privacy": {"ledger_entries": 6, "ledger_head": "ab"}}) == (6, "ab")
+    assert recorded_head({"privacy": {"ledger_entries": True, "ledger_head": "ab"}}) is None
+    assert recorded_head({"privacy": None}) is None and recorded_head({}) is None
 
 
 def test_read_only_view_refuses_append(ledger_path: Path, tmp_path: Path) -> None:

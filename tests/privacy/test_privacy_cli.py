@@ -38,3 +38,31 @@ def test_ledger_view_and_verify(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main(["privacy", "ledger", "--run", str(tmp_path), "--verify"]) == 1
     assert "seq 2" in capsys.readouterr().out
     assert main(["privacy", "ledger", "--run", str(tmp_path / "nope")]) == 2
+
+
+def test_ledger_verify_checks_the_head_summary_json_recorded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with Ledger.open(tmp_path / "ledger.sqlite", "run-1") as ledger:
+        for r in (1, 2, 3):
+            ledger.append("client_level", round=r, party="server", payload=PAYLOAD)
+        head = ledger.head()
+    verify = ["privacy", "ledger", "--run", str(tmp_path), "--verify"]
+    assert main(verify) == 0
+    assert "entries dropped from the end cannot be detected" in capsys.readouterr().out
+    summary = {"epsilon": 0.5, "privacy": {"ledger_entries": 3, "ledger_head": head}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert main(verify) == 0
+    assert f"checked against summary.json: 3 entries, head {head[:12]}" in capsys.readouterr().out
+    with sqlite3.connect(tmp_path / "ledger.sqlite") as conn:  # drop the newest row
+        conn.execute("DELETE FROM entries WHERE seq = 3")
+    assert main([*verify, "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["verify"]["checked_against_summary"] == {"entries": 3, "head": head}
+    assert out["verify"]["problems"] == [
+        f"seq 2: the ledger has 2 entries but the run recorded 3 ending at {head[:12]} "
+        "(entries dropped from the end)"
+    ]
+    (tmp_path / "summary.json").write_text("{not json")
+    assert main(verify) == 1
+    assert "summary.json: unreadable" in capsys.readouterr().out
