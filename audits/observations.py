@@ -38,7 +38,7 @@ from fl_secure.config import Config, load_config
 from fl_secure.data.plan import FederatedData, plan_federation
 from fl_secure.errors import CheckpointError, ConfigError
 from fl_secure.runs import RunDir
-from fl_secure.training import FaceModel, build_model, set_tensors
+from fl_secure.training import FaceModel, build_model, load_checkpoint_into
 
 Party = Literal["server", "curious_client"]
 UpdateAccess = Literal["each client's update", "only the sum", "none"]
@@ -131,7 +131,12 @@ def load_run(path: Path) -> RunContext:
     plan = plan_federation(config)
     classes = len(plan.train_identities) if strategy.shares_head else 1
     model = build_model(config.model, classes, config.data.image_size, config.run.seed)
-    set_tensors(model, checkpoint.parameters)
+    load_checkpoint_into(
+        model,
+        checkpoint.parameters,
+        source=f"the checkpoint of round {checkpoint.round} in {run.checkpoints}",
+        required="backbone.",
+    )
     model.eval()
     client_ids = [f"client-{i}" for i in range(len(plan.clients))]
     return RunContext(

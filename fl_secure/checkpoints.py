@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load, save
 
 from fl_secure.errors import CheckpointError
@@ -92,26 +92,26 @@ class CheckpointStore:
         return self._read({"file": path.name, "round": round_})
 
     def _read(self, state: dict[str, Any]) -> Checkpoint:
+        if not isinstance(state, dict):
+            raise CheckpointError(
+                f"{self.folder / 'latest.json'}: expected a JSON object, got {type(state).__name__}"
+            )
         try:
             path = self.folder / str(state.pop("file"))
             round_ = int(state.pop("round"))
             raw = path.read_bytes()
-        except (OSError, KeyError, ValueError) as exc:
-            raise CheckpointError(f"cannot read checkpoint in {self.folder}: {exc}") from exc
-        arrays = load(raw)
-        with safe_open(str(path), framework="numpy") as handle:  # metadata: parameter order
-            meta = handle.metadata() or {}
-        order = json.loads(meta.get("order", "[]")) or sorted(arrays)
+        except (OSError, KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"cannot read checkpoint in {self.folder}: {exc!r}") from exc
+        arrays, order = _read_tensors(path, raw)
         clients: dict[str, Tensors] = {}
         if "clients_file" in state:
             clients_path = self.folder / str(state.pop("clients_file"))
             try:
-                flat = load(clients_path.read_bytes())
-                with safe_open(str(clients_path), framework="numpy") as handle:
-                    keys = json.loads((handle.metadata() or {}).get("order", "[]"))
-            except (OSError, ValueError) as exc:
+                raw_clients = clients_path.read_bytes()
+            except OSError as exc:
                 raise CheckpointError(f"cannot read per-client state: {exc}") from exc
-            for key in keys or sorted(flat):
+            flat, keys = _read_tensors(clients_path, raw_clients)
+            for key in keys:
                 client, _, name = key.partition("/")
                 clients.setdefault(client, OrderedDict())[name] = flat[key]
         return Checkpoint(
@@ -120,3 +120,21 @@ class CheckpointStore:
             state=state,
             client_tensors=clients,
         )
+
+
+def _read_tensors(path: Path, raw: bytes) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Arrays of a checkpoint file and their stored order; CheckpointError names the damage."""
+    try:
+        arrays = load(raw)
+        with safe_open(str(path), framework="numpy") as handle:  # metadata: parameter order
+            meta = handle.metadata() or {}
+        order = json.loads(meta.get("order", "[]")) or sorted(arrays)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is damaged (not readable as safetensors): {exc}") from exc
+    if not isinstance(order, list) or sorted(map(str, order)) != sorted(arrays):
+        raise CheckpointError(f"{path} is damaged: its stored order does not list its tensors")
+    for name, array in arrays.items():
+        if array.dtype.kind in "fc" and not np.isfinite(array).all():
+            bad = int(array.size - np.isfinite(array).sum())
+            raise CheckpointError(f"{path} is damaged: {name!r} holds {bad} NaN/Inf values")
+    return arrays, [str(k) for k in order]

@@ -18,7 +18,7 @@ from fl_secure.data.plan import plan_federation
 from fl_secure.errors import CheckpointError
 from fl_secure.evaluation import VERIFICATION_FARS, eer, kfold_accuracy, roc_auc, tar_at_far
 from fl_secure.runs import RunDir
-from fl_secure.training import build_model, embed, evaluate_verification, set_tensors
+from fl_secure.training import build_model, embed, evaluate_verification, load_checkpoint_into
 
 
 def evaluate_run(
@@ -39,12 +39,11 @@ def evaluate_run(
     if checkpoint is None:
         raise CheckpointError(f"{run_path} has no checkpoint yet")
     backbone = build_model(config.model, 1, config.data.image_size, config.run.seed).backbone
-    prefix = "backbone."
-    set_tensors(
+    load_checkpoint_into(
         backbone,
-        type(checkpoint.parameters)(
-            (k[len(prefix) :], v) for k, v in checkpoint.parameters.items() if k.startswith(prefix)
-        ),
+        checkpoint.parameters,
+        source=f"the checkpoint of round {checkpoint.round} in {run.checkpoints}",
+        prefix="backbone.",
     )
     result: dict[str, Any] = {"run": str(run_path), "round": checkpoint.round}
     if lfw_pairs is None:

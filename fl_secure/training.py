@@ -17,6 +17,7 @@ from torch import nn
 
 from fl_secure.config import ModelConfig, TrainConfig
 from fl_secure.data.types import FaceDataset
+from fl_secure.errors import CheckpointError
 from fl_secure.evaluation import rank1, verification_metrics
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.models import get_backbone, load_pretrained, make_head
@@ -74,6 +75,37 @@ def set_tensors(model: nn.Module, tensors: Tensors) -> None:
         if name not in state or tuple(state[name].shape) != tuple(array.shape):
             raise ValueError(f"parameter {name!r} does not fit the model")
         state[name].copy_(torch.from_numpy(np.array(array, copy=True)))
+
+
+def load_checkpoint_into(
+    module: nn.Module, params: Tensors, *, source: str, prefix: str = "", required: str = ""
+) -> None:
+    """Load a checkpoint's ``prefix``-named arrays into ``module``, or say what does not fit.
+
+    Every key of ``module``'s state that starts with ``required`` must be in the checkpoint
+    (``""``: every key), and every array must match its parameter's shape.
+
+    Raises:
+        CheckpointError: naming the missing, unknown or misshapen keys and ``source``.
+    """
+    picked = type(params)((k[len(prefix) :], v) for k, v in params.items() if k.startswith(prefix))
+    state = module.state_dict()
+    missing = [prefix + k for k in state if k.startswith(required) and k not in picked]
+    unknown = [prefix + k for k in picked if k not in state]
+    shapes = [
+        f"{prefix}{k} has shape {tuple(v.shape)}, the model expects {tuple(state[k].shape)}"
+        for k, v in picked.items()
+        if k in state and tuple(v.shape) != tuple(state[k].shape)
+    ]
+    if missing or unknown or shapes:
+        problems = ([f"missing {missing[:5]}"] if missing else []) + (
+            [f"unknown {unknown[:5]}"] if unknown else []
+        )
+        raise CheckpointError(
+            f"{source} does not fit the model of the run's config: "
+            + "; ".join(problems + shapes[:5])
+        )
+    set_tensors(module, picked)
 
 
 @dataclass(frozen=True)

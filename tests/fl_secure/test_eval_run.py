@@ -58,6 +58,40 @@ def test_eval_errors_name_the_problem(tmp_path: Path) -> None:
         evaluate_run(tmp_path, round_=7)
 
 
+def test_damaged_checkpoints_are_named_not_loaded(tmp_path: Path) -> None:
+    config, run, model = _run(tmp_path)
+    store = CheckpointStore(run.checkpoints)
+    params = get_tensors(model, FedPE().shared_names(model))
+    name = next(iter(params))
+    path = run.checkpoints / "round-000003.safetensors"
+    good = path.read_bytes()
+    path.write_bytes(good[: len(good) // 2])  # truncated
+    with pytest.raises(CheckpointError, match="round-000003.safetensors is damaged"):
+        evaluate_run(run.path)
+    path.write_bytes(b"\xff" * 64)  # garbled header
+    with pytest.raises(CheckpointError, match="not readable as safetensors"):
+        evaluate_run(run.path)
+    bad = params.copy()
+    bad[name] = params[name].copy()
+    bad[name].flat[:3] = [np.nan, np.inf, -np.inf]
+    store.save(3, bad, {})
+    with pytest.raises(CheckpointError, match=f"'{name}' holds 3 NaN/Inf values"):
+        evaluate_run(run.path)
+    missing = params.copy()
+    del missing[name]  # a checkpoint that would leave one layer at its random start
+    store.save(3, missing, {})
+    with pytest.raises(CheckpointError, match=rf"missing \['{name}'\]"):
+        evaluate_run(run.path)
+    misshapen = params.copy()
+    misshapen[name] = np.zeros((2, 2), np.float32)
+    store.save(3, misshapen, {})
+    with pytest.raises(CheckpointError, match=f"{name} has shape \\(2, 2\\)"):
+        evaluate_run(run.path)
+    (run.checkpoints / "latest.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="latest.json: expected a JSON object"):
+        evaluate_run(run.path)
+
+
 @pytest.mark.skipif(not (DATA / "lfw_devtest").is_dir(), reason="LFW dev-test not available")
 def test_eval_on_lfw_dev_test_pairs(tmp_path: Path) -> None:
     _, run, model = _run(tmp_path)
