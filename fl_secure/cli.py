@@ -49,12 +49,39 @@ def _print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
 
 
+def _check_resume(args: argparse.Namespace) -> None:
+    """--resume continues a run under its own config.toml: refuse flags that would change it."""
+    if args.resume is None:
+        return
+    given = [flag for flag, used in (("--config", args.config), ("--set", args.set)) if used]
+    if given:
+        raise FlSecureError(
+            f"--resume continues {args.resume} with the config it started with (its "
+            f"config.toml): drop {' and '.join(given)}; a run's privacy accounting and "
+            "partition assume one config throughout"
+        )
+    from fl_secure.runs import RunDir
+
+    summary = RunDir(args.resume).summary
+    if summary.exists():
+        try:
+            status = json.loads(summary.read_text(encoding="utf-8")).get("status")
+        except (OSError, ValueError, AttributeError):
+            status = None
+        if status in _SUCCESS:
+            raise FlSecureError(
+                f"{args.resume} already ended ({status!r} in summary.json): there is nothing "
+                "to resume, and resuming would overwrite its summary; start a new run"
+            )
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Embedded mode: server and N client processes on localhost over gRPC + mTLS."""
     from fl_secure.config import Config, load_config
     from server.embedded import run_embedded
 
     config: Config | None = None
+    _check_resume(args)
     if args.resume is None:
         if args.config is None:
             raise FlSecureError("train needs --config FILE (or --resume RUN_DIR)")
@@ -137,25 +164,28 @@ def cmd_server(args: argparse.Namespace) -> int:
     """Standalone server: clients on other machines connect to it."""
     from fl_secure.config import load_config
     from fl_secure.runs import RunDir, new_run_dir
-    from server.app import load_enrollment, start_server
+    from server.app import check_address, load_enrollment, start_server
     from server.setup import build_server, write_config
     from server.summary import build_summary
 
+    _check_resume(args)
+    if not args.insecure and args.certs is None:
+        raise FlSecureError("server needs --certs DIR (made by `fl-secure certs init`)")
     if args.resume is not None:
         run = RunDir(args.resume)
         config = load_config(run.config)
+        check_address(args.address or config.server.address)
     else:
         if args.config is None:
             raise FlSecureError("server needs --config FILE (or --resume RUN_DIR)")
         config = load_config(args.config, args.set)
+        check_address(args.address or config.server.address)  # before the run dir exists
         run = RunDir(new_run_dir(args.out, config.run.name))
         write_config(run, config)
     _torch_threads(config.train.threads)
     if args.insecure:
         enrolled = {f"client-{i}" for i in range(config.partition.num_clients)}
     else:
-        if args.certs is None:
-            raise FlSecureError("server needs --certs DIR (made by `fl-secure certs init`)")
         enrolled = set(load_enrollment(args.certs).fingerprints)
     side = build_server(
         config,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tomllib
 import types
 import typing
@@ -37,6 +38,7 @@ Optimizer = Literal["sgd", "adam"]
 LrSchedule = Literal["constant", "cosine"]
 PrivacyUnit = Literal["none", "client", "example"]
 NoisePlacement = Literal["local", "distributed", "central"]
+_RUN_NAME = re.compile(r"[^/\\\x00.\s][^/\\\x00]{0,99}")
 AccountantName = Literal["", "rdp", "prv", "pld"]
 ClippingEngine = Literal["auto", "book-keeping", "opacus"]
 SecAggScheme = Literal["none", "secagg", "secagg+", "ckks"]
@@ -48,6 +50,14 @@ class RunConfig:
 
     name: str = "run"  # run directory name under --out (a timestamp is appended)
     seed: int = 0  # seeds data generation, partitions and model initialisation
+
+    def __post_init__(self) -> None:
+        _check(
+            bool(_RUN_NAME.fullmatch(self.name)),
+            "run.name",
+            "a plain folder name of 1-100 characters, no '/' or '\\', not starting with '.' "
+            f"or a space (got {self.name!r}; the run directory goes under --out)",
+        )
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 
@@ -58,6 +59,29 @@ def _num_values(coordinator: Coordinator) -> int:
     return sum(math.prod(s.shape) for s in coordinator.specs)
 
 
+def check_address(address: str) -> None:
+    """Refuse an address that is not ``host:port`` with a port in 0..65535 (0: any free port).
+
+    gRPC takes a port above 65535 modulo 2^16 and listens somewhere else without a word.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(
+            f"server address {address!r}: expected host:port with a port in 0..65535 "
+            "(e.g. 0.0.0.0:50051, [::]:50051; port 0 picks a free one)"
+        )
+
+
+def _bind(address: str, add_port: Callable[[], int]) -> int:
+    try:
+        return add_port()
+    except RuntimeError as exc:  # grpcio >= 1.60 raises where older ones returned 0
+        raise ConfigError(
+            f"could not bind the server to {address}: {exc} (is the port in use, or the "
+            "host not an address of this machine?)"
+        ) from exc
+
+
 def start_server(
     coordinator: Coordinator,
     address: str,
@@ -67,6 +91,7 @@ def start_server(
     max_workers: int | None = None,
 ) -> tuple[grpc.Server, int]:
     """Bind and start; return the server and the port actually bound (address port 0 = any)."""
+    check_address(address)
     retain_freed_memory()  # the round's unmasking and aggregation reuse freed buffers
     # a client holds at most 3 calls: a secure round's attendance, a stage, a transfer
     workers = max_workers or 3 * max(len(coordinator.enrolled), 1) + 8
@@ -81,13 +106,14 @@ def start_server(
     if insecure:
         warn_insecure("the fl-secure server")
         authenticate = insecure_authenticator(coordinator.enrolled)
-        port = server.add_insecure_port(address)
+        port = _bind(address, lambda: server.add_insecure_port(address))
     else:
         if cert_dir is None:
             raise ConfigError("the server needs --certs DIR (or --insecure for a loopback test)")
         enrollment = load_enrollment(cert_dir)
         authenticate = tls_authenticator(enrollment)
-        port = server.add_secure_port(address, server_credentials(cert_dir))
+        credentials = server_credentials(cert_dir)
+        port = _bind(address, lambda: server.add_secure_port(address, credentials))
     if port == 0:
         raise ConfigError(f"could not bind the server to {address}")
     pb_grpc.add_FlSecureServicer_to_server(FlSecureServicer(coordinator, authenticate), server)

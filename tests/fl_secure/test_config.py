@@ -93,3 +93,10 @@ def test_embedding_reg_is_refused_where_the_algorithm_would_ignore_it() -> None:
     for name in ("hfmaml", "hfmaml-global"):
         reg = config_from_dict({"algorithm": {"name": name, "embedding_reg": 1.0}})
         assert reg.algorithm.embedding_reg == 1.0
+
+
+def test_run_name_cannot_leave_the_out_folder() -> None:
+    assert config_from_dict({}, ["run.name=site-a 2026.1"]).run.name == "site-a 2026.1"
+    for name in ("../escaped", "/abs", "a/b", "a\\b", ".hidden", ""):
+        with pytest.raises(ConfigError, match="run.name: invalid value; allowed: a plain folder"):
+            config_from_dict({"run": {"name": name}})

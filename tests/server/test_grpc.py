@@ -159,3 +159,16 @@ def test_refusals_and_the_others_finish(tmp_path: Path, grpc_run_factory, small_
     assert run.coordinator.status == "completed"
     assert "client-9" not in run.coordinator.online_clients()
     assert run.coordinator.poll("client-0", 1).kind is TaskKind.FINISHED
+
+
+def test_unusable_addresses_are_refused_by_name(grpc_run_factory, small_params) -> None:
+    from fl_secure.errors import ConfigError
+    from server.app import start_server
+
+    run = grpc_run_factory(small_params, rounds=1)
+    for address in ("127.0.0.1:99999", "bogus", "127.0.0.1:", ":50051"):
+        with pytest.raises(ConfigError, match="expected host:port with a port in 0..65535"):
+            start_server(run.coordinator, address, cert_dir=run.certs)
+    # a port another server holds: grpcio raises RuntimeError; the caller gets the address
+    with pytest.raises(ConfigError, match=f"could not bind the server to 127.0.0.1:{run.port}"):
+        start_server(run.coordinator, f"127.0.0.1:{run.port}", cert_dir=run.certs)
