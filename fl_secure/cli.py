@@ -257,7 +257,11 @@ def cmd_certs_init(args: argparse.Namespace) -> int:
         _print_json(result)
     else:
         print(f"wrote CA, server and {len(cert_set.client_ids)} client certificates to {args.out}")
-        print("keep ca.key offline; give each client its clients/<id>.pem/.key and ca.pem")
+        print(
+            "keep ca.key offline; give each site ca.pem, clients/<id>.pem, clients/<id>.key, "
+            "clients/<id>.sign.key (secure aggregation's signing key), signing_keys.json and "
+            "signing_keys.sig"
+        )
     return 0
 
 
@@ -546,6 +550,15 @@ def main(argv: list[str] | None = None) -> int:
         code: int = args.func(args)
     except FlSecureError as exc:
         print(f"fl-secure: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a path that is a file, not writable, on a missing mount, ...
+        if args.verbose:
+            raise
+        where = f": {exc.filename}" if exc.filename else ""
+        print(
+            f"fl-secure: error: {exc.strerror or exc}{where} (-v shows the traceback)",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print("fl-secure: interrupted", file=sys.stderr)

@@ -117,6 +117,8 @@ class RunDir:
                 if not line.endswith("}"):
                     continue  # torn final write
                 raise CheckpointError(f"{self.metrics}:{number} is not JSON: {exc}") from exc
+            if not isinstance(record, dict):
+                raise CheckpointError(f"{self.metrics}:{number} is not a JSON object")
             yield record
 
     def truncate_metrics_after(self, round_: int) -> int:

@@ -35,13 +35,16 @@ TRUST = {
 HEADLINE = ("tar_at_far_1e-1", "tar_at_far_1e-2", "tar_at_far_1e-3", "rank1", "roc_auc", "eer")
 
 
-def _read_json(path: Path, what: str) -> Any:
+def _read_json(path: Path, what: str) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{what} {path} does not exist: is this a finished run?") from None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{what} {path} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{what} {path} is damaged: a JSON object was expected")
+    return value
 
 
 def build_report(run_dir: Path) -> dict[str, Any]:
@@ -52,7 +55,10 @@ def build_report(run_dir: Path) -> dict[str, Any]:
     summary = _read_json(run.summary, "the run summary")
     metrics = run.read_metrics()
     config_text = run.config.read_bytes()
-    config = tomllib.loads(config_text.decode("utf-8"))
+    try:
+        config = tomllib.loads(config_text.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"the run's config {run.config} is not valid TOML: {exc}") from exc
     audit_path = run.path / "audit" / "results.json"
     audit = _read_json(audit_path, "the audit results") if audit_path.exists() else None
     ledger = _ledger(run.path / "ledger.sqlite", summary)
@@ -81,7 +87,7 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         "utility": _utility(summary, metrics),
         "provenance": _provenance(run.path, summary, config, config_text),
     }
-    report["warnings"] = _warnings(report, config)
+    report["warnings"] = _warnings(report, config, metrics)
     report["plain_summary"] = _plain_summary(report)
     return report
 
@@ -337,7 +343,9 @@ def _data_manifest(data: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _warnings(report: dict[str, Any], config: dict[str, Any]) -> list[dict[str, str]]:
+def _warnings(
+    report: dict[str, Any], config: dict[str, Any], metrics: list[dict[str, Any]] | None = None
+) -> list[dict[str, str]]:
     w: list[dict[str, str]] = []
     p = report["privacy"]
     if not p["differential_privacy"]:
@@ -404,6 +412,23 @@ def _warnings(report: dict[str, Any], config: dict[str, Any]) -> list[dict[str, 
                 "code": "central-noise",
                 "message": "Noise was added by the server "
                 "(central placement): the guarantee holds only if the server is trusted.",
+            }
+        )
+    done = report["run"].get("rounds_completed")
+    recorded = {m.get("round") for m in metrics or [] if isinstance(m.get("round"), int)}
+    recorded.discard(0)  # round 0: the untrained model's evaluation
+    if (
+        metrics is not None
+        and isinstance(done, int)
+        and done > 0
+        and not set(range(1, done + 1)) <= recorded
+    ):
+        w.append(
+            {
+                "code": "metrics-incomplete",
+                "message": f"metrics.jsonl records {len(recorded)} of the {done} completed rounds "
+                "(missing, truncated or edited): the per-round figures and the secure-aggregation "
+                "table below are incomplete.",
             }
         )
     led = report["ledger"]

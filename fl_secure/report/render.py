@@ -531,8 +531,8 @@ def print_pdf(html_path: Path, pdf_path: Path, chromium: str) -> None:
                 *CHROMIUM_FLAGS,
                 f"--user-data-dir={profile}",
                 "--no-pdf-header-footer",
-                f"--print-to-pdf={pdf_path}",
-                html_path.as_uri(),
+                f"--print-to-pdf={Path(pdf_path).resolve()}",
+                Path(html_path).resolve().as_uri(),  # as_uri() needs an absolute path
             ],
             check=True,
             capture_output=True,

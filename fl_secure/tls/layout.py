@@ -13,7 +13,10 @@ from fl_secure.errors import TlsError
 CA_CERT, CA_KEY = "ca.pem", "ca.key"
 SERVER_CERT, SERVER_KEY = "server.pem", "server.key"
 CLIENTS_DIR, ENROLLMENT_FILE = "clients", "enrolled.json"
-INIT_HINT = "create them with `fl-secure certs init --out DIR --clients N`"
+INIT_HINT = (
+    "the operator creates them with `fl-secure certs init --out DIR --clients N`; a site copies "
+    "its files from there (README: Server and clients on separate machines)"
+)
 
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 

@@ -192,6 +192,40 @@ def test_report_checks_the_ledger_against_what_the_run_recorded(
     assert "ledger.sqlite is MISSING" in written["md"].read_text()
 
 
+def test_damaged_run_records_are_named(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    from fl_secure.cli import main
+    from fl_secure.errors import CheckpointError
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns("report"))
+    # rounds missing from metrics.jsonl: a warning, not a silently shorter report
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run / "metrics.jsonl").write_text("".join(lines[:-1]))
+    codes = [w["code"] for w in build_report(run)["warnings"]]
+    assert "metrics-incomplete" in codes
+    assert "metrics-incomplete" not in [w["code"] for w in build_report(run_dir)["warnings"]]
+    (run / "metrics.jsonl").write_text("".join(lines))
+    summary = (run / "summary.json").read_text()
+    (run / "summary.json").write_text("[]")
+    with pytest.raises(CheckpointError, match="summary.json is damaged"):
+        build_report(run)
+    (run / "summary.json").write_text(summary)
+    (run / "audit" / "results.json").write_text("[1]")
+    with pytest.raises(CheckpointError, match="results.json is damaged"):
+        build_report(run)
+    (run / "config.toml").write_text("[run\nname=")
+    with pytest.raises(CheckpointError, match="config.toml is not valid TOML"):
+        build_report(run)
+    (tmp_path / "a-file").write_text("")  # --out that is a file: named, no traceback
+    assert main(["report", "--run", str(run_dir), "--out", str(tmp_path / "a-file")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fl-secure: error: File exists") and "a-file" in err
+
+
 def test_secure_aggregation_without_dp_is_not_presented_as_hiding_the_cohort(
     run_dir: Path,
 ) -> None:
