@@ -291,7 +291,10 @@ class ServerPrivacy:
                 "target_epsilon": self.cfg.target_epsilon or None,
                 "clip_norm": self.cfg.clip_norm,
                 "noise_secure": bool(self.source.secure),
-                "noise_generator": self.source.description,
+                "noise_generator": self.source.description
+                if self.placement != "distributed"
+                else "each client: discrete Gaussian (Canonne, Kamath & Steinke 2020, Alg. 3) on "
+                f"uniforms of its own source of the same kind ({self.source.description})",
                 "ledger": str(self.ledger.path.name),
                 "ledger_entries": len(self.ledger.entries()),
                 "ledger_head": self.ledger.head(),

@@ -107,6 +107,7 @@ def _ledger(path: Path, summary: dict[str, Any]) -> dict[str, Any]:
         entries = list(ledger.entries())
     epsilon, delta = ledger_guarantee(entries)
     client_rows = [e for e in entries if e.kind == "client_level"]
+    newest = client_rows[-1].payload if client_rows else {}
     example_rows: dict[str, Any] = {}
     for e in entries:
         if e.kind == "example_level":  # the latest row per client is its running total
@@ -129,6 +130,8 @@ def _ledger(path: Path, summary: dict[str, Any]) -> dict[str, Any]:
         "entries_after_summary": result.after_record,
         "epsilon": epsilon,
         "delta": delta,
+        "noise_distribution": newest.get("noise_distribution"),
+        "effective_noise_multiplier": newest.get("effective_noise_multiplier"),
         "epsilon_by_round": [
             {"round": e.round, "epsilon": e.payload.get("epsilon"), "at": e.created_at}
             for e in client_rows
@@ -176,6 +179,8 @@ def _privacy(
         "hyperparameter_tuning_accounted": False,
         "noise_from_csprng": p.get("noise_secure"),
         "noise_generator": p.get("noise_generator"),
+        "noise_distribution": ledger.get("noise_distribution"),
+        "effective_noise_multiplier": ledger.get("effective_noise_multiplier"),
         "ledger_entries": p.get("ledger_entries"),
         "ledger_head": p.get("ledger_head"),
         "source": "summary.json (privacy), ledger.sqlite",

@@ -165,6 +165,8 @@ PRIVACY_ROWS = (
     ("noise_placement_trusts", "Who must be trusted"),
     ("clip_norm", "Clip norm C"),
     ("noise_multiplier", "Noise multiplier z"),
+    ("noise_distribution", "Noise distribution"),
+    ("effective_noise_multiplier", "Noise the released sum carried (last round, in units of C)"),
     ("target_epsilon", "Target epsilon"),
     ("sampling", "Client sampling"),
     ("sample_rate", "Sampling rate"),

@@ -165,6 +165,11 @@ def test_report_checks_the_ledger_against_what_the_run_recorded(
     assert report["ledger"]["checked_against_summary"] is True
     assert report["privacy"]["epsilon_source"] == "ledger.sqlite"
     assert report["ledger"]["epsilon"] == report["ledger"]["epsilon_by_round"][-1]["epsilon"]
+    # distributed noise: the clients' integer sampler, not the server's generator, is named
+    p = report["privacy"]
+    assert p["noise_distribution"] == "discrete_gaussian"
+    assert p["noise_generator"].startswith("each client: discrete Gaussian")
+    assert p["effective_noise_multiplier"] >= p["noise_multiplier"]  # sqrt(m / t) z, m >= t
     # the newest rows dropped: a valid chain on its own, but shorter than the run recorded
     short = copy("short")
     with sqlite3.connect(short / "ledger.sqlite") as db:
