@@ -202,6 +202,7 @@ class Ledger:
         self.run_id = run_id
         self._writable = writable
         self._clock: Callable[[], datetime] = clock
+        self.created = False  #: Ledger.open made the file (it did not exist before)
 
     @classmethod
     def open(
@@ -237,6 +238,9 @@ class Ledger:
                         [("format_version", str(FORMAT_VERSION)), ("run_id", run_id)],
                     )
             meta = _read_meta(conn, path)
+        except sqlite3.DatabaseError as exc:  # not a database, or a damaged one
+            conn.close()
+            raise LedgerError(f"{path} is not a readable ledger: {exc}") from exc
         except BaseException:
             conn.close()
             raise
@@ -248,7 +252,9 @@ class Ledger:
                 f"{path} is the ledger of run {meta.get('run_id')!r}, not of run {run_id!r}; "
                 "use a fresh run directory or resume the run it belongs to"
             )
-        return cls(conn, path, run_id, writable=True, clock=clock or _utc_now)
+        ledger = cls(conn, path, run_id, writable=True, clock=clock or _utc_now)
+        ledger.created = not existed
+        return ledger
 
     @classmethod
     def read(cls, path: Path) -> Ledger:

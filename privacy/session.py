@@ -327,6 +327,14 @@ class ServerPrivacy:
             PrivacyError: The ledger's chain is broken, or it records rounds after the last
                 checkpoint (it does not belong to this run's checkpoints).
         """
+        if completed_round > 0 and self.ledger.created:
+            self.ledger.close()  # the empty ledger made just now is not the run's record
+            self.ledger.path.unlink(missing_ok=True)
+            raise PrivacyError(
+                f"the run completed {completed_round} rounds but its privacy ledger "
+                f"{self.ledger.path} does not exist (deleted or moved?); refusing to resume "
+                "without it: restore it, or start a new run"
+            )
         check = self.ledger.verify()
         if not check.ok:
             raise PrivacyError(
@@ -344,6 +352,16 @@ class ServerPrivacy:
         for entry in entries:
             self._absorb(entry)
         missing = [r for r in pending if (r["kind"], completed_round, r["party"]) not in recorded]
+        if self.unit == "client" and self.plan is not None:  # check before writing anything
+            accounted = len(self._client_history) + sum(
+                r["kind"] == "client_level" for r in missing
+            )
+            if accounted != completed_round:
+                raise PrivacyError(
+                    f"the ledger accounts {accounted} client-level rounds but the run completed "
+                    f"{completed_round}; refusing to resume on a ledger that does not match "
+                    "the checkpoints"
+                )
         if missing:
             log.warning(
                 "round %d was checkpointed but %d ledger entries were not written before the "
@@ -352,13 +370,6 @@ class ServerPrivacy:
                 len(missing),
             )
             self.commit(completed_round, missing)
-        if self.unit == "client" and self.plan is not None:
-            expected = completed_round
-            if len(self._client_history) != expected:
-                raise PrivacyError(
-                    f"the ledger accounts {len(self._client_history)} client-level rounds but "
-                    f"the run completed {expected}"
-                )
 
     def note(self, round_: int, message: str) -> None:
         """Record a free-text event (for example a budget stop)."""

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from fl_secure.config import PrivacyConfig
+from fl_secure.errors import PrivacyError
 from fl_secure.messages import TaskKind, UpdateHeader
 from fl_secure.runs import RunDir
 from privacy.calibration import epsilon_for
@@ -172,6 +173,35 @@ def test_resume_refuses_a_tampered_ledger(tmp_path: Path) -> None:
     again = _coordinator(tmp_path, cfg, rounds=5)
     with pytest.raises(Exception, match="fails verification"):
         again.resume()
+
+
+def test_resume_writes_nothing_on_a_ledger_that_does_not_match(tmp_path: Path) -> None:
+    import sqlite3
+
+    cfg = PrivacyConfig(unit="client", noise_placement="central", noise_multiplier=2.0)
+    coord = _coordinator(tmp_path, cfg, rounds=2)
+    _drive(coord, 2)
+    assert coord.privacy is not None
+    rows = coord.privacy.round_entries(3, 3, {})
+    coord.store.save(3, coord.params, {"status": "running", "privacy_rows": rows})
+    coord.privacy.ledger.close()
+    ledger_path = tmp_path / "ledger.sqlite"
+    # the ledger deleted: refused, and no fresh ledger holding only round 3 is left behind
+    ledger_path.rename(tmp_path / "kept.sqlite")
+    with pytest.raises(PrivacyError, match="completed 3 rounds but its privacy ledger"):
+        _coordinator(tmp_path, cfg, rounds=5).resume()
+    assert not ledger_path.exists()
+    # a ledger that lost round 1 and 2's entries (a valid, empty chain of this run): refused
+    # before round 3's lost entry is written
+    (tmp_path / "kept.sqlite").rename(ledger_path)
+    with sqlite3.connect(ledger_path) as conn:
+        conn.execute("DELETE FROM entries")
+    before = ledger_path.read_bytes()
+    with pytest.raises(PrivacyError, match="accounts 1 client-level rounds but the run comple"):
+        _coordinator(tmp_path, cfg, rounds=5).resume()
+    with Ledger.read(ledger_path) as ledger:
+        assert ledger.entries() == []
+    assert ledger_path.read_bytes() == before
 
 
 def test_example_level_dp_refuses_a_batchnorm_backbone_before_training(tmp_path: Path) -> None:
