@@ -329,7 +329,12 @@ class PrivacyConfig:
     def __post_init__(self) -> None:
         """Check ranges and combinations."""
         _check(self.clip_norm > 0, "privacy.clip_norm", "a number > 0")
-        _check(self.noise_multiplier >= 0, "privacy.noise_multiplier", "a number >= 0")
+        _check(
+            self.noise_multiplier == 0 or 0.05 <= self.noise_multiplier < math.inf,
+            "privacy.noise_multiplier",
+            "0 (calibrate to target_epsilon) or a finite number >= 0.05 (below it one round "
+            "alone spends an epsilon above 100)",
+        )
         _check(self.target_epsilon >= 0, "privacy.target_epsilon", "a number >= 0")
         _check(0 < self.delta < 1, "privacy.delta", "a number in (0, 1)")
         _check(0 <= self.sample_rate <= 1, "privacy.sample_rate", "a number in [0, 1]")

@@ -194,3 +194,21 @@ def test_registry_names_and_adjacency() -> None:
     for name, cls in ACCOUNTANTS.items():
         assert cls.name == name == cls.mechanism()
         assert cls.adjacency == "add/remove"
+
+
+@pytest.mark.parametrize("name", sorted(ACCOUNTANTS))
+def test_noise_too_small_to_account_is_refused_before_any_grid_is_built(name: str) -> None:
+    from privacy.accountants.accountant import MIN_ACCOUNTED_NOISE
+
+    acc = create_accountant(name)
+    with pytest.raises(PrivacyError, match="is below 0.05"):  # PLD: > 7 GB at z = 0.01
+        acc.step(noise_multiplier=0.01, sample_rate=1.0, num_steps=3)
+    # the floor is where privacy has already gone: one release spends epsilon above 100
+    rdp = create_accountant("rdp")
+    rdp.step(noise_multiplier=MIN_ACCOUNTED_NOISE, sample_rate=1e-3, num_steps=1)
+    reference = rdp_privacy_accountant.RdpAccountant()
+    reference.compose(
+        dp_accounting.PoissonSampledDpEvent(1e-3, dp_accounting.GaussianDpEvent(0.05)), 1
+    )
+    assert rdp.get_epsilon(1e-5) == pytest.approx(reference.get_epsilon(1e-5), rel=1e-6)
+    assert reference.get_epsilon(1e-5) > 100
