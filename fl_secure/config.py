@@ -555,11 +555,22 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return keys, value
 
 
-def config_from_dict(table: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Build a validated :class:`Config` from a TOML table and ``--set`` overrides."""
+def config_from_dict(
+    table: dict[str, Any],
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    override_base: Path | None = None,
+) -> Config:
+    """Build a validated :class:`Config` from a TOML table and ``--set`` overrides.
+
+    ``override_base``: the folder relative file paths given with ``--set`` are taken from
+    (the current directory, where the user typed them); ``None`` leaves them as given.
+    """
     merged: dict[str, Any] = {k: dict(v) if isinstance(v, dict) else v for k, v in table.items()}
     for text in overrides:
         keys, value = parse_override(text)
+        if override_base is not None and tuple(keys) in _PATH_KEYS and isinstance(value, str):
+            value = _resolve(value, override_base)
         node = merged
         for key in keys[:-1]:
             node = node.setdefault(key, {})
@@ -578,26 +589,26 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         table = tomllib.loads(p.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p} is not valid TOML: {exc}") from exc
-    config = config_from_dict(table, overrides)
-    return _resolve_paths(config, p.resolve().parent)
+    # Relative data and weight paths: from the config file's folder when written in the file,
+    # from the current directory when given with --set.
+    base = p.resolve().parent
+    for section, key in _PATH_KEYS:
+        node = table.get(section)
+        if isinstance(node, dict) and isinstance(node.get(key), str):
+            node[key] = _resolve(node[key], base)
+    return config_from_dict(table, overrides, override_base=Path.cwd())
 
 
-def _resolve_paths(config: Config, base: Path) -> Config:
-    """Relative data and weight paths are taken relative to the config file's folder."""
+_PATH_KEYS = (
+    ("data", "path"),
+    ("data", "attributes_file"),
+    ("data", "identities_file"),
+    ("model", "pretrained"),
+)
 
-    def resolve(value: str) -> str:
-        return str((base / value).resolve()) if value and not Path(value).is_absolute() else value
 
-    return dataclasses.replace(
-        config,
-        data=dataclasses.replace(
-            config.data,
-            path=resolve(config.data.path),
-            attributes_file=resolve(config.data.attributes_file),
-            identities_file=resolve(config.data.identities_file),
-        ),
-        model=dataclasses.replace(config.model, pretrained=resolve(config.model.pretrained)),
-    )
+def _resolve(value: str, base: Path) -> str:
+    return str((base / value).resolve()) if value and not Path(value).is_absolute() else value
 
 
 def _toml_value(value: Any) -> str:

@@ -170,10 +170,17 @@ def preflight(config: Config, population: int) -> None:
     DP-SGD needs a model Opacus can train; client-level noise must be calibratable to the
     budget and fit the secure-aggregation encoding. :func:`build_server` repeats them.
     """
+    # an unknown backbone or unusable pretrained weights: refused before a run dir exists
+    model = build_model(config.model, 1, config.data.image_size, config.run.seed)
+    if (
+        config.data.source != "synthetic"
+        and config.data.path
+        and not Path(config.data.path).exists()
+    ):
+        raise ConfigError(f"data.path {config.data.path} does not exist")
     if config.privacy.unit == "example":
         from privacy.dpsgd import validate_model
 
-        model = build_model(config.model, 1, config.data.image_size, config.run.seed)
         try:
             validate_model(model)
         except PrivacyError as exc:

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final
 
+import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 from torch import nn
@@ -135,4 +136,7 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
             raise CheckpointError(
                 f"{source}: key {key!r} has dtype {stored.dtype}, the model expects {value.dtype}"
             )
+        if stored.is_floating_point() and not bool(torch.isfinite(stored).all()):
+            bad = int((~torch.isfinite(stored)).sum())
+            raise CheckpointError(f"{source}: key {key!r} holds {bad} NaN/Inf values")
     model.load_state_dict(tensors, strict=True)

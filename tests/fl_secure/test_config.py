@@ -100,3 +100,20 @@ def test_run_name_cannot_leave_the_out_folder() -> None:
     for name in ("../escaped", "/abs", "a/b", "a\\b", ".hidden", ""):
         with pytest.raises(ConfigError, match="run.name: invalid value; allowed: a plain folder"):
             config_from_dict({"run": {"name": name}})
+
+
+def test_relative_paths_from_the_file_and_from_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    text = '[model]\npretrained = "w.safetensors"\n[data]\npath = "faces"\n'
+    (folder / "c.toml").write_text(text)
+    loaded = load_config(folder / "c.toml")  # written in the file: the file's folder
+    assert loaded.model.pretrained == str(folder / "w.safetensors")
+    assert loaded.data.path == str(folder / "faces")
+    monkeypatch.chdir(tmp_path)  # typed with --set: where the user is
+    loaded = load_config(folder / "c.toml", ["model.pretrained=runs/a/backbone.safetensors"])
+    assert loaded.model.pretrained == str(tmp_path / "runs" / "a" / "backbone.safetensors")
+    assert loaded.data.path == str(folder / "faces")
+    assert load_config(folder / "c.toml", ["data.path=/abs/faces"]).data.path == "/abs/faces"

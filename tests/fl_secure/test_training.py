@@ -45,6 +45,17 @@ def test_pretrained_file_missing_is_a_clear_error(tmp_path: Path) -> None:
         build_model(cfg, 3, 32, seed=0)
 
 
+def test_pretrained_weights_with_nan_are_refused_before_training(tmp_path: Path) -> None:
+    donor = build_model(CFG, 3, 32, seed=99).backbone
+    name = next(k for k, v in donor.state_dict().items() if v.is_floating_point())
+    with torch.no_grad():
+        donor.state_dict()[name].view(-1)[:2] = torch.tensor([float("nan"), float("inf")])
+    save_weights(donor, tmp_path / "nan.safetensors")
+    cfg = ModelConfig(**{**CFG.__dict__, "pretrained": str(tmp_path / "nan.safetensors")})
+    with pytest.raises(CheckpointError, match=f"key '{name}' holds 2 NaN/Inf values"):
+        build_model(cfg, 3, 32, seed=0)
+
+
 def test_shared_names_by_design() -> None:
     model = build_model(CFG, 4, 32, seed=0)
     pe, avg = FedPE().shared_names(model), FedAvg().shared_names(model)
