@@ -131,11 +131,19 @@ class FlClient:
                 if code not in _RETRYABLE:
                     raise
                 now = time.monotonic()
+                first = unreachable_since is None
                 unreachable_since = unreachable_since or now
                 if now - unreachable_since > self.max_wait:
                     raise
                 delay = backoff.next_delay()
-                log.info("server unreachable (%s); retrying in %.1fs", code, delay)
+                log.log(
+                    logging.WARNING if first else logging.INFO,
+                    "cannot reach the server at %s (%s: %s); retrying for up to %.0f s",
+                    self.conn.address,
+                    getattr(code, "name", code),
+                    _details(exc),
+                    self.max_wait,
+                )
                 self.sleep(delay)
             finally:
                 channel.close()
@@ -399,3 +407,22 @@ def _background(work: Callable[[], Tensors]) -> Future[Tensors]:
 
 
 __all__ = ["Backoff", "Connection", "FlClient", "ProtocolError", "open_channel"]
+
+
+def _details(exc: grpc.RpcError) -> str:
+    """The reason gRPC gives for a failed call (e.g. a refused connection, a TLS failure)."""
+    details = exc.details() if hasattr(exc, "details") else None
+    return str(details or exc).strip()
+
+
+def explain_rpc_error(exc: grpc.RpcError, address: str) -> str:
+    """One line for the user: what the server or the transport said, and what to check."""
+    code = exc.code() if hasattr(exc, "code") else None
+    name = getattr(code, "name", str(code))
+    hint = {
+        "UNAVAILABLE": "is the server running and reachable, and does --certs hold the ca.pem "
+        "that signed the server's certificate?",
+        "PERMISSION_DENIED": "the server does not enroll this client's certificate",
+        "DEADLINE_EXCEEDED": "the server did not answer in time",
+    }.get(name, "")
+    return f"server {address}: {name}: {_details(exc)}" + (f" ({hint})" if hint else "")

@@ -26,7 +26,10 @@ def _setup_logging(verbose: int, quiet: bool, default: int = logging.INFO) -> No
     level = logging.WARNING if quiet else default if verbose == 0 else logging.DEBUG
     level = logging.INFO if verbose == 1 and default > logging.INFO else level
     logging.basicConfig(
-        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,  # an import may have configured the root logger already
     )
 
 
@@ -236,7 +239,14 @@ def cmd_client(args: argparse.Namespace) -> int:
         server_name=args.server_name or "",
     )
     client = FlClient(conn, trainer_factory(source, state_dir=args.state_dir, threads=args.threads))
-    message = client.run()
+    import grpc
+
+    from client.app import explain_rpc_error
+
+    try:
+        message = client.run()
+    except grpc.RpcError as exc:
+        raise FlSecureError(explain_rpc_error(exc, args.server)) from exc
     if args.json:
         _print_json({"client_id": args.id, "rounds": client.rounds_done, "message": message})
     else:

@@ -172,3 +172,28 @@ def test_unusable_addresses_are_refused_by_name(grpc_run_factory, small_params) 
     # a port another server holds: grpcio raises RuntimeError; the caller gets the address
     with pytest.raises(ConfigError, match=f"could not bind the server to 127.0.0.1:{run.port}"):
         start_server(run.coordinator, f"127.0.0.1:{run.port}", cert_dir=run.certs)
+
+
+def test_an_unreachable_server_is_reported_once_loudly_then_explained(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+    import socket
+
+    from client.app import Connection, FlClient, explain_rpc_error
+
+    init_certificates(tmp_path / "certs", clients=1)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    conn = Connection(f"127.0.0.1:{port}", "client-0", cert_dir=tmp_path / "certs")
+    client = FlClient(conn, lambda reply: EchoTrainer(), max_wait=0.3, sleep=lambda s: None)
+    with caplog.at_level(logging.INFO, logger="client.app"), pytest.raises(grpc.RpcError) as err:
+        client.run()
+    retries = [r for r in caplog.records if "cannot reach the server" in r.getMessage()]
+    assert retries and retries[0].levelno == logging.WARNING
+    assert all(r.levelno == logging.INFO for r in retries[1:])
+    assert f"127.0.0.1:{port} (UNAVAILABLE" in retries[0].getMessage()
+    line = explain_rpc_error(err.value, conn.address)
+    assert line.startswith(f"server 127.0.0.1:{port}: UNAVAILABLE: ")
+    assert "is the server running" in line
