@@ -29,7 +29,7 @@ def _setup_logging(verbose: int, quiet: bool, default: int = logging.INFO) -> No
         level=level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
-        force=True,  # an import may have configured the root logger already
+        force=True,  # opacus.utils.module_utils calls basicConfig when imported
     )
 
 
