@@ -212,23 +212,39 @@ def _audit_summary_row(r: dict[str, Any]) -> list[str]:
     return [fmt(r.get(k)) for k in keys]
 
 
+#: measures compared with a node's "chance" (a by_attack entry's values as well)
+_CHANCE_MEASURES = frozenset(
+    {"top1", "participant_precision", "exact_inputs", "row_ratios", "span"}
+)
+
+
 def _audit_rows(audit: dict[str, Any]) -> list[list[str]]:
     """Flatten the audit's attack results into (attack, view, measure, value, chance) rows."""
     rows: list[list[str]] = []
 
-    def walk(prefix: str, node: Any) -> None:
+    def number(v: Any) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool)
+
+    def walk(prefix: str, node: Any, inherited: dict[str, float]) -> None:
         if isinstance(node, dict):
-            chance = node.get("chance") if isinstance(node.get("chance"), int | float) else None
+            # chance level per measure: top-5 has its own; identification-style scores
+            # (top1, participant_precision, each attack under by_attack) use "chance"
+            levels = dict(inherited)
+            for key, measure in (("chance", "*"), ("chance_top1", "top1"), ("chance_top5", "top5")):
+                if number(node.get(key)):
+                    levels[measure] = float(node[key])
             for k, v in sorted(node.items()):
-                if isinstance(v, int | float) and not isinstance(v, bool) and k != "chance":
-                    rows.append([prefix, k, fmt(v), fmt(chance) if chance is not None else ""])
+                if number(v) and not k.startswith("chance"):
+                    level = levels.get(k, levels.get("*") if k in _CHANCE_MEASURES else None)
+                    rows.append([prefix, k, fmt(v), fmt(level) if level is not None else ""])
                 elif isinstance(v, dict | list):
-                    walk(f"{prefix}/{k}" if prefix else k, v)
+                    inherit = levels if k == "by_attack" else {}
+                    walk(f"{prefix}/{k}" if prefix else k, v, inherit)
         elif isinstance(node, list):
             for i, v in enumerate(node[:50]):
-                walk(f"{prefix}[{i}]", v)
+                walk(f"{prefix}[{i}]", v, {})
 
-    walk("", audit.get("attacks", audit))
+    walk("", audit.get("attacks", audit), {})
     return rows[:400]
 
 

@@ -231,6 +231,30 @@ def test_damaged_run_records_are_named(
     assert err.startswith("fl-secure: error: File exists") and "a-file" in err
 
 
+def test_audit_table_puts_chance_beside_the_measures_it_belongs_to() -> None:
+    from fl_secure.report.render import _audit_rows
+
+    audit = {
+        "attacks": {
+            "inversion": {"server": {"head_row": {
+                "top1": 0.5, "top5": 0.9, "seconds": 3.0, "psnr_db": 11.0,
+                "chance": 0.1, "chance_top1": 0.1, "chance_top5": 0.5,
+            }}},
+            "leakage": {"server": {"secure_sum": {
+                "participant_precision": 0.7, "by_attack": {"span": 0.7, "row_ratios": 0.6},
+                "exact_inputs": 0.75, "rank": 10, "chance": 0.25,
+            }}},
+        }
+    }  # fmt: skip
+    rows = {(r[0].split("/")[-1], r[1]): (r[2], r[3]) for r in _audit_rows(audit)}
+    assert rows[("head_row", "top1")][1] == "0.1" and rows[("head_row", "top5")][1] == "0.5"
+    assert rows[("head_row", "seconds")][1] == rows[("head_row", "psnr_db")][1] == ""
+    assert ("head_row", "chance_top5") not in rows  # the levels are a column, not rows
+    assert rows[("by_attack", "span")][1] == rows[("by_attack", "row_ratios")][1] == "0.25"
+    assert rows[("secure_sum", "participant_precision")][1] == "0.25"
+    assert rows[("secure_sum", "rank")][1] == ""
+
+
 def test_secure_aggregation_without_dp_is_not_presented_as_hiding_the_cohort(
     run_dir: Path,
 ) -> None:
