@@ -381,15 +381,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train in embedded mode (server + N client processes)")
     p.add_argument("--config", type=Path, help="TOML config, e.g. examples/quickstart.toml")
-    p.add_argument("--out", type=Path, default=Path("runs"), help="base folder for run dirs")
+    p.add_argument(
+        "--out", type=Path, default=Path("runs"), help="base folder for run dirs (default: runs)"
+    )
     p.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config value, e.g. --set train.rounds=3",
+        help="override a config value, e.g. --set train.rounds=3 (not with --resume)",
     )
-    p.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a crashed run")
+    p.add_argument(
+        "--resume", type=Path, metavar="RUN_DIR", help="continue a crashed run under its config"
+    )
     p.add_argument(
         "--centralized",
         action="store_true",
@@ -410,15 +414,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("server", help="run the server for clients on other machines")
-    p.add_argument("--config", type=Path)
-    p.add_argument("--out", type=Path, default=Path("runs"))
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--resume", type=Path, metavar="RUN_DIR")
+    p.add_argument("--config", type=Path, help="TOML config, e.g. examples/quickstart.toml")
+    p.add_argument(
+        "--out", type=Path, default=Path("runs"), help="base folder for run dirs (default: runs)"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set train.rounds=3 (not with --resume)",
+    )
+    p.add_argument(
+        "--resume", type=Path, metavar="RUN_DIR", help="continue a crashed run under its config"
+    )
     p.add_argument("--certs", type=Path, help="folder made by `fl-secure certs init`")
     p.add_argument("--address", help="host:port to listen on (default: server.address)")
     p.add_argument("--port-file", help="write the bound port here (useful with port 0)")
     p.add_argument("--no-eval", action="store_true", help="skip held-out evaluation")
-    p.add_argument("--insecure", action="store_true")
+    p.add_argument(
+        "--insecure", action="store_true", help="plaintext gRPC (loopback tests only; warns)"
+    )
     common(p)
     p.set_defaults(func=cmd_server)
 
@@ -427,22 +443,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--id", required=True, help="client id = CN of this client's certificate")
     p.add_argument("--certs", type=Path, help="folder with ca.pem and clients/<id>.pem/.key")
     p.add_argument("--data", type=Path, help="identity folders of this client's own faces")
-    p.add_argument("--config", type=Path, help="embedded mode: the run config ...")
-    p.add_argument("--plan-index", type=int, help="... and which client share is mine")
+    p.add_argument(
+        "--config",
+        type=Path,
+        help="internal (started by `fl-secure train`): the run config, to take this client's "
+        "share of the synthetic plan instead of --data",
+    )
+    p.add_argument(
+        "--plan-index", type=int, help="internal: with --config, which share of the plan is mine"
+    )
     p.add_argument("--state-dir", type=Path, help="where private parameters are kept")
     p.add_argument("--threads", type=int, help="torch threads (default: train.threads)")
     p.add_argument("--server-name", help="TLS name of the server when it differs from --server")
-    p.add_argument("--insecure", action="store_true")
+    p.add_argument(
+        "--insecure", action="store_true", help="plaintext gRPC (loopback tests only; warns)"
+    )
     common(p)
     p.set_defaults(func=cmd_client)
 
     p = sub.add_parser("certs", help="certificates for mutual TLS")
     certs_sub = p.add_subparsers(dest="certs_command", required=True)
     q = certs_sub.add_parser("init", help="make a CA, a server and N client certificates")
-    q.add_argument("--out", type=Path, required=True)
-    q.add_argument("--clients", type=int, required=True)
+    q.add_argument("--out", type=Path, required=True, help="folder for the CA and certificates")
+    q.add_argument("--clients", type=int, required=True, help="client certificates to make")
     q.add_argument("--hosts", nargs="*", help="server DNS names / IPs (default: localhost)")
-    q.add_argument("--days", type=int, default=365)
+    q.add_argument("--days", type=int, default=365, help="certificate validity (default: 365)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing CA")
     common(q)
     q.set_defaults(func=cmd_certs_init)
@@ -527,7 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the run's held-out identities",
     )  # fmt: skip
     p.add_argument("--public-crop", type=int, default=0, help="centre crop of --public (LFW: 150)")
-    p.add_argument("--seed", type=int, default=0, help="attacker and audit randomness")
+    p.add_argument("--seed", type=int, default=0, help="attacker and audit randomness (default: 0)")
     p.add_argument(
         "--include-images", action="store_true",
         help="write image grids even when the run used real faces",

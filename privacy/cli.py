@@ -70,7 +70,9 @@ def _common(p: argparse.ArgumentParser, default_accountant: str | None) -> None:
         choices=sorted(ACCOUNTANTS),
         required=default_accountant is None,
         default=default_accountant,
-        help="rdp (loose), prv (default for example-level DP), pld (default for client-level)",
+        help="rdp (loose), prv (what training uses for example-level DP), pld (for client-"
+        "level)"
+        + ("; required here" if default_accountant is None else f"; default: {default_accountant}"),
     )
     p.add_argument(
         "--sampling",
