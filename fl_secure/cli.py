@@ -135,17 +135,22 @@ def _report(summary: dict[str, Any], run_dir: Path, as_json: bool) -> int:
         return 0
     print(f"status: {summary.get('status')} ({summary.get('reason', '')})")
     untrained = summary.get("untrained", {})
+    initial = (
+        "initial, pretrained"
+        if str(summary.get("initial_model", "")).startswith("pretrained")
+        else "untrained"
+    )
     for key in HEADLINE:
         if key in summary:
             before = untrained.get(key)
-            extra = f"   (untrained: {before:.4f})" if isinstance(before, float) else ""
+            extra = f"   ({initial}: {before:.4f})" if isinstance(before, float) else ""
             print(f"{key:>16}: {summary[key]:.4f}{extra}")
     cs = summary.get("clients_summary", {})
     us = summary.get("untrained_clients_summary", {})
     for key in ("tar_at_far_1e-2", "rank1"):
         if f"{key}_mean" in cs:
             before = us.get(f"{key}_mean")
-            extra = f"   (untrained: {before:.4f})" if isinstance(before, float) else ""
+            extra = f"   ({initial}: {before:.4f})" if isinstance(before, float) else ""
             print(
                 f"per-client {key}: {cs[f'{key}_mean']:.4f} ± {cs[f'{key}_std']:.4f} "
                 f"(mean ± std across clients, own test images){extra}"

@@ -51,7 +51,10 @@ def build_summary(
         "held_out_images": len(plan.held_out),
         **{k: final[k] for k in HEADLINE if k in final},
         "held_out": final,
-        "untrained": untrained,
+        "untrained": untrained,  # round 0: the initial model (pretrained if model.pretrained)
+        "initial_model": "pretrained (model.pretrained)"
+        if config.model.pretrained
+        else "untrained (random initialisation)",
         "untrained_clients_summary": (
             per_client_summary(untrained_clients) if untrained_clients else {}
         ),

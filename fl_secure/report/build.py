@@ -289,6 +289,7 @@ def _utility(summary: dict[str, Any], metrics: list[dict[str, Any]]) -> dict[str
         "evaluation": summary.get("evaluation"),
         "final": {k: summary.get(k) for k in HEADLINE if k in summary},
         "untrained": {k: v for k, v in (summary.get("untrained") or {}).items() if k in HEADLINE},
+        "initial_model": summary.get("initial_model", "untrained (random initialisation)"),
         "roc": {  # final held-out ROC operating points, TAR at each FAR of the key
             k: v
             for k, v in (summary.get("held_out") or {}).items()
@@ -471,7 +472,8 @@ def _warnings(
             {
                 "code": "no-utility",
                 "message": f"The final model is no better than the "
-                f"untrained one on held-out identities (TAR@FAR=1e-2 {final:.3f} vs "
+                f"initial one, {report['utility']['initial_model']}, on held-out identities "
+                f"(TAR@FAR=1e-2 {final:.3f} vs "
                 f"{untrained:.3f}): the privacy noise or the training budget left it unusable.",
             }
         )

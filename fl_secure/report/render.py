@@ -387,7 +387,7 @@ def render_html(
     parts.append(f"<p>{e(fmt(u['evaluation']))}</p>")
     parts.append(
         table(
-            ["measure", "final", "untrained"],
+            ["measure", "final", f"round 0: {u['initial_model']}"],
             [[k, fmt(v), fmt(u["untrained"].get(k))] for k, v in u["final"].items()],
         )
     )
@@ -511,7 +511,7 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
         "## Utility",
         "",
         table(
-            ["measure", "final", "untrained"],
+            ["measure", "final", f"round 0: {u['initial_model']}"],
             [[k, fmt(v), fmt(u["untrained"].get(k))] for k, v in u["final"].items()],
         ),
         "",
