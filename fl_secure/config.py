@@ -377,7 +377,7 @@ class SecureAggregationConfig:
     scheme: SecAggScheme = "none"
     neighbours: int = 0  # secagg+: k neighbours per client (0 with secagg: all others)
     threshold: int = 0  # t of k shares rebuild a secret (0 = the smallest majority k//2 + 1)
-    modulus_bits: int = 32  # arithmetic mod 2^modulus_bits (up to 64)
+    modulus_bits: int = 32  # arithmetic mod 2^modulus_bits (up to 64; 62 with distributed DP)
     clip_range: float = 1.0  # per-coordinate bound of the fixed-point encoding
     scale_bits: int = 20  # fractional bits: resolution 2^-scale_bits
     stage_timeout: float = 120.0  # seconds for key advertisement, key sharing and unmasking

@@ -178,6 +178,7 @@ def preflight(config: Config, population: int) -> None:
         and not Path(config.data.path).exists()
     ):
         raise ConfigError(f"data.path {config.data.path} does not exist")
+    _check_secagg_cohort(config, population)
     if config.privacy.unit == "example":
         from privacy.dpsgd import validate_model
 
@@ -194,6 +195,30 @@ def preflight(config: Config, population: int) -> None:
             sample_rate=config.server.sample_rate,
         )
         _check_plan_encoding(config, plan)
+
+
+def _check_secagg_cohort(config: Config, population: int) -> None:
+    """The threshold and the fixed-point modulus against the largest cohort the run can have.
+
+    The round setup repeats both checks for the actual cohort; here a configuration that
+    cannot work is refused before a run directory exists rather than at round 1.
+    """
+    sa = config.secure_aggregation
+    if sa.scheme not in ("secagg", "secagg+"):
+        return
+    n = min(config.server.clients_per_round or population, population)
+    k = n - 1 if sa.neighbours == 0 or sa.neighbours >= n - 1 else sa.neighbours
+    if sa.threshold > k:
+        raise ConfigError(
+            f"secure_aggregation.threshold = {sa.threshold} exceeds the {k} neighbours each "
+            f"client has in a cohort of {n}; use a threshold <= {k} (0: a majority)"
+        )
+    from privacy.secagg import check_modulus
+
+    try:
+        check_modulus(n, sa.clip_range, float(2**sa.scale_bits), sa.modulus_bits)
+    except PrivacyError as exc:
+        raise ConfigError(f"secure_aggregation: {exc}") from exc
 
 
 def _check_encoding_range(config: Config, privacy: ServerPrivacy | None) -> None:

@@ -44,3 +44,27 @@ def test_resume_refuses_a_run_that_ended(
     assert main(["train", "--resume", str(run)]) == 2
     assert f"already ended ('{status}' in summary.json)" in capsys.readouterr().err
     assert (run / "summary.json").read_bytes() == summary  # its record is left as it was
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("secure_aggregation.threshold=10", "threshold = 10 exceeds the 3 neighbours"),
+        ("secure_aggregation.modulus_bits=4", "wraps mod 2^4"),
+        ("model.pretrained=missing.safetensors", "missing.safetensors does not exist"),
+        ("data.path=nowhere", "data.path"),
+    ],
+)
+def test_train_refuses_an_unworkable_config_before_writing_a_run(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    override: str,
+    message: str,
+) -> None:
+    config = Path(__file__).resolve().parents[2] / "examples" / "quickstart.toml"
+    monkeypatch.chdir(tmp_path)
+    extra = ["--set", "data.source=folders"] if override.startswith("data.path") else []
+    code = main(["train", "--config", str(config), "--set", override, *extra, "--out", "runs"])
+    assert code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()  # no run directory, no CA key left behind
