@@ -145,6 +145,18 @@ def _report(summary: dict[str, Any], run_dir: Path, as_json: bool) -> int:
             before = untrained.get(key)
             extra = f"   ({initial}: {before:.4f})" if isinstance(before, float) else ""
             print(f"{key:>16}: {summary[key]:.4f}{extra}")
+    held = summary.get("held_out") or {}
+    if isinstance(held.get("expression_accuracy"), float):  # FedAffect: expressions, not ids
+        acc, majority = held["expression_accuracy"], held.get("expression_majority")
+        before = untrained.get("expression_accuracy")
+        line = f"expression accuracy: {acc:.4f}"
+        if isinstance(majority, float):
+            line += f"   (always the most frequent expression: {majority:.4f})"
+        if isinstance(before, float):
+            line += f"   ({initial}: {before:.4f})"
+        print(line)
+        if isinstance(majority, float) and acc <= majority:
+            print("  no better than always answering the most frequent expression")
     cs = summary.get("clients_summary", {})
     us = summary.get("untrained_clients_summary", {})
     for key in ("tar_at_far_1e-2", "rank1"):
