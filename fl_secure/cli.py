@@ -396,21 +396,27 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
         p.add_argument("--quiet", action="store_true", help="log warnings only")
 
+    def run_args(p: argparse.ArgumentParser) -> None:  # train and server start or resume runs
+        p.add_argument("--config", type=Path, help="TOML config, e.g. examples/quickstart.toml")
+        p.add_argument(
+            "--out",
+            type=Path,
+            default=Path("runs"),
+            help="base folder for run dirs (default: runs)",
+        )
+        p.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config value, e.g. --set train.rounds=3 (not with --resume)",
+        )
+        p.add_argument(
+            "--resume", type=Path, metavar="RUN_DIR", help="continue a crashed run under its config"
+        )
+
     p = sub.add_parser("train", help="train in embedded mode (server + N client processes)")
-    p.add_argument("--config", type=Path, help="TOML config, e.g. examples/quickstart.toml")
-    p.add_argument(
-        "--out", type=Path, default=Path("runs"), help="base folder for run dirs (default: runs)"
-    )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, e.g. --set train.rounds=3 (not with --resume)",
-    )
-    p.add_argument(
-        "--resume", type=Path, metavar="RUN_DIR", help="continue a crashed run under its config"
-    )
+    run_args(p)
     p.add_argument(
         "--centralized",
         action="store_true",
@@ -431,20 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("server", help="run the server for clients on other machines")
-    p.add_argument("--config", type=Path, help="TOML config, e.g. examples/quickstart.toml")
-    p.add_argument(
-        "--out", type=Path, default=Path("runs"), help="base folder for run dirs (default: runs)"
-    )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, e.g. --set train.rounds=3 (not with --resume)",
-    )
-    p.add_argument(
-        "--resume", type=Path, metavar="RUN_DIR", help="continue a crashed run under its config"
-    )
+    run_args(p)
     p.add_argument("--certs", type=Path, help="folder made by `fl-secure certs init`")
     p.add_argument("--address", help="host:port to listen on (default: server.address)")
     p.add_argument("--port-file", help="write the bound port here (useful with port 0)")

@@ -129,9 +129,8 @@ def test_small_budget_stops_early_within_the_target(tmp_path: Path) -> None:
     assert kinds == [("client_level", 1), ("client_level", 2), ("note", 3)]
 
 
-def test_resume_writes_a_checkpointed_rounds_lost_entry_once(tmp_path: Path) -> None:
-    # Prepare: two rounds done; then simulate a crash after round 3's checkpoint was saved
-    # but before its ledger entry was synced
+def _crash_after_round_3_checkpoint(tmp_path: Path) -> PrivacyConfig:
+    """Two rounds done, then a crash after round 3's checkpoint, before its ledger entry."""
     cfg = PrivacyConfig(unit="client", noise_placement="central", noise_multiplier=2.0)
     coord = _coordinator(tmp_path, cfg, rounds=2)
     _drive(coord, 2)
@@ -139,6 +138,13 @@ def test_resume_writes_a_checkpointed_rounds_lost_entry_once(tmp_path: Path) -> 
     rows = coord.privacy.round_entries(3, 3, {})
     coord.store.save(3, coord.params, {"status": "running", "privacy_rows": rows})
     coord.privacy.ledger.close()
+    return cfg
+
+
+def test_resume_writes_a_checkpointed_rounds_lost_entry_once(tmp_path: Path) -> None:
+    # Prepare: two rounds done; then simulate a crash after round 3's checkpoint was saved
+    # but before its ledger entry was synced
+    cfg = _crash_after_round_3_checkpoint(tmp_path)
     # Execute: resume twice (a second crash right after resuming)
     for _ in range(2):
         again = _coordinator(tmp_path, cfg, rounds=5)
@@ -178,13 +184,7 @@ def test_resume_refuses_a_tampered_ledger(tmp_path: Path) -> None:
 def test_resume_writes_nothing_on_a_ledger_that_does_not_match(tmp_path: Path) -> None:
     import sqlite3
 
-    cfg = PrivacyConfig(unit="client", noise_placement="central", noise_multiplier=2.0)
-    coord = _coordinator(tmp_path, cfg, rounds=2)
-    _drive(coord, 2)
-    assert coord.privacy is not None
-    rows = coord.privacy.round_entries(3, 3, {})
-    coord.store.save(3, coord.params, {"status": "running", "privacy_rows": rows})
-    coord.privacy.ledger.close()
+    cfg = _crash_after_round_3_checkpoint(tmp_path)
     ledger_path = tmp_path / "ledger.sqlite"
     # the ledger deleted: refused, and no fresh ledger holding only round 3 is left behind
     ledger_path.rename(tmp_path / "kept.sqlite")
