@@ -185,28 +185,30 @@ def cmd_server(args: argparse.Namespace) -> int:
     from fl_secure.config import load_config
     from fl_secure.runs import RunDir, new_run_dir
     from server.app import check_address, load_enrollment, start_server
-    from server.setup import build_server, write_config
+    from server.setup import build_server, preflight, write_config
     from server.summary import build_summary
 
     _check_resume(args)
     if not args.insecure and args.certs is None:
         raise FlSecureError("server needs --certs DIR (made by `fl-secure certs init`)")
+    run: RunDir | None = None
     if args.resume is not None:
         run = RunDir(args.resume)
         config = load_config(run.config)
-        check_address(args.address or config.server.address)
     else:
         if args.config is None:
             raise FlSecureError("server needs --config FILE (or --resume RUN_DIR)")
         config = load_config(args.config, args.set)
-        check_address(args.address or config.server.address)  # before the run dir exists
-        run = RunDir(new_run_dir(args.out, config.run.name))
-        write_config(run, config)
-    _torch_threads(config.train.threads)
     if args.insecure:
         enrolled = {f"client-{i}" for i in range(config.partition.num_clients)}
     else:
         enrolled = set(load_enrollment(args.certs).fingerprints)
+    check_address(args.address or config.server.address)
+    if run is None:  # the checks that need no run directory come first, as in train
+        preflight(config, len(enrolled))
+        run = RunDir(new_run_dir(args.out, config.run.name))
+        write_config(run, config)
+    _torch_threads(config.train.threads)
     side = build_server(
         config,
         run,
