@@ -421,18 +421,13 @@ def _warnings(
             }
         )
     done = report["run"].get("rounds_completed")
-    recorded = {m.get("round") for m in metrics or [] if isinstance(m.get("round"), int)}
-    recorded.discard(0)  # round 0: the untrained model's evaluation
-    if (
-        metrics is not None
-        and isinstance(done, int)
-        and done > 0
-        and not set(range(1, done + 1)) <= recorded
-    ):
+    recorded = {m.get("round") for m in metrics or []} - {0}  # round 0: the initial model
+    if metrics is not None and isinstance(done, int) and not set(range(1, done + 1)) <= recorded:
         w.append(
             {
                 "code": "metrics-incomplete",
-                "message": f"metrics.jsonl records {len(recorded)} of the {done} completed rounds "
+                "message": f"metrics.jsonl records {len(recorded & set(range(1, done + 1)))} "
+                f"of the {done} completed rounds "
                 "(missing, truncated or edited): the per-round figures and the secure-aggregation "
                 "table below are incomplete.",
             }
