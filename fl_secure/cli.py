@@ -25,12 +25,15 @@ HEADLINE = ("tar_at_far_1e-1", "tar_at_far_1e-2", "tar_at_far_1e-3", "rank1")
 def _setup_logging(verbose: int, quiet: bool, default: int = logging.INFO) -> None:
     level = logging.WARNING if quiet else default if verbose == 0 else logging.DEBUG
     level = logging.INFO if verbose == 1 and default > logging.INFO else level
-    logging.basicConfig(
-        level=level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-        force=True,  # opacus.utils.module_utils calls basicConfig when imported
-    )
+    log_format = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=level, format=log_format, stream=sys.stderr)
+    # opacus.utils.module_utils calls basicConfig when imported, which made ours a no-op and
+    # left the root at WARNING: set the level and format on the handler it installed instead
+    # of replacing it (force=True would rebind the root to whatever sys.stderr is now)
+    root = logging.getLogger()
+    root.setLevel(level)
+    for handler in root.handlers:
+        handler.setFormatter(logging.Formatter(log_format))
 
 
 def _torch_threads(n: int) -> None:
