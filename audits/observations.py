@@ -23,7 +23,6 @@ identity the view holds, or none, in which case the attacker falls back on a sur
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,7 +122,7 @@ def load_run(path: Path) -> RunContext:
     check_auditable(config.algorithm.name)
     if not run.summary.exists():
         raise CheckpointError(f"{path} has no summary.json: audit a finished run")
-    summary = json.loads(run.summary.read_text(encoding="utf-8"))
+    summary = run.read_summary()
     checkpoint = CheckpointStore(run.checkpoints).latest()
     if checkpoint is None:
         raise CheckpointError(f"{path} has no checkpoint")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fl_secure import __version__
-from fl_secure.errors import FlSecureError
+from fl_secure.errors import CheckpointError, FlSecureError
 
 log = logging.getLogger("fl_secure")
 
@@ -68,11 +68,11 @@ def _check_resume(args: argparse.Namespace) -> None:
         )
     from fl_secure.runs import RunDir
 
-    summary = RunDir(args.resume).summary
-    if summary.exists():
+    run = RunDir(args.resume)
+    if run.summary.exists():
         try:
-            status = json.loads(summary.read_text(encoding="utf-8")).get("status")
-        except (OSError, ValueError, AttributeError):
+            status = run.read_summary().get("status")
+        except CheckpointError:  # damaged: not a record of a run that ended
             status = None
         if status in _SUCCESS:
             raise FlSecureError(

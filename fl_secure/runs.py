@@ -48,6 +48,19 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
+def read_json_object(path: Path, what: str) -> dict[str, Any]:
+    """A run file holding one JSON object; CheckpointError names a missing or damaged one."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{what} {path} does not exist: is this a finished run?") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{what} {path} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{what} {path} is damaged: a JSON object was expected")
+    return value
+
+
 def new_run_dir(base: Path, name: str) -> Path:
     """A fresh, unique run directory ``base/name-YYYYmmdd-HHMMSS[-k]``."""
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
@@ -129,6 +142,10 @@ class RunDir:
             text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept)
             atomic_write_bytes(self.metrics, text.encode())
         return len(records) - len(kept)
+
+    def read_summary(self) -> dict[str, Any]:
+        """``summary.json``; CheckpointError when it is missing or damaged."""
+        return read_json_object(self.summary, "the run summary")
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """Atomically write the final summary."""

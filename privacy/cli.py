@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fl_secure.errors import PrivacyError
+from fl_secure.errors import CheckpointError, PrivacyError
 from privacy.accountants.accountant import ADJACENCY, SAMPLINGS
 from privacy.accountants.registry import ACCOUNTANTS, DEFAULT_CLIENT_LEVEL
 from privacy.calibration import calibrate_noise, epsilon_for
@@ -180,15 +180,14 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 
 def _recorded(run: Path) -> tuple[tuple[int, str] | None, str | None]:
     """The ``(entries, head)`` summary.json recorded, or a problem if it cannot be read."""
-    path = run / "summary.json"
-    if not path.exists():
+    from fl_secure.runs import RunDir
+
+    if not RunDir(run).summary.exists():
         return None, None
     try:
-        summary = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        summary = RunDir(run).read_summary()
+    except (OSError, CheckpointError) as exc:
         return None, f"summary.json: unreadable ({exc}); the ledger's head cannot be checked"
-    if not isinstance(summary, dict):
-        return None, "summary.json: not a JSON object; the ledger's head cannot be checked"
     return recorded_head(summary), None
 
 

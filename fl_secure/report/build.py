@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fl_secure.errors import CheckpointError
-from fl_secure.runs import RunDir
+from fl_secure.runs import RunDir, read_json_object
 
 #: Version of the report JSON (``schema/report-v{major}.schema.json``).
 REPORT_VERSION = "1.0"
@@ -35,24 +35,12 @@ TRUST = {
 HEADLINE = ("tar_at_far_1e-1", "tar_at_far_1e-2", "tar_at_far_1e-3", "rank1", "roc_auc", "eer")
 
 
-def _read_json(path: Path, what: str) -> dict[str, Any]:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{what} {path} does not exist: is this a finished run?") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{what} {path} is not valid JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{what} {path} is damaged: a JSON object was expected")
-    return value
-
-
 def build_report(run_dir: Path) -> dict[str, Any]:
     """The report of a run directory as a JSON-ready dict (deterministic for a given run)."""
     run = RunDir(Path(run_dir))
     if not run.config.exists():
         raise CheckpointError(f"{run_dir} is not a run directory (no config.toml)")
-    summary = _read_json(run.summary, "the run summary")
+    summary = run.read_summary()
     metrics = run.read_metrics()
     config_text = run.config.read_bytes()
     try:
@@ -60,7 +48,7 @@ def build_report(run_dir: Path) -> dict[str, Any]:
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"the run's config {run.config} is not valid TOML: {exc}") from exc
     audit_path = run.path / "audit" / "results.json"
-    audit = _read_json(audit_path, "the audit results") if audit_path.exists() else None
+    audit = read_json_object(audit_path, "the audit results") if audit_path.exists() else None
     ledger = _ledger(run.path / "ledger.sqlite", summary)
     privacy = _privacy(summary, config, ledger)
     secure = _secure_aggregation(summary, metrics)
