@@ -166,6 +166,22 @@ class RoundSetup:
         return setup
 
 
+def neighbourhood(cfg: SecureAggregationConfig, n: int) -> tuple[int, int]:
+    """``(k, t)``: each client's neighbours in a cohort of ``n``, and the Shamir threshold.
+
+    Raises:
+        PrivacyError: The configured threshold exceeds ``k``.
+    """
+    k = n - 1 if cfg.neighbours == 0 or cfg.neighbours >= n - 1 else cfg.neighbours
+    threshold = cfg.threshold or k // 2 + 1
+    if threshold > k:
+        raise PrivacyError(
+            f"secure_aggregation.threshold = {threshold} exceeds the {k} neighbours each "
+            f"client has in a cohort of {n}; use a threshold <= {k} (0: a majority)"
+        )
+    return k, threshold
+
+
 def make_setup(
     cfg: SecureAggregationConfig,
     *,
@@ -183,14 +199,8 @@ def make_setup(
     ``D2 = C / gamma + sqrt(d)`` the L2 bound of its rounded integer vector (KLS21).
     """
     n = len(cohort)
-    k = n - 1 if cfg.neighbours == 0 or cfg.neighbours >= n - 1 else cfg.neighbours
+    k, threshold = neighbourhood(cfg, n)
     neighbours = 0 if k == n - 1 else k
-    threshold = cfg.threshold or k // 2 + 1
-    if threshold > k:
-        raise PrivacyError(
-            f"secure_aggregation.threshold = {threshold} exceeds the {k} neighbours each "
-            f"client has in a cohort of {n}"
-        )
     round_id = hashlib.sha256(f"fl-secure/secagg/{run_id}/{round_}/{attempt}".encode()).digest()
     encoding, sigma, clip_norm = "fixed_point", 0.0, 0.0
     if ddg is not None:

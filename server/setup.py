@@ -207,15 +207,11 @@ def _check_secagg_cohort(config: Config, population: int) -> None:
     if sa.scheme not in ("secagg", "secagg+"):
         return
     n = min(config.server.clients_per_round or population, population)
-    k = n - 1 if sa.neighbours == 0 or sa.neighbours >= n - 1 else sa.neighbours
-    if sa.threshold > k:
-        raise ConfigError(
-            f"secure_aggregation.threshold = {sa.threshold} exceeds the {k} neighbours each "
-            f"client has in a cohort of {n}; use a threshold <= {k} (0: a majority)"
-        )
     from privacy.secagg import check_modulus
+    from privacy.secagg_session import neighbourhood
 
     try:
+        neighbourhood(sa, n)
         check_modulus(n, sa.clip_range, float(2**sa.scale_bits), sa.modulus_bits)
     except PrivacyError as exc:
         raise ConfigError(f"secure_aggregation: {exc}") from exc
