@@ -38,6 +38,9 @@ Optimizer = Literal["sgd", "adam"]
 LrSchedule = Literal["constant", "cosine"]
 PrivacyUnit = Literal["none", "client", "example"]
 NoisePlacement = Literal["local", "distributed", "central"]
+#: smallest privacy.noise_multiplier: privacy.accountants.accountant.MIN_ACCOUNTED_NOISE, kept
+#: here so that reading a config does not import the accountants (a test ties the two)
+MIN_NOISE_MULTIPLIER = 0.05
 _RUN_NAME = re.compile(r"[^/\\\x00.\s][^/\\\x00]{0,99}")
 AccountantName = Literal["", "rdp", "prv", "pld"]
 ClippingEngine = Literal["auto", "book-keeping", "opacus"]
@@ -330,10 +333,10 @@ class PrivacyConfig:
         """Check ranges and combinations."""
         _check(self.clip_norm > 0, "privacy.clip_norm", "a number > 0")
         _check(
-            self.noise_multiplier == 0 or 0.05 <= self.noise_multiplier < math.inf,
+            self.noise_multiplier == 0 or MIN_NOISE_MULTIPLIER <= self.noise_multiplier < math.inf,
             "privacy.noise_multiplier",
-            "0 (calibrate to target_epsilon) or a finite number >= 0.05 (below it one round "
-            "alone spends an epsilon above 100)",
+            f"0 (calibrate to target_epsilon) or a finite number >= {MIN_NOISE_MULTIPLIER} (below "
+            "it one round alone spends an epsilon above 100)",
         )
         _check(self.target_epsilon >= 0, "privacy.target_epsilon", "a number >= 0")
         _check(0 < self.delta < 1, "privacy.delta", "a number in (0, 1)")

@@ -198,7 +198,10 @@ def test_registry_names_and_adjacency() -> None:
 
 @pytest.mark.parametrize("name", sorted(ACCOUNTANTS))
 def test_noise_too_small_to_account_is_refused_before_any_grid_is_built(name: str) -> None:
+    from fl_secure.config import MIN_NOISE_MULTIPLIER
     from privacy.accountants.accountant import MIN_ACCOUNTED_NOISE
+
+    assert MIN_NOISE_MULTIPLIER == MIN_ACCOUNTED_NOISE  # the config refuses what is not accounted
 
     acc = create_accountant(name)
     with pytest.raises(PrivacyError, match="is below 0.05"):  # PLD: > 7 GB at z = 0.01
