@@ -70,6 +70,30 @@ def clopper_pearson_upper(failures: int, trials: int, alpha: float) -> float:
     return float(stats.beta.ppf(1.0 - alpha, failures + 1, trials - failures))
 
 
+def clopper_pearson_interval(
+    successes: int, trials: int, alpha: float = DEFAULT_ALPHA
+) -> tuple[float, float]:
+    """Two-sided ``1 - alpha`` Clopper-Pearson ("exact") interval on a binomial rate.
+
+    The interval scipy's ``binomtest(k, n).proportion_ci(method="exact")`` gives: the
+    ``alpha / 2`` quantile of ``Beta(k, n - k + 1)`` (0 if ``k == 0``) and the
+    ``1 - alpha / 2`` quantile of ``Beta(k + 1, n - k)`` (1 if ``k == n``).
+
+    Args:
+        successes: observed count ``k``.
+        trials: number of trials ``n >= 1``.
+        alpha: 1 - confidence.
+
+    Returns:
+        ``(low, high)``.
+    """
+    _check_counts(successes, trials)
+    _check_alpha(alpha)
+    low = 0.0 if successes == 0 else float(stats.beta.ppf(alpha / 2, successes,
+                                                          trials - successes + 1))  # fmt: skip
+    return low, clopper_pearson_upper(successes, trials, alpha / 2)
+
+
 def epsilon_from_rates(fpr: float, fnr: float, delta: float) -> float:
     """``max(log((1-delta-fpr)/fnr), log((1-delta-fnr)/fpr), 0)`` (Jagielski et al., Sec. 4).
 

@@ -9,7 +9,12 @@ Its architecture is the repo's residual CNN (:mod:`fl_secure.models.cnn`) with a
 (Wang et al., CVPR 2018); it shares no weights with the attacked model.
 
 Every score is reported beside its chance level: a random guess is top-1 correct with
-probability ``1 / num_targets`` and top-5 correct with ``min(5, num_targets) / num_targets``.
+probability ``1 / num_targets`` and top-5 correct with ``min(5, num_targets) / num_targets``;
+top-1 and top-5 also carry a 95% Clopper-Pearson interval, since an audit scores a handful of
+targets. KNN distance, SSIM and PSNR have a chance level too: the same measure taken against
+the *other* targets' private images. A reconstruction that carries nothing about its target
+is as close to the other targets as to its own, so it scores that level in expectation; one
+that carries the target's face is closer to its own target than to the others.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from audits.canary import clopper_pearson_interval
 from audits.image_metrics import psnr, ssim, to_unit_range
 from fl_secure.models import get_backbone, make_head
 from fl_secure.models.heads import ClassHead
@@ -140,6 +146,13 @@ class JudgeResult:
             the nearest private image of the target (0 = identical features, 2 = opposite).
         ssim: mean SSIM (images in ``[0, 1]``) to that nearest private image.
         psnr: mean PSNR in dB to that nearest private image.
+        top1_ci95: 95% Clopper-Pearson interval of ``top1`` over the reconstructions.
+        top5_ci95: the same for ``top5``.
+        chance_knn_distance: what a reconstruction that carries nothing about its target
+            scores: the KNN distance to each *other* target's nearest private image, averaged
+            over those targets and the reconstructions.
+        chance_ssim: the same for SSIM (to each other target's nearest private image).
+        chance_psnr: the same for PSNR (dB).
         predicted: ``[N, min(5, num_targets)]`` the evaluator's best classes per image.
         per_image_knn: ``[N]`` KNN distances.
         per_image_ssim: ``[N]``.
@@ -155,6 +168,11 @@ class JudgeResult:
     knn_distance: float
     ssim: float
     psnr: float
+    top1_ci95: tuple[float, float]
+    top5_ci95: tuple[float, float]
+    chance_knn_distance: float
+    chance_ssim: float
+    chance_psnr: float
     predicted: torch.Tensor
     per_image_knn: torch.Tensor
     per_image_ssim: torch.Tensor
@@ -167,12 +185,17 @@ class JudgeResult:
             "num_targets": self.num_targets,
             "num_reconstructions": int(self.predicted.shape[0]),
             "top1": self.top1,
+            "top1_ci95": list(self.top1_ci95),
             "chance_top1": self.chance_top1,
             "top5": self.top5,
+            "top5_ci95": list(self.top5_ci95),
             "chance_top5": self.chance_top5,
             "knn_distance": self.knn_distance,
+            "chance_knn_distance": self.chance_knn_distance,
             "ssim": self.ssim,
+            "chance_ssim": self.chance_ssim,
             "psnr_db": self.psnr,
+            "chance_psnr_db": self.chance_psnr,
         }
 
 
@@ -194,15 +217,19 @@ def judge(
 
     Returns:
         The scores; distances, SSIM and PSNR against the private image of the target that is
-        nearest in evaluator feature space.
+        nearest in evaluator feature space, and their chance levels against the nearest
+        private image of every other target.
 
     Raises:
-        ValueError: on mismatched shapes, or a target with no private image.
+        ValueError: on mismatched shapes, a target with no private image, or fewer than two
+            targets among the private images (no other target to set a chance level by).
     """
     if recon_images.dim() != 4 or target_labels.shape != recon_images.shape[:1]:
         raise ValueError("recon_images must be [N, 3, H, W] with target_labels [N]")
     if private_labels.shape != private_images.shape[:1]:
         raise ValueError("private_labels must be [M] matching private_images")
+    if len(recon_images) == 0:
+        raise ValueError("no reconstructions to judge")
     missing = set(target_labels.tolist()) - set(private_labels.tolist())
     if missing:
         raise ValueError(f"targets {sorted(missing)} have no private image to compare with")
@@ -213,24 +240,51 @@ def judge(
     recon_feats = evaluator.features(recon_images)
     private_feats = evaluator.features(private_images)
     dist = torch.cdist(recon_feats.double(), private_feats.double())
-    other = private_labels.unsqueeze(0) != target_labels.unsqueeze(1)
-    dist = dist.masked_fill(other, float("inf"))
-    knn, nearest = dist.min(dim=1)
+    # per_target[i, c]: distance from reconstruction i to target c's nearest private image
+    classes = torch.unique(private_labels)
+    if len(classes) < 2:
+        raise ValueError("the private images cover one target: no chance level to compare with")
+    per_target, near = _nearest_per_target(dist, private_labels, classes)
+    own = classes.unsqueeze(0) == target_labels.unsqueeze(1)  # [N, C], one True per row
+    knn, nearest = per_target[own], near[own]
     recon01 = to_unit_range(recon_images)
     nearest01 = to_unit_range(private_images[nearest])
     s, p = ssim(recon01, nearest01), psnr(recon01, nearest01)
+    # chance: the same measures against every other target's nearest private image
+    rows, cols = (~own).nonzero(as_tuple=True)
+    other = to_unit_range(private_images[near[rows, cols]])
+    chance_s, chance_p = ssim(recon01[rows], other), psnr(recon01[rows], other)
+    n = int(hits.shape[0])
+    top1_hits, top5_hits = int(hits[:, 0].sum()), int(hits.any(dim=1).sum())
     return JudgeResult(
         num_targets=num_targets,
-        top1=float(hits[:, 0].double().mean()),
-        top5=float(hits.any(dim=1).double().mean()),
+        top1=top1_hits / n,
+        top5=top5_hits / n,
         chance_top1=1.0 / num_targets,
         chance_top5=k / num_targets,
         knn_distance=float(knn.mean()),
         ssim=float(s.mean()),
         psnr=float(p.mean()),
+        top1_ci95=clopper_pearson_interval(top1_hits, n),
+        top5_ci95=clopper_pearson_interval(top5_hits, n),
+        chance_knn_distance=float(per_target[~own].mean()),
+        chance_ssim=float(chance_s.mean()),
+        chance_psnr=float(chance_p.mean()),
         predicted=predicted,
         per_image_knn=knn,
         per_image_ssim=s,
         per_image_psnr=p,
         nearest=nearest,
     )
+
+
+def _nearest_per_target(
+    dist: torch.Tensor, labels: torch.Tensor, classes: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, C]`` distance to, and index of, each class's nearest image (``dist`` is ``[N, M]``)."""
+    values, indices = [], []
+    for c in classes.tolist():
+        v, i = dist.masked_fill(labels.unsqueeze(0) != c, float("inf")).min(dim=1)
+        values.append(v)
+        indices.append(i)
+    return torch.stack(values, dim=1), torch.stack(indices, dim=1)

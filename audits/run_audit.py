@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from audits.canary import clopper_pearson_interval
 from audits.grids import save_grid
 from audits.inversion import (
     FacePrior,
@@ -250,12 +251,14 @@ def _templates(run: RunContext, view: View, tg: Targets) -> dict[str, Any]:
     gallery = _embed(run.model.backbone, tg.gallery.images)
     found, top1 = identify_head_templates(rows, torch.arange(len(tg.identities)), gallery,
                                           tg.gallery.labels)  # fmt: skip
+    n = len(tg.identities)
     return {
         "applicable": True,
         "gallery": f"{len(tg.gallery)} test images of the targets (view's backbone)",
         "top1": top1,
-        "top5": found.accuracy(torch.arange(len(tg.identities)), k=5),
-        "chance": 1.0 / len(tg.identities),
+        "top1_ci95": list(clopper_pearson_interval(round(top1 * n), n)),
+        "top5": found.accuracy(torch.arange(n), k=5),
+        "chance": 1.0 / n,
     }
 
 
@@ -608,7 +611,9 @@ def audit_run(
         },
         "judge": {
             "evaluator": "cnn-small + CosFace, trained only on the targets' own training images "
-            f"({len(tg.private)}), which the attacker never sees; chance = 1 / targets",
+            f"({len(tg.private)}), which the attacker never sees; chance = 1 / targets for "
+            "top-1 (95% Clopper-Pearson interval beside it); for KNN distance, SSIM and PSNR, "
+            "chance = the same measure against every other target's nearest private image",
         },
         "settings": {
             "steps": cfg.steps,
@@ -638,6 +643,7 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     inversion = results["attacks"].get("inversion", {})
     canary = results["attacks"].get("canary", {})
+    templates = results["attacks"].get("templates", {})
     order = sorted(inversion, key=lambda p: (p != "server", p))
     for party in order:
         res = inversion[party]
@@ -649,14 +655,78 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
             "party": party,
             "direction": res["best"],
             "top1": best["top1"],
+            "top1_ci95": best.get("top1_ci95"),
             "chance": best["chance_top1"],
             "knn_distance": best["knn_distance"],
+            "chance_knn_distance": best.get("chance_knn_distance"),
             "ssim": best["ssim"],
-            "templates_top1": results["attacks"].get("templates", {}).get(party, {}).get("top1"),
+            "chance_ssim": best.get("chance_ssim"),
+            "templates_top1": templates.get(party, {}).get("top1"),
+            "templates_top1_ci95": templates.get(party, {}).get("top1_ci95"),
             "epsilon_lower_bound": canary.get("epsilon_lower_bound"),
+            "epsilon_lower_bound_at_audit_cap": canary.get("at_audit_cap"),
             "accountant_epsilon": canary.get("accountant_epsilon"),
         })  # fmt: skip
     return rows
+
+
+def findings(results: dict[str, Any]) -> list[dict[str, str]]:
+    """What a reader of the audit must not miss, as report warnings (``code``, ``message``).
+
+    An attack is flagged when the lower end of its 95% Clopper-Pearson interval lies above
+    chance: the attacker identified faces from that view, and it is not luck at that
+    confidence. An empirical epsilon above the accountant's upper bound is flagged too: one
+    of them is wrong, so the stated guarantee cannot be relied on.
+    """
+    found: dict[str, list[str]] = {}
+    attacks = results.get("attacks", {})
+
+    def above_chance(ci: Sequence[float] | None, chance: float) -> bool:
+        return ci is not None and ci[0] > chance
+
+    for row in table_rows(results):
+        if above_chance(row["top1_ci95"], row["chance"]):
+            found.setdefault("audit-inversion-identifies", []).append(
+                f"{row['party']} view ({row['direction']}): top-1 {row['top1']:.2f}"
+                f"{_interval(row['top1_ci95'])} vs chance {row['chance']:.2f}"
+            )
+    for party, res in sorted(attacks.get("templates", {}).items()):
+        if res.get("applicable") and above_chance(res.get("top1_ci95"), res["chance"]):
+            found.setdefault("audit-templates-identify", []).append(
+                f"{party} view: top-1 {res['top1']:.2f}{_interval(res['top1_ci95'])} vs chance "
+                f"{res['chance']:.2f}"
+            )
+    for party, res in sorted(attacks.get("leakage", {}).items()):
+        one = res.get("single_client_one_image") if res.get("applicable") else None
+        if one and one.get("clients"):
+            n = int(one["clients"])
+            ci = clopper_pearson_interval(round(one["top1"] * n), n)
+            if above_chance(ci, one["chance"]):
+                found.setdefault("audit-update-leaks", []).append(
+                    f"{party} view: top-1 {one['top1']:.2f}{_interval(ci)} vs chance "
+                    f"{one['chance']:.3f}"
+                )
+    canary = attacks.get("canary") or {}
+    if canary.get("exceeds_accountant"):
+        found["audit-exceeds-accountant"] = [
+            f"empirical epsilon >= {canary['epsilon_lower_bound']:.3f} against the "
+            f"accountant's {canary['accountant_epsilon']:.3f}"
+        ]
+    lead = {
+        "audit-inversion-identifies": "Model inversion produced faces that the independent "
+        "judge identified above chance (95% interval)",
+        "audit-templates-identify": "The class embeddings in the shared head identify their "
+        "identities above chance (95% interval)",
+        "audit-update-leaks": "One client's update gave away the face features of its input, "
+        "identified above chance (95% interval)",
+        "audit-exceeds-accountant": "The empirical epsilon lower bound exceeds the "
+        "accountant's upper bound: the accounting or the mechanism as implemented is wrong, "
+        "and the stated guarantee cannot be relied on",
+    }
+    return [
+        {"code": code, "message": f"{lead[code]}: " + "; ".join(items) + "."}
+        for code, items in found.items()
+    ]
 
 
 def summary_lines(results: dict[str, Any]) -> list[str]:
@@ -665,8 +735,10 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
     lines = []
     for row in table_rows(results):
         lines.append(
-            f"{row['party']:>15}: inversion top-1 {row['top1']:.2f} (chance {row['chance']:.2f}, "
-            f"{row['direction']}), KNN distance {row['knn_distance']:.3f}, SSIM {row['ssim']:.3f}"
+            f"{row['party']:>15}: inversion top-1 {row['top1']:.2f}{_interval(row['top1_ci95'])} "
+            f"(chance {row['chance']:.2f}, {row['direction']}), KNN distance "
+            f"{row['knn_distance']:.3f}{_versus(row['chance_knn_distance'])}, SSIM "
+            f"{row['ssim']:.3f}{_versus(row['chance_ssim'])}"
         )
 
     def servers_first(item: tuple[str, Any]) -> tuple[bool, str]:
@@ -675,8 +747,8 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
     for party, res in sorted(attacks.get("templates", {}).items(), key=servers_first):
         if res["applicable"]:
             lines.append(
-                f"{party:>15}: head templates identified, top-1 {res['top1']:.2f} "
-                f"(chance {res['chance']:.2f})"
+                f"{party:>15}: head templates identified, top-1 {res['top1']:.2f}"
+                f"{_interval(res.get('top1_ci95'))} (chance {res['chance']:.2f})"
             )
         else:
             lines.append(f"{party:>15}: head templates: {res['why']}")
@@ -701,28 +773,48 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
     canary = attacks.get("canary")
     if canary:
         acc = canary["accountant_epsilon"]
+        capped = (
+            ", the most this audit's size can show: the attack never erred, so a larger audit "
+            "could show more"
+            if canary.get("at_audit_cap")
+            else ""
+        )
         lines.append(
-            f"empirical epsilon >= {canary['epsilon_lower_bound']:.3f} (95% confidence; at most "
+            f"empirical epsilon >= {canary['epsilon_lower_bound']:.3f} (95% confidence{capped}; "
+            "at most "
             f"{canary['one_run']['max_epsilon_lower_bound']:.2f} one-run, "
             f"{canary['clopper_pearson']['max_epsilon_lower_bound']:.2f} over trials); "
             f"accountant: {'no DP' if acc is None else f'{acc:.3f}'}"
         )
+    lines += [f"finding [{f['code']}]: {f['message']}" for f in findings(results)]
     return lines
+
+
+def _interval(ci: Sequence[float] | None) -> str:
+    """`` [low, high]`` of a 95% interval, or nothing for results written before it existed."""
+    return "" if ci is None else f" [{ci[0]:.2f}, {ci[1]:.2f}]"
+
+
+def _versus(chance: float | None) -> str:
+    """`` (chance x)`` for KNN distance and SSIM, or nothing for older results."""
+    return "" if chance is None else f" (chance {chance:.3f})"
 
 
 def markdown_table(all_results: Sequence[dict[str, Any]]) -> str:
     """README table: design x party view x inversion/templates/leakage, empirical epsilon."""
     lines = [
-        "| design | DP | party view | direction attacked | inversion top-1 (chance) | "
-        "KNN dist. | SSIM | templates top-1 | FC-update leakage top-1 (chance) | "
+        "| design | DP | party view | direction attacked | inversion top-1 [95% CI] (chance) | "
+        "KNN dist. (chance) | SSIM (chance) | templates top-1 | "
+        "FC-update leakage top-1 (chance) | "
         "empirical eps >= (accountant) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for results in all_results:
         canary = results["attacks"].get("canary", {})
         acc = canary.get("accountant_epsilon")
+        cap = " (audit cap)" if canary.get("at_audit_cap") else ""
         eps = (
-            f"{canary['epsilon_lower_bound']:.2f} ({'none' if acc is None else f'{acc:.2f}'})"
+            f"{canary['epsilon_lower_bound']:.2f}{cap} ({'none' if acc is None else f'{acc:.2f}'})"
             if canary
             else "-"
         )
@@ -745,8 +837,10 @@ def markdown_table(all_results: Sequence[dict[str, Any]]) -> str:
                 leaked = "no update seen"
             lines.append(
                 f"| {results['algorithm']} ({results['exposure']}) | {privacy} | {party} | "
-                f"{row['direction']} | {row['top1']:.2f} ({row['chance']:.2f}) | "
-                f"{row['knn_distance']:.3f} | {row['ssim']:.3f} | "
+                f"{row['direction']} | {row['top1']:.2f}{_interval(row['top1_ci95'])} "
+                f"({row['chance']:.2f}) | {row['knn_distance']:.3f}"
+                f"{_versus(row['chance_knn_distance'])} | {row['ssim']:.3f}"
+                f"{_versus(row['chance_ssim'])} | "
                 f"{'-' if templates is None else f'{templates:.2f}'} | {leaked} | {eps} |"
             )
     return "\n".join(lines) + "\n"

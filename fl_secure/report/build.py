@@ -460,6 +460,11 @@ def _warnings(
                 f"{untrained:.3f}): the privacy noise or the training budget left it unusable.",
             }
         )
+    audit = report["threat_model"].get("audit")
+    if audit is not None:
+        from audits.run_audit import findings
+
+        w += findings(audit)
     if report["run"]["status"] != "completed":
         w.append(
             {

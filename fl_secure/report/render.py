@@ -187,34 +187,53 @@ PRIVACY_ROWS = (
 AUDIT_HEADER = (
     "party view",
     "direction attacked",
-    "inversion top-1",
+    "inversion top-1 [95% CI]",
     "chance",
-    "KNN distance",
-    "SSIM",
-    "templates top-1",
+    "KNN distance (chance)",
+    "SSIM (chance)",
+    "templates top-1 [95% CI]",
     "empirical epsilon >=",
     "accountant epsilon",
 )
 
 
 def _audit_summary_row(r: dict[str, Any]) -> list[str]:
-    keys = (
-        "party",
-        "direction",
-        "top1",
-        "chance",
-        "knn_distance",
-        "ssim",
-        "templates_top1",
-        "epsilon_lower_bound",
-        "accountant_epsilon",
-    )
-    return [fmt(r.get(k)) for k in keys]
+    def with_ci(value: Any, ci: Any) -> str:
+        return fmt(value) + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if isinstance(ci, list) else "")
+
+    def with_chance(value: Any, chance: Any) -> str:
+        return fmt(value) + (f" ({fmt(chance)})" if chance is not None else "")
+
+    eps = fmt(r.get("epsilon_lower_bound"))
+    if r.get("epsilon_lower_bound_at_audit_cap"):
+        eps += " (the audit's cap: a perfect attack; a larger audit could show more)"
+    return [
+        fmt(r.get("party")),
+        fmt(r.get("direction")),
+        with_ci(r.get("top1"), r.get("top1_ci95")),
+        fmt(r.get("chance")),
+        with_chance(r.get("knn_distance"), r.get("chance_knn_distance")),
+        with_chance(r.get("ssim"), r.get("chance_ssim")),
+        with_ci(r.get("templates_top1"), r.get("templates_top1_ci95")),
+        eps,
+        fmt(r.get("accountant_epsilon")),
+    ]
 
 
 #: measures compared with a node's "chance" (a by_attack entry's values as well)
 _CHANCE_MEASURES = frozenset(
     {"top1", "participant_precision", "exact_inputs", "row_ratios", "span"}
+)
+
+
+#: (key holding a chance level, the measure it is the chance level of); "*": any of the above
+_CHANCE_KEYS = (
+    ("chance", "*"),
+    ("chance_top1", "top1"),
+    ("chance_top5", "top5"),
+    ("chance_knn_distance", "knn_distance"),
+    ("chance_ssim", "ssim"),
+    ("chance_psnr_db", "psnr_db"),
 )
 
 
@@ -230,7 +249,7 @@ def _audit_rows(audit: dict[str, Any]) -> list[list[str]]:
             # chance level per measure: top-5 has its own; identification-style scores
             # (top1, participant_precision, each attack under by_attack) use "chance"
             levels = dict(inherited)
-            for key, measure in (("chance", "*"), ("chance_top1", "top1"), ("chance_top5", "top5")):
+            for key, measure in _CHANCE_KEYS:
                 if number(node.get(key)):
                     levels[measure] = float(node[key])
             for k, v in sorted(node.items()):

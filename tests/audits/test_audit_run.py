@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from audits.mechanism import Mechanism, audit_mechanism
-from audits.run_audit import AuditSettings, audit_run, summary_lines, table_rows
+from audits.run_audit import AuditSettings, audit_run, findings, summary_lines, table_rows
 from audits.simulated import write_simulated_run
 from fl_secure.cli import main
 from fl_secure.config import config_from_dict
@@ -113,6 +113,10 @@ def test_global_head_reconstructions_are_identified(runs: dict[str, dict[str, An
     best = server["head_row"]
     assert best["chance_top1"] == pytest.approx(0.1)
     assert best["top1"] >= 5 * best["chance_top1"]  # measured 0.8 (8x chance)
+    assert best["top1_ci95"][0] > best["chance_top1"]  # not luck: 95% interval above chance
+    # the faces are closer to their own target than to the others (measured 0.45 vs 1.35)
+    assert best["knn_distance"] < best["chance_knn_distance"]
+    assert best["ssim"] > best["chance_ssim"]
     # the curious client holds the same global model and head: the same attack and result
     assert _best(results, "curious_client")["top1"] == best["top1"]
     templates = results["attacks"]["templates"]["server"]
@@ -133,8 +137,18 @@ def test_private_embeddings_leave_only_surrogates_near_chance(
         assert "head_row" not in view
         for surrogate in ("surrogate_public_mean", "surrogate_random"):
             assert view[surrogate]["top1"] <= 2 * view[surrogate]["chance_top1"]  # measured 0.2
+            # no nearer its target than the other targets (measured within 0.08; a global
+            # head's row gets 0.9 nearer)
+            gap = abs(view[surrogate]["knn_distance"] - view[surrogate]["chance_knn_distance"])
+            assert gap < 0.25
         assert results["attacks"]["templates"][party]["applicable"] is False
     assert all(v["head_rows_of_targets"] == 0 for v in results["views"])
+    # ... and so no inversion or template finding; one client's update still gives its input
+    # away to the server that sees it (no secure aggregation in this run)
+    codes = {f["code"] for f in findings(results)}
+    assert codes == {"audit-update-leaks"}
+    flagged = {f["code"] for f in findings(runs["fedavg"])}
+    assert {"audit-inversion-identifies", "audit-templates-identify"} <= flagged
     # the head-row attack on the global-head run beats every surrogate here
     fedavg_best = _best(runs["fedavg"], "server")
     assert fedavg_best["knn_distance"] < _best(results, "server")["knn_distance"]
@@ -185,6 +199,9 @@ def test_canary_non_private_run_gives_a_clear_lower_bound(
     canary = runs["fedavg"]["attacks"]["canary"]
     assert canary["accountant_epsilon"] is None
     assert canary["epsilon_lower_bound"] > 4.0  # measured 4.9 = the cap of 1000 trials
+    assert canary["at_audit_cap"] is True  # said as such: a larger audit could show more
+    assert canary["epsilon_lower_bound"] == canary["clopper_pearson"]["max_epsilon_lower_bound"]
+    assert any("the most this audit's size can show" in x for x in summary_lines(runs["fedavg"]))
     assert canary["one_run"]["correct"] == canary["one_run"]["guesses"] == 200
 
 
@@ -201,7 +218,13 @@ def test_client_level_dp_lowers_global_head_success_and_stays_under_the_accounta
     assert canary["mechanism"]["noise_placement"] == "central"
     assert canary["mechanism"]["noise_multiplier"] > 5  # calibrated for epsilon 1 in 8 rounds
     assert canary["epsilon_lower_bound"] <= canary["accountant_epsilon"]  # measured 0.28
-    assert canary["exceeds_accountant"] is False
+    assert canary["exceeds_accountant"] is False and canary["at_audit_cap"] is False
+    assert "audit-exceeds-accountant" not in {f["code"] for f in findings(dp_run)}
+    # were the bound above the accountant's, the audit would say the guarantee is broken
+    broken = {**dp_run, "attacks": {"canary": {**canary, "exceeds_accountant": True}}}
+    (finding,) = findings(broken)
+    assert finding["code"] == "audit-exceeds-accountant"
+    assert f"{canary['accountant_epsilon']:.3f}" in finding["message"]
     rows = table_rows(dp_run)
     assert {r["party"] for r in rows} == {"server", "curious_client"}
 
@@ -237,7 +260,12 @@ def test_cli_audit_prints_every_attack_beside_chance(
     out = capsys.readouterr().out
     saved = json.loads((Path(run) / "audit" / "results.json").read_text())
     templates = saved["attacks"]["templates"]["server"]
-    assert f"server: head templates identified, top-1 {templates['top1']:.2f} (chance " in out
+    low, high = templates["top1_ci95"]
+    assert (
+        f"server: head templates identified, top-1 {templates['top1']:.2f} [{low:.2f}, "
+        f"{high:.2f}] (chance {templates['chance']:.2f})" in out
+    )
+    assert "finding [audit-templates-identify]: The class embeddings" in out
     summed = saved["attacks"]["leakage"]["server"]["secure_sum_one_image_each"]
     assert "sum of 3 one-image updates (rank 3) -> participants named " in out
     exact, chance = summed["exact_inputs"], summed["chance"]

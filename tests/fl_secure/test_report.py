@@ -133,6 +133,26 @@ def test_every_number_traces_to_the_run_records(run_dir: Path) -> None:
     )
 
 
+def test_audit_findings_are_report_warnings(run_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from audits.run_audit import findings
+
+    report = build_report(run_dir)
+    codes = [w["code"] for w in report["warnings"]]
+    assert [c for c in codes if c.startswith("audit-")] == [
+        f["code"] for f in findings(report["threat_model"]["audit"])
+    ]
+    # an empirical epsilon above the accountant's puts the guarantee in doubt, up front
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("report"))
+    audit = json.loads((copy / "audit" / "results.json").read_text())
+    audit["attacks"]["canary"]["exceeds_accountant"] = True
+    (copy / "audit" / "results.json").write_text(json.dumps(audit))
+    warned = {w["code"]: w["message"] for w in build_report(copy)["warnings"]}
+    assert "cannot be relied on" in warned["audit-exceeds-accountant"]
+
+
 def test_tampered_ledger_is_reported_up_front(run_dir: Path, tmp_path: Path) -> None:
     import shutil
     import sqlite3
@@ -239,6 +259,9 @@ def test_audit_table_puts_chance_beside_the_measures_it_belongs_to() -> None:
             "inversion": {"server": {"head_row": {
                 "top1": 0.5, "top5": 0.9, "seconds": 3.0, "psnr_db": 11.0,
                 "chance": 0.1, "chance_top1": 0.1, "chance_top5": 0.5,
+            }, "surrogate_random": {
+                "top1": 0.1, "chance_top1": 0.1, "knn_distance": 1.2, "chance_knn_distance": 1.3,
+                "ssim": 0.05, "chance_ssim": 0.07, "psnr_db": 9.0, "chance_psnr_db": 9.5,
             }}},
             "leakage": {"server": {"secure_sum": {
                 "participant_precision": 0.7, "by_attack": {"span": 0.7, "row_ratios": 0.6},
@@ -250,6 +273,9 @@ def test_audit_table_puts_chance_beside_the_measures_it_belongs_to() -> None:
     assert rows[("head_row", "top1")][1] == "0.1" and rows[("head_row", "top5")][1] == "0.5"
     assert rows[("head_row", "seconds")][1] == rows[("head_row", "psnr_db")][1] == ""
     assert ("head_row", "chance_top5") not in rows  # the levels are a column, not rows
+    assert rows[("surrogate_random", "knn_distance")] == ("1.2", "1.3")
+    assert rows[("surrogate_random", "ssim")] == ("0.05", "0.07")
+    assert rows[("surrogate_random", "psnr_db")] == ("9", "9.5")
     assert rows[("by_attack", "span")][1] == rows[("by_attack", "row_ratios")][1] == "0.25"
     assert rows[("secure_sum", "participant_precision")][1] == "0.25"
     assert rows[("secure_sum", "rank")][1] == ""
