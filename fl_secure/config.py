@@ -8,6 +8,7 @@ set stops with a :class:`~fl_secure.errors.ConfigError` that names the key and w
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import re
 import tomllib
@@ -637,3 +638,12 @@ def config_to_toml(config: Config) -> str:
             lines.append(f"{f.name} = {_toml_value(getattr(sub, f.name))}")
         lines.append("")
     return "\n".join(lines)
+
+
+def config_fingerprint(config: Config) -> str:
+    """SHA-256 of the resolved config (its :func:`config_to_toml` text).
+
+    Comments, key order and formatting of a config file do not change it; any value does.
+    Checkpoints record it, so a resume can tell that config.toml was edited in between.
+    """
+    return hashlib.sha256(config_to_toml(config).encode()).hexdigest()

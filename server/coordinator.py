@@ -22,7 +22,7 @@ import numpy as np
 
 from fl_secure.algorithms.base import BROADCAST_PREFIX
 from fl_secure.checkpoints import CheckpointStore
-from fl_secure.errors import ProtocolError, RoundAborted
+from fl_secure.errors import CheckpointError, ProtocolError, RoundAborted
 from fl_secure.messages import (
     JoinReply,
     LocalTraining,
@@ -91,6 +91,9 @@ class CoordinatorSettings:
     algorithm_params: dict[str, float] = field(default_factory=dict)
     run_id: str = ""
     run_config_toml: str = ""
+    # SHA-256 of the run's whole resolved config (config_to_toml); every checkpoint records
+    # it and a resume refuses a config.toml edited since ("": not checked)
+    config_sha256: str = ""
     poll_wait: float = 2.0  # seconds a long poll may wait before answering WAIT
     online_timeout: float = 30.0  # a client not heard of for this long is offline
     final_evaluation: bool = True
@@ -202,6 +205,15 @@ class Coordinator:
                 self.privacy.resume(0, [])
             self.run_dir.truncate_metrics_after(0)
             return 0
+        recorded = checkpoint.state.get("config_sha256")
+        if recorded and self.settings.config_sha256 and recorded != self.settings.config_sha256:
+            raise CheckpointError(
+                f"{self.run_dir.config} has changed since round {checkpoint.round} was "
+                f"checkpointed (config SHA-256 {recorded[:12]}... then, "
+                f"{self.settings.config_sha256[:12]}... now): rounds 1-{checkpoint.round} ran "
+                "under the old config, and a run's privacy accounting and partition assume one "
+                "config throughout; restore config.toml, or start a new run"
+            )
         if [TensorSpec.of(k, v) for k, v in checkpoint.parameters.items()] != self.specs:
             raise ProtocolError("checkpoint parameters do not match the model of this run")
         if self.privacy is not None:  # before anything is released again
@@ -753,10 +765,13 @@ class Coordinator:
                 last = self._record(number, rnd, params, rows)
                 # Checkpoint (with the round's ledger rows and the clients' heads), then the
                 # ledger entry is synced, and only then is the model released to the next cohort.
+                state: dict[str, Any] = {"status": "running", "privacy_rows": rows}
+                if self.settings.config_sha256:
+                    state["config_sha256"] = self.settings.config_sha256
                 self.store.save(
                     number,
                     params,
-                    {"status": "running", "privacy_rows": rows},
+                    state,
                     client_tensors=heads,
                 )
                 if self.privacy is not None:

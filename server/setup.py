@@ -19,7 +19,7 @@ from fl_secure.algorithms.fedaffect import (
     build_fedaffect_model,
     make_expression_evaluator,
 )
-from fl_secure.config import Config, config_to_toml
+from fl_secure.config import Config, config_fingerprint, config_to_toml
 from fl_secure.data.plan import FederatedData, plan_federation
 from fl_secure.errors import ConfigError, PrivacyError
 from fl_secure.messages import Tensors, TensorSpec
@@ -140,6 +140,7 @@ def build_server(
         secure_aggregation=config.secure_aggregation,
         run_id=run_id,
         run_config_toml=config_to_toml(sent),
+        config_sha256=config_fingerprint(config),
         head_specs=head_specs,
         max_head_rows=len(plan.train_identities),
         ckks_public_context=ckks_public,

@@ -4,7 +4,13 @@ from pathlib import Path
 
 import pytest
 
-from fl_secure.config import Config, config_from_dict, config_to_toml, load_config
+from fl_secure.config import (
+    Config,
+    config_fingerprint,
+    config_from_dict,
+    config_to_toml,
+    load_config,
+)
 from fl_secure.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +48,25 @@ def test_overrides_and_toml_round_trip() -> None:
     assert config_from_dict(tomllib.loads(config_to_toml(cfg))) == cfg
     with pytest.raises(ConfigError, match="expected section.key=value"):
         config_from_dict({}, ["train.rounds"])
+
+
+def test_fingerprint_survives_the_run_directory_round_trip_and_sees_every_value(
+    tmp_path: Path,
+) -> None:
+    # every example, with paths, written as a run directory's config.toml and read back
+    for example in sorted((ROOT / "examples").glob("*.toml")):
+        cfg = load_config(example)
+        written = tmp_path / f"{example.stem}.toml"
+        written.write_text(config_to_toml(cfg))
+        assert config_fingerprint(load_config(written)) == config_fingerprint(cfg), example.name
+    # a comment or reformatting changes nothing; one value does
+    base = tmp_path / "quickstart.toml"
+    text = base.read_text()
+    (tmp_path / "commented.toml").write_text("# a note\n" + text.replace(" = ", "="))
+    same = config_fingerprint(load_config(tmp_path / "commented.toml"))
+    assert same == config_fingerprint(load_config(base))
+    edited = config_from_dict({}, ["train.lr=0.0101"])
+    assert config_fingerprint(edited) != config_fingerprint(config_from_dict({}))
 
 
 def test_missing_file_and_bad_toml(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fl_secure.errors import ProtocolError
+from fl_secure.errors import CheckpointError, ProtocolError
 from fl_secure.messages import TaskKind, UpdateHeader
 from fl_secure.runs import RunDir
 from server.coordinator import Coordinator, CoordinatorSettings
@@ -174,6 +174,30 @@ def test_resume_drops_unfinished_round_metrics(tmp_path: Path) -> None:
     assert coord.resume() == 1
     assert [r["round"] for r in run.read_metrics()] == [0, 1]
     np.testing.assert_array_equal(coord.params["w"], np.ones((2, 2)))
+
+
+def test_resume_refuses_a_config_edited_since_the_checkpoint(tmp_path: Path) -> None:
+    # Prepare: one round run under config fingerprint "a...", checkpointed
+    coord = _coordinator(tmp_path, rounds=1, config_sha256="a" * 64)
+    for c in ("c0", "c1", "c2"):
+        coord.join(c, 10)
+    driver = threading.Thread(target=coord.run)
+    driver.start()
+    workers = [
+        threading.Thread(target=_submit, args=(coord, c, 1.0, 1)) for c in ("c0", "c1", "c2")
+    ]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    driver.join(timeout=30)
+    assert coord.store.latest().state["config_sha256"] == "a" * 64
+    metrics = RunDir(tmp_path).metrics.read_bytes()
+    # Execute + Assert: another config is refused by name, before anything is touched
+    with pytest.raises(CheckpointError, match=r"config.toml has changed since round 1"):
+        _coordinator(tmp_path, rounds=2, config_sha256="b" * 64).resume()
+    assert RunDir(tmp_path).metrics.read_bytes() == metrics
+    assert _coordinator(tmp_path, rounds=1, config_sha256="a" * 64).resume() == 1
 
 
 def test_cohort_sampling_fixed_size_and_poisson(tmp_path: Path) -> None:
