@@ -233,7 +233,10 @@ def cmd_server(args: argparse.Namespace) -> int:
         side.coordinator.wait_clients_finished(timeout=10.0)
     finally:
         server.stop(grace=2.0)
-    summary = build_summary(config, side.coordinator, side.strategy, side.plan, started=started)
+    summary = build_summary(
+        config, side.coordinator, side.strategy, side.plan, started=started,
+        clients_hold_the_plan=False,
+    )  # fmt: skip
     summary["transport"] = "plaintext gRPC (--insecure)" if args.insecure else "gRPC + mutual TLS"
     run.write_summary(summary)
     code = _report(summary, run.path, args.json)

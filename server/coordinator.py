@@ -242,6 +242,11 @@ class Coordinator:
             run_config_toml=self.settings.run_config_toml,
         )
 
+    def reported_examples(self) -> dict[str, int]:
+        """Example count each client that joined reported at join (its weight's basis)."""
+        with self._cv:
+            return dict(sorted(self._examples.items()))
+
     def poll(self, client_id: str, last_round: int) -> Task:
         """Next task of ``client_id``; waits up to ``poll_wait`` seconds for one."""
         deadline = self.clock() + self.settings.poll_wait

@@ -21,8 +21,15 @@ def build_summary(
     plan: FederatedData,
     *,
     started: float,
+    clients_hold_the_plan: bool = True,
 ) -> dict[str, Any]:
-    """Held-out figures of the final model, per-client figures and their spread, run facts."""
+    """Held-out figures of the final model, per-client figures and their spread, run facts.
+
+    ``clients_hold_the_plan``: the clients trained on the config's federation plan (embedded
+    mode, where the server spawned them on it). A standalone server (``fl-secure server``)
+    passes False: its sites hold their own data, so the plan's per-client sizes and
+    identities describe nobody, and the held-out set is only the server's own [data].
+    """
     metrics = coordinator.run_dir.read_metrics()
     trained = [m for m in metrics if int(m.get("round", 0)) > 0]
     final = trained[-1].get("held_out", {}) if trained else {}
@@ -37,16 +44,24 @@ def build_summary(
         "rounds_planned": config.train.rounds,
         "algorithm": strategy.name,
         "exposure": strategy.exposure,
-        "evaluation": (
-            "held-out identities (never seen by any client): expression accuracy of the "
-            "relation scores against support prototypes"
-            if strategy.name == "fedaffect"
-            else "held-out identities (never seen by any client), all pairs"
+        "evaluation": _evaluation(config, strategy, clients_hold_the_plan),
+        # the population: every enrolled client (the ledger's, and delta's 1/N, too)
+        "num_clients": len(coordinator.enrolled),
+        "partition": config.partition.kind,  # the config's; a standalone server's sites may
+        # hold the plan's shares (client --config --plan-index) or their own data (--data)
+        **(
+            {
+                "client_train_sizes": plan.client_sizes(),
+                "client_identities": [int(len(c.train.identities())) for c in plan.clients],
+            }
+            if clients_hold_the_plan
+            else {
+                "client_train_sizes": None,
+                "client_identities": None,
+                # what each site said at join (1 under client-level DP: the count stays home)
+                "client_reported_examples": coordinator.reported_examples(),
+            }
         ),
-        "num_clients": config.partition.num_clients,
-        "partition": config.partition.kind,
-        "client_train_sizes": plan.client_sizes(),
-        "client_identities": [int(len(c.train.identities())) for c in plan.clients],
         "held_out_identities": int(len(plan.held_out.identities())),
         "held_out_images": len(plan.held_out),
         **{k: final[k] for k in HEADLINE if k in final},
@@ -67,6 +82,22 @@ def build_summary(
         "provenance": provenance(started),
     }
     return summary
+
+
+def _evaluation(config: Config, strategy: Strategy, clients_hold_the_plan: bool) -> str:
+    """What the held-out figures were measured on, in words."""
+    what = (
+        "expression accuracy of the relation scores against support prototypes"
+        if strategy.name == "fedaffect"
+        else "all pairs"
+    )
+    if clients_hold_the_plan:
+        return f"held-out identities (never seen by any client), {what}"
+    return (
+        f"the server's own evaluation set: held-out identities of its [data] config "
+        f"(source {config.data.source!r}), {what}; the sites trained on their own data, which "
+        "the server never sees, so it cannot check that they hold none of these identities"
+    )
 
 
 #: Packages whose versions a report states (provenance).

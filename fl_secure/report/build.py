@@ -65,6 +65,7 @@ def build_report(run_dir: Path) -> dict[str, Any]:
             "num_clients": summary.get("num_clients"),
             "partition": summary.get("partition"),
             "client_train_sizes": summary.get("client_train_sizes"),
+            "client_reported_examples": summary.get("client_reported_examples"),
             "transport": summary.get("transport"),
             "source": "summary.json",
         },

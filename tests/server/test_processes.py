@@ -188,6 +188,11 @@ def test_kill_9_server_then_resume(federation) -> None:
     assert done_before >= 2
     summary = json.loads((fed.run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["rounds_completed"] == 4
+    # a standalone server describes its enrolled sites, not the config's plan: the sizes
+    # are what each site reported (1 under client-level DP), the held-out set its own
+    assert summary["num_clients"] == 3 and summary["client_train_sizes"] is None
+    assert summary["client_reported_examples"] == {f"client-{i}": 1 for i in range(3)}
+    assert summary["evaluation"].startswith("the server's own evaluation set")
     for client in fed.clients:  # the clients reconnected by themselves and finished
         assert client.wait(timeout=60) == 0, fed.logs()
     # ... and the privacy ledger lost no round and counted none twice
