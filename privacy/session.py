@@ -312,6 +312,8 @@ class ServerPrivacy:
                     "rounds_accounted": len(self._client_history),
                 }
             )
+            if self.placement == "distributed":  # t of the noise shares, not Shamir's t
+                out["noise_shares_required"] = self.min_survivors
         else:
             out["clients_epsilon"] = {
                 party: self._epsilon_of(h) if h else 0.0

@@ -170,6 +170,7 @@ def _privacy(
         "noise_generator": p.get("noise_generator"),
         "noise_distribution": ledger.get("noise_distribution"),
         "effective_noise_multiplier": ledger.get("effective_noise_multiplier"),
+        "noise_shares_required": p.get("noise_shares_required"),
         "ledger_entries": p.get("ledger_entries"),
         "ledger_head": p.get("ledger_head"),
         "source": "summary.json (privacy), ledger.sqlite",

@@ -167,6 +167,11 @@ PRIVACY_ROWS = (
     ("noise_multiplier", "Noise multiplier z"),
     ("noise_distribution", "Noise distribution"),
     ("effective_noise_multiplier", "Noise the released sum carried (last round, in units of C)"),
+    (
+        "noise_shares_required",
+        "Noise shares a release needs (distributed noise: each client adds z C / sqrt(t); "
+        "t = server.min_clients, not the secure-aggregation threshold)",
+    ),
     ("target_epsilon", "Target epsilon"),
     ("sampling", "Client sampling"),
     ("sample_rate", "Sampling rate"),
@@ -370,7 +375,15 @@ def render_html(
     if sa["rounds"]:
         parts.append(
             table(
-                ["round", "attempt", "cohort", "survivors", "threshold", "dropped", "aborted"],
+                [
+                    "round",
+                    "attempt",
+                    "cohort",
+                    "survivors",
+                    "SecAgg threshold (shares to unmask)",
+                    "dropped",
+                    "aborted",
+                ],
                 [
                     [
                         fmt(r["round"]),
@@ -502,7 +515,7 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
         out += [
             "",
             table(
-                ["round", "cohort", "survivors", "threshold", "aborted"],
+                ["round", "cohort", "survivors", "SecAgg threshold (shares to unmask)", "aborted"],
                 [
                     [
                         fmt(r["round"]),

@@ -190,6 +190,11 @@ def test_report_checks_the_ledger_against_what_the_run_recorded(
     assert p["noise_distribution"] == "discrete_gaussian"
     assert p["noise_generator"].startswith("each client: discrete Gaussian")
     assert p["effective_noise_multiplier"] >= p["noise_multiplier"]  # sqrt(m / t) z, m >= t
+    # t of the noise shares (server.min_clients), named apart from the SecAgg threshold
+    assert p["noise_shares_required"] == 3
+    md = write_report(run_dir, ["md"], out=tmp_path / "md-report")["md"].read_text()
+    assert "t = server.min_clients, not the secure-aggregation threshold" in md
+    assert "SecAgg threshold (shares to unmask)" in md
     # the newest rows dropped: a valid chain on its own, but shorter than the run recorded
     short = copy("short")
     with sqlite3.connect(short / "ledger.sqlite") as db:
