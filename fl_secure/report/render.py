@@ -272,6 +272,34 @@ def _audit_rows(audit: dict[str, Any]) -> list[list[str]]:
     return rows[:400]
 
 
+def grid_captions(audit: dict[str, Any] | None) -> dict[str, str]:
+    """What each audit image grid shows, by file name (from ``audit/results.json``).
+
+    Parties that hold the same view (a global head: the server and every client) share one
+    grid, so a caption names every party whose attack wrote it.
+    """
+    seen: dict[str, tuple[list[str], str, dict[str, Any]]] = {}
+    for party, view in sorted(((audit or {}).get("attacks") or {}).get("inversion", {}).items()):
+        for direction, entry in sorted(view.items()):
+            if isinstance(entry, dict) and isinstance(entry.get("grid"), str):
+                seen.setdefault(entry["grid"], ([], direction, entry))[0].append(party)
+    return {
+        name: (
+            f"Model inversion from the view of {' and '.join(parties)}, {direction} "
+            f"({entry.get('target_direction', '')}). One target per row: three of its real "
+            "images (the judge's, never seen by the attacker), then the reconstruction. "
+            f"Judged top-1 {fmt(entry.get('top1'))} against chance "
+            f"{fmt(entry.get('chance_top1'))}."
+        )
+        for name, (parties, direction, entry) in seen.items()
+    }
+
+
+def _client_rows(u: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    keys = sorted({k for m in u["clients"].values() for k in m})
+    return ["client", *keys], [[c, *(fmt(m.get(k)) for k in keys)] for c, m in u["clients"].items()]
+
+
 # ------------------------------------------------------------------ HTML
 def render_html(
     report: dict[str, Any], images: dict[str, bytes], svgs: dict[str, str] | None = None
@@ -411,8 +439,13 @@ def render_html(
             table(["attack / view", "measure", "value", "chance"], _audit_rows(tm["audit"]))
         )
         parts.append("</details>")
+        captions = grid_captions(tm["audit"])
         for name, data in sorted(images.items()):
-            parts.append(f"<p>{e(name)}</p>" + img(name, data, "image/png", name))
+            caption = captions.get(name, name)
+            parts.append(
+                f"<figure>{img(name, data, 'image/png', caption)}"
+                f"<figcaption>{e(caption)} <code>{e(name)}</code></figcaption></figure>"
+            )
     else:
         parts.append("<p>Not audited: run <code>fl-secure audit --run DIR</code>.</p>")
     parts.append("<h2>Utility</h2>")
@@ -431,14 +464,8 @@ def render_html(
             img("roc.svg", svgs["roc.svg"].encode(), "image/svg+xml", "final held-out ROC")
         )
     if u["clients"]:
-        keys = sorted({k for m in u["clients"].values() for k in m})
         parts.append("<h3>Per-client scores (own test images) and their spread</h3>")
-        parts.append(
-            table(
-                ["client", *keys],
-                [[c, *(fmt(m.get(k)) for k in keys)] for c, m in u["clients"].items()],
-            )
-        )
+        parts.append(table(*_client_rows(u)))
         parts.append(
             table(
                 ["measure", "value"], [[k, fmt(v)] for k, v in sorted(u["clients_spread"].items())]
@@ -536,8 +563,12 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
     ]
     if tm.get("audit"):
         out += ["", table(AUDIT_HEADER, [_audit_summary_row(r) for r in tm["audit_summary"]])]
-        out += ["", "Every audit number: `audit/results.json`."]
-        out += [f"\n![{name}]({name})" for name in image_files]
+        out += ["", "### Every audit number", ""]
+        out += [table(["attack / view", "measure", "value", "chance"], _audit_rows(tm["audit"]))]
+        out += ["", "(All of them, with the threat model and settings: `audit/results.json`.)"]
+        captions = grid_captions(tm["audit"])
+        out += [f"\n![{captions.get(name, name)}]({name})\n\n*{captions.get(name, name)}*"
+                for name in image_files]  # fmt: skip
     out += [
         "",
         "## Utility",
@@ -551,6 +582,14 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
         "",
         "![final held-out ROC](roc.svg)",
     ]
+    if u["clients"]:
+        out += ["", "### Per-client scores (own test images) and their spread", ""]
+        out += [table(*_client_rows(u)), ""]
+        out += [
+            table(
+                ["measure", "value"], [[k, fmt(v)] for k, v in sorted(u["clients_spread"].items())]
+            )
+        ]
     prov = report["provenance"]
     out += [
         "",

@@ -94,6 +94,21 @@ def test_report_json_validates_and_regenerates_identically(run_dir: Path, tmp_pa
     report = json.loads(written["json"].read_text())
     jsonschema.validate(report, load_schema())
     assert written["json"].read_bytes() == again["json"].read_bytes()
+    # Markdown carries what the HTML does: per-client scores, every audit number, captions
+    import html as html_module
+
+    from fl_secure.report.render import grid_captions
+
+    md, page = written["md"].read_text(), written["html"].read_text()
+    for section in ("### Per-client scores", "### Every audit number"):
+        assert section in md
+    audit = json.loads((run_dir / "audit" / "results.json").read_text())
+    captions = grid_captions(audit)
+    assert captions and set(captions) == {p.name for p in (run_dir / "audit").glob("*.png")}
+    for name, caption in captions.items():
+        assert caption.startswith("Model inversion from the view of ") and "top-1" in caption
+        assert f"*{caption}*" in md and f"({name})" in md
+        assert f"<figcaption>{html_module.escape(caption)}" in page
     # a report that breaks the schema is caught by it
     broken = {**report, "privacy": {**report["privacy"], "epsilon": "eight"}}
     with pytest.raises(jsonschema.ValidationError):
