@@ -161,6 +161,7 @@ class FlClient:
             raise TlsError(
                 f"server knows this client as {reply.client_id!r}, not {self.conn.client_id!r}"
             )
+        self._load_signing_keys(reply.run_config_toml)
         if self.trainer is None:
             self.trainer = self.trainer_factory(reply)
             stub.Join(
@@ -184,6 +185,29 @@ class FlClient:
             if task.kind is TaskKind.WAIT:
                 continue  # the server long-polls; ask again at once
             self._do_task(stub, task)
+
+    def _load_signing_keys(self, run_config_toml: str) -> None:
+        """Load this site's signing key at join when the run masks updates (SecAgg/SecAgg+).
+
+        A missing or damaged key then stops the client before it takes part in any round,
+        instead of in the middle of the first secure round, where the cohort waits for it.
+        """
+        import tomllib
+
+        if self._signing is not None:
+            return
+        try:
+            sa = tomllib.loads(run_config_toml).get("secure_aggregation", {})
+        except tomllib.TOMLDecodeError:
+            return  # the trainer factory names a config it cannot read
+        if not isinstance(sa, dict) or sa.get("scheme") not in ("secagg", "secagg+"):
+            return
+        if self.conn.cert_dir is None:
+            raise TlsError("secure aggregation needs the certificate folder (signing keys)")
+        self._signing = (
+            load_signing_key(self.conn.cert_dir, self.conn.client_id),
+            load_signing_registry(self.conn.cert_dir),
+        )
 
     def _do_task(self, stub: pb_grpc.FlSecureStub, task: Task) -> None:
         trainer = self.trainer
