@@ -74,6 +74,11 @@ class CheckpointStore:
 
     def latest(self) -> Checkpoint | None:
         """The last completed checkpoint, or None for a fresh run."""
+        state = self.latest_state()
+        return None if state is None else self._read(state)
+
+    def latest_state(self) -> dict[str, Any] | None:
+        """``latest.json`` alone (no tensors read), or None for a fresh run."""
         pointer = self.folder / "latest.json"
         if not pointer.exists():
             return None
@@ -81,7 +86,9 @@ class CheckpointStore:
             state = json.loads(pointer.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise CheckpointError(f"cannot read {pointer}: {exc}") from exc
-        return self._read(state)
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{pointer}: expected a JSON object, got {type(state).__name__}")
+        return state
 
     def load(self, round_: int) -> Checkpoint:
         """The checkpoint of ``round_`` (only the last few are kept)."""

@@ -773,6 +773,8 @@ class Coordinator:
                 state: dict[str, Any] = {"status": "running", "privacy_rows": rows}
                 if self.settings.config_sha256:
                     state["config_sha256"] = self.settings.config_sha256
+                if self.settings.run_id:  # the ledger's id, kept if the folder is renamed
+                    state["run_id"] = self.settings.run_id
                 self.store.save(
                     number,
                     params,

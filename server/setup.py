@@ -19,6 +19,7 @@ from fl_secure.algorithms.fedaffect import (
     build_fedaffect_model,
     make_expression_evaluator,
 )
+from fl_secure.checkpoints import CheckpointStore
 from fl_secure.config import Config, config_fingerprint, config_to_toml
 from fl_secure.data.plan import FederatedData, plan_federation
 from fl_secure.errors import ConfigError, PrivacyError
@@ -109,7 +110,7 @@ def build_server(
         except PrivacyError as exc:
             raise ConfigError(f"model.backbone = {config.model.backbone!r}: {exc}") from exc
     s = config.server
-    run_id = run_dir.path.name or secrets.token_hex(4)
+    run_id = recorded_run_id(run_dir) or run_dir.path.name or secrets.token_hex(4)
     privacy = open_server_privacy(
         config.privacy,
         run_dir.path / "ledger.sqlite",
@@ -302,6 +303,17 @@ def _config_for_clients(config: Config, privacy: ServerPrivacy | None) -> Config
     return dataclasses.replace(
         config, privacy=dataclasses.replace(config.privacy, noise_multiplier=p.noise_multiplier)
     )
+
+
+def recorded_run_id(run_dir: RunDir) -> str | None:
+    """The run id the last checkpoint recorded (its ledger's), whatever the folder is called now.
+
+    A run's id starts as its folder's name; once a checkpoint records it, a folder that was
+    renamed or moved still resumes as the same run, against the same ledger.
+    """
+    state = CheckpointStore(run_dir.checkpoints).latest_state()
+    run_id = state.get("run_id") if state is not None else None
+    return run_id if isinstance(run_id, str) and run_id else None
 
 
 def write_config(run_dir: RunDir, config: Config) -> Path:

@@ -175,10 +175,13 @@ def test_kill_9_server_then_resume(federation) -> None:
     fed.start_server()
     fed.start_clients()
     _wait_for(lambda: 2 in _rounds(fed.run_dir), 240, "round 2 to complete\n" + fed.logs())
-    # Execute: SIGKILL in round 3, restart with --resume on the same address.
+    # Execute: SIGKILL in round 3; the run folder is moved (archived, renamed), then the
+    # server restarts with --resume on the same address.
     assert fed.server is not None
     fed.server.send_signal(signal.SIGKILL)
     fed.server.wait(timeout=10)
+    first_name = fed.run_dir.name
+    fed.run_dir.rename(fed.out / "tiny-moved")
     done_before = max(_rounds(fed.run_dir))
     fed.start_server("--resume", str(fed.run_dir))
     assert fed.server.wait(timeout=300) == 0, fed.logs()
@@ -195,9 +198,11 @@ def test_kill_9_server_then_resume(federation) -> None:
     assert summary["evaluation"].startswith("the server's own evaluation set")
     for client in fed.clients:  # the clients reconnected by themselves and finished
         assert client.wait(timeout=60) == 0, fed.logs()
-    # ... and the privacy ledger lost no round and counted none twice
+    # ... and the privacy ledger lost no round and counted none twice; it is still the
+    # ledger of the run as it was first named
     with Ledger.read(fed.run_dir / "ledger.sqlite") as ledger:
         assert ledger.verify().ok
+        assert ledger.run_id == first_name != fed.run_dir.name
         client_rounds = [e.round for e in ledger.entries() if e.kind == "client_level"]
     assert client_rounds == [1, 2, 3, 4], client_rounds
     expected = epsilon_for(
