@@ -189,6 +189,26 @@ PRIVACY_ROWS = (
 )
 
 
+RUN_ROWS = (
+    ("status", "Status"),
+    ("reason", "Reason"),
+    ("algorithm", "Algorithm"),
+    ("exposure", "Exposure"),
+    ("rounds_completed", "Rounds completed"),
+    ("rounds_planned", "Rounds planned"),
+    ("num_clients", "Clients (enrolled)"),
+    ("partition", "Partition (config)"),
+    ("client_train_sizes", "Training images per client"),
+    ("client_reported_examples", "Examples each site reported at join"),
+    ("transport", "Transport"),
+)
+
+
+def _run_rows(run: dict[str, Any]) -> list[list[str]]:
+    """The run's facts that it recorded (a row left out when the run did not record it)."""
+    return [[label, fmt(run.get(k))] for k, label in RUN_ROWS if run.get(k) is not None]
+
+
 AUDIT_HEADER = (
     "party view",
     "direction attacked",
@@ -351,6 +371,8 @@ def render_html(
     parts.append("<h2>Summary</h2><ul>")
     parts += [f"<li>{e(line)}</li>" for line in report["plain_summary"]]
     parts.append("</ul>")
+    parts.append("<h2>Run</h2>")
+    parts.append(table(["item", "value"], _run_rows(report["run"])))
 
     def value(name: str, v: Any) -> str:  # shown rounded, exact in data-value
         return f"<span id='{name}' data-value='{e(json.dumps(v))}'>{e(fmt(v))}</span>"
@@ -505,6 +527,7 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
     out = [f"# Compliance report — {report['run']['name']}", "", "## Warnings", ""]
     out += [f"- **{w['code']}**: {w['message']}" for w in report["warnings"]] or ["None."]
     out += ["", "## Summary", ""] + [f"- {line}" for line in report["plain_summary"]]
+    out += ["", "## Run", "", table(["item", "value"], _run_rows(report["run"]))]
     out += [
         "",
         "## Privacy statement",

@@ -102,6 +102,15 @@ def test_report_json_validates_and_regenerates_identically(run_dir: Path, tmp_pa
     md, page = written["md"].read_text(), written["html"].read_text()
     for section in ("### Per-client scores", "### Every audit number"):
         assert section in md
+    # the run's facts, in both: clients, rounds, transport
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for row in (
+        f"| Clients (enrolled) | {summary['num_clients']} |",
+        f"| Rounds completed | {summary['rounds_completed']} |",
+        f"| Transport | {summary['transport']} |",
+    ):
+        assert row in md
+    assert f"<td>Rounds planned</td><td>{summary['rounds_planned']}</td>" in page
     audit = json.loads((run_dir / "audit" / "results.json").read_text())
     captions = grid_captions(audit)
     assert captions and set(captions) == {p.name for p in (run_dir / "audit").glob("*.png")}
