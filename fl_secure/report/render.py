@@ -251,7 +251,8 @@ _CHANCE_MEASURES = frozenset(
 )
 
 
-#: (key holding a chance level, the measure it is the chance level of); "*": any of the above
+#: (key holding a chance level, the measure it is the chance level of); "*": every measure
+#: of _CHANCE_MEASURES without a level of its own
 _CHANCE_KEYS = (
     ("chance", "*"),
     ("chance_top1", "top1"),
