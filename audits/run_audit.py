@@ -453,8 +453,12 @@ def _leakage(run: RunContext, view: View, settings: AuditSettings) -> dict[str, 
             batch_chance.append(len(participants) / identities)
     out["client_head"] = head_source
     if view.updates == "each client's update":
+        hits = int(sum(single_hits))
         out["single_client_one_image"] = {
             "top1": float(np.mean(single_hits)) if single_hits else 0.0,
+            "top1_ci95": list(clopper_pearson_interval(hits, len(single_hits)))
+            if single_hits
+            else None,
             "chance": 1.0 / identities,
             "mean_one_minus_cosine_to_truth": float(np.mean(single_err)) if single_err else None,
             "clients": len(single_hits),
@@ -699,8 +703,8 @@ def findings(results: dict[str, Any]) -> list[dict[str, str]]:
     for party, res in sorted(attacks.get("leakage", {}).items()):
         one = res.get("single_client_one_image") if res.get("applicable") else None
         if one and one.get("clients"):
-            n = int(one["clients"])
-            ci = clopper_pearson_interval(round(one["top1"] * n), n)
+            n = int(one["clients"])  # results written before the interval was recorded:
+            ci = one.get("top1_ci95") or clopper_pearson_interval(round(one["top1"] * n), n)
             if above_chance(ci, one["chance"]):
                 found.setdefault("audit-update-leaks", []).append(
                     f"{party} view: top-1 {one['top1']:.2f}{_interval(ci)} vs chance "
@@ -761,7 +765,7 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
             lines.append(
                 f"{party:>15}: one client's update -> its input recovered (1 - cosine "
                 f"{one['mean_one_minus_cosine_to_truth']:.1e}), identified top-1 "
-                f"{one['top1']:.2f} (chance {one['chance']:.3f})"
+                f"{one['top1']:.2f}{_interval(one.get('top1_ci95'))} (chance {one['chance']:.3f})"
             )
         total = res["secure_sum_one_image_each"]
         lines.append(
