@@ -552,7 +552,10 @@ def build_parser() -> argparse.ArgumentParser:
         "took part from the clients' summed update (leakage), and a canary audit of the "
         "client-level DP mechanism (empirical epsilon beside the "
         "accountant's). An independent evaluator trained on the targets' own images judges "
-        "every reconstruction, beside chance. Writes RUN/audit/results.json and PNG grids "
+        "every reconstruction: top-1 with its 95% interval, and KNN distance, SSIM and PSNR, "
+        "each beside its chance level. The output ends with the findings (an attack above "
+        "chance at 95% confidence, an empirical epsilon above the accountant's), which "
+        "`fl-secure report` lists as warnings. Writes RUN/audit/results.json and PNG grids "
         "(grids of real faces only with --include-images).",
     )
     p.add_argument("--run", type=Path, required=True, help="run directory (fl-secure train)")
@@ -560,7 +563,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--attack", default="inversion,templates,leakage,canary",
         help="comma-separated subset of inversion,templates,leakage,canary (default: all)",
     )  # fmt: skip
-    p.add_argument("--targets", type=int, default=10, help="target identities (default: 10)")
+    p.add_argument(
+        "--targets",
+        type=int,
+        default=10,
+        help="target identities (default: 10). Top-1 is printed with its 95%% interval, which "
+        "more targets narrow (at 10 a top-1 of 0.30 is [0.07, 0.65], at 30 [0.15, 0.49]); "
+        "inversion time grows in proportion",
+    )
     p.add_argument(
         "--steps", type=int, default=200, help="optimisation steps per inversion (default: 200)"
     )
