@@ -65,7 +65,7 @@ from audits.observations import (
     threat_model,
 )
 from fl_secure.data.types import FaceDataset
-from fl_secure.errors import ConfigError
+from fl_secure.errors import CheckpointError, ConfigError
 from fl_secure.runs import atomic_write_json
 from fl_secure.training import FaceModel, set_tensors
 from privacy.client_level import add_gaussian, client_noise_std
@@ -672,6 +672,87 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
             "accountant_epsilon": canary.get("accountant_epsilon"),
         })  # fmt: skip
     return rows
+
+
+def check_results(results: Any, source: str = "audit/results.json") -> None:
+    """Refuse audit results that :func:`table_rows` and :func:`findings` cannot read.
+
+    The report reads ``audit/results.json`` after it has sat in a run folder, where it may
+    have been edited or damaged; this names the first field that is missing or of the wrong
+    type instead of failing somewhere inside the report.
+
+    Raises:
+        CheckpointError: naming ``source`` and the field.
+    """
+
+    def fail(where: str, what: str) -> None:
+        raise CheckpointError(f"{source} is damaged: {where} {what}")
+
+    def node(parent: Any, key: str, where: str) -> dict[str, Any]:
+        value = parent.get(key) if isinstance(parent, dict) else None
+        if not isinstance(value, dict):
+            fail(f"{where}.{key}" if where else key, "is missing or not an object")
+        return value  # type: ignore[return-value]
+
+    def number(parent: dict[str, Any], key: str, where: str, *, optional: bool = False) -> None:
+        value = parent.get(key)
+        if value is None and optional:
+            return
+        if key not in parent:
+            fail(f"{where}.{key}", "is missing (expected a number)")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            fail(f"{where}.{key}", f"is {value!r}, not a number")
+
+    def interval(parent: dict[str, Any], key: str, where: str) -> None:
+        value = parent.get(key)
+        ok = value is None or (
+            isinstance(value, list)
+            and len(value) == 2
+            and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
+        )
+        if not ok:
+            fail(f"{where}.{key}", f"is {value!r}, not a [low, high] interval")
+
+    attacks = node(results, "attacks", "")
+    sections = {
+        name: node(attacks, name, "attacks") if name in attacks else {}
+        for name in ("inversion", "templates", "leakage")
+    }
+    for party in sections["inversion"]:
+        view = node(attacks["inversion"], party, "attacks.inversion")
+        where = f"attacks.inversion.{party}"
+        best = view.get("best")
+        if not isinstance(best, str):
+            fail(f"{where}.best", "is missing (expected the name of the best direction)")
+        entry = node(view, str(best), where)
+        where = f"{where}.{best}"
+        for key in ("top1", "chance_top1", "knn_distance", "ssim"):
+            number(entry, key, where)
+        for key in ("chance_knn_distance", "chance_ssim"):
+            number(entry, key, where, optional=True)
+        interval(entry, "top1_ci95", where)
+    for party in sections["templates"]:
+        res = node(attacks["templates"], party, "attacks.templates")
+        if res.get("applicable"):
+            where = f"attacks.templates.{party}"
+            number(res, "top1", where)
+            number(res, "chance", where)
+            interval(res, "top1_ci95", where)
+    for party in sections["leakage"]:
+        res = node(attacks["leakage"], party, "attacks.leakage")
+        one = res.get("single_client_one_image") if res.get("applicable") else None
+        if one is not None:
+            where = f"attacks.leakage.{party}.single_client_one_image"
+            one = node(res, "single_client_one_image", f"attacks.leakage.{party}")
+            for key in ("top1", "chance", "clients"):
+                number(one, key, where)
+            interval(one, "top1_ci95", where)
+    if attacks.get("canary") is not None:
+        canary = node(attacks, "canary", "attacks")
+        number(canary, "epsilon_lower_bound", "attacks.canary")
+        number(canary, "accountant_epsilon", "attacks.canary", optional=True)
+        if canary.get("exceeds_accountant"):
+            number(canary, "accountant_epsilon", "attacks.canary")
 
 
 def findings(results: dict[str, Any]) -> list[dict[str, str]]:

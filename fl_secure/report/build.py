@@ -49,6 +49,10 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"the run's config {run.config} is not valid TOML: {exc}") from exc
     audit_path = run.path / "audit" / "results.json"
     audit = read_json_object(audit_path, "the audit results") if audit_path.exists() else None
+    if audit is not None:
+        from audits.run_audit import check_results
+
+        check_results(audit, str(audit_path))
     ledger = _ledger(run.path / "ledger.sqlite", summary)
     privacy = _privacy(summary, config, ledger)
     secure = _secure_aggregation(summary, metrics)

@@ -280,6 +280,44 @@ def test_damaged_run_records_are_named(
     assert err.startswith("fl-secure: error: File exists") and "a-file" in err
 
 
+def test_edited_audit_results_are_named_field_by_field(run_dir: Path, tmp_path: Path) -> None:
+    import copy
+    import shutil
+
+    from fl_secure.errors import CheckpointError
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns("report"))
+    path = run / "audit" / "results.json"
+    kept = json.loads(path.read_text())
+    view = kept["attacks"]["inversion"]["server"]
+    best = view["best"]
+
+    def edited(change) -> str:  # the report's error for results.json edited by ``change``
+        results = copy.deepcopy(kept)
+        change(results)
+        path.write_text(json.dumps(results))
+        with pytest.raises(CheckpointError) as caught:
+            build_report(run)
+        return str(caught.value)
+
+    inversion = "attacks.inversion.server"
+    message = edited(lambda r: r["attacks"]["inversion"]["server"][best].pop("chance_top1"))
+    assert message.endswith(f"{inversion}.{best}.chance_top1 is missing (expected a number)")
+    message = edited(lambda r: r["attacks"]["inversion"]["server"][best].update(top1_ci95="x"))
+    assert message.endswith(f"{best}.top1_ci95 is 'x', not a [low, high] interval")
+    message = edited(lambda r: r["attacks"]["inversion"]["server"].pop("best"))
+    no_best = "best is missing (expected the name of the best direction)"
+    assert message.endswith(f"{inversion}.{no_best}")
+    message = edited(lambda r: r["attacks"]["canary"].update(exceeds_accountant=True,
+                                                             accountant_epsilon=None))  # fmt: skip
+    assert message.endswith("attacks.canary.accountant_epsilon is None, not a number")
+    message = edited(lambda r: r.update(attacks=[]))
+    assert message == f"{path} is damaged: attacks is missing or not an object"
+    path.write_text(json.dumps(kept))
+    assert build_report(run)["threat_model"]["audit"] == kept  # untouched: read as before
+
+
 def test_audit_table_puts_chance_beside_the_measures_it_belongs_to() -> None:
     from fl_secure.report.render import _audit_rows
 
