@@ -101,6 +101,13 @@ def cmd_train(args: argparse.Namespace) -> int:
             check_auditable(load_config(resumed).algorithm.name)
         elif config is not None:
             check_auditable(config.algorithm.name)
+    if args.centralized and (args.audit or args.report):
+        given = [f for f, used in (("--audit", args.audit), ("--report", args.report)) if used]
+        raise FlSecureError(
+            f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} a federated run: "
+            "--centralized trains the pooled baseline, which has no parties to attack and no "
+            "privacy statement to report"
+        )
     _torch_threads(config.train.threads if config is not None else 1)
     if args.centralized:
         from fl_secure.centralized import run_centralized
@@ -116,19 +123,31 @@ def cmd_train(args: argparse.Namespace) -> int:
         insecure=args.insecure,
         progress=not args.json,
     )
-    code = _report(result.summary, result.run_dir, args.json)
-    if args.audit and not args.json:
-        from audits.run_audit import AuditSettings, audit_run, summary_lines
+    code = 0 if args.json else _report(result.summary, result.run_dir, False)
+    done: dict[str, Any] = {}  # with --json: what the audit and report wrote, in the one object
+    if args.audit:
+        from audits.run_audit import AuditSettings, audit_run, findings, summary_lines
 
-        print("auditing the run (what each party could reconstruct) ...")
-        for line in summary_lines(audit_run(result.run_dir, AuditSettings(), progress=True)):
-            print(line)
-        print(f"audit: {result.run_dir / 'audit' / 'results.json'}")
-    if args.report and not args.json:
+        if not args.json:
+            print("auditing the run (what each party could reconstruct) ...")
+        results = audit_run(result.run_dir, AuditSettings(), progress=not args.json)
+        path = result.run_dir / "audit" / "results.json"
+        if args.json:
+            done.update(audit=str(path), audit_findings=findings(results))
+        else:
+            for line in summary_lines(results):
+                print(line)
+            print(f"audit: {path}")
+    if args.report:
         from fl_secure.report import write_report
 
         written = write_report(result.run_dir, ["html", "md", "json"])
-        print(f"compliance report: {written['html']}")
+        if args.json:
+            done["report"] = str(written["html"])
+        else:
+            print(f"compliance report: {written['html']}")
+    if args.json:
+        _print_json({**result.summary, "run_dir": str(result.run_dir), **done})
     return code if result.summary.get("status") in _SUCCESS else 1
 
 

@@ -294,6 +294,32 @@ def test_train_with_audit_prints_what_audit_prints(
         assert line in out
 
 
+def test_train_with_audit_and_report_in_json_mode_runs_both(
+    runs: dict[str, dict[str, Any]], capsys, monkeypatch, tmp_path: Path
+) -> None:
+    # Prepare: as above, `train --audit --report --json` on an existing run; with --json the
+    # audit and report used to be skipped without a word
+    run = Path(runs["fedavg"]["run"])
+    (tmp_path / "config.toml").write_text(TINY.format(algorithm="fedavg"))
+    trained = SimpleNamespace(summary=json.loads((run / "summary.json").read_text()), run_dir=run)
+    monkeypatch.setattr("server.embedded.run_embedded", lambda *a, **k: trained)
+    config = str(tmp_path / "config.toml")
+    # Execute
+    assert main(["train", "--config", config, "--audit", "--report", "--json", "--quiet"]) == 0
+    # Assert: one JSON object naming what the audit and report wrote, with the findings
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    printed = json.loads(lines[0])
+    results = json.loads(Path(printed["audit"]).read_text())
+    assert printed["audit_findings"] == findings(results)
+    assert "audit-templates-identify" in {f["code"] for f in printed["audit_findings"]}
+    assert Path(printed["report"]).name == "report.html" and Path(printed["report"]).is_file()
+    assert printed["run_dir"] == str(run)
+    # the pooled baseline has nobody to attack: refused by name, before training
+    assert main(["train", "--config", config, "--centralized", "--audit"]) == 2
+    assert "--audit needs a federated run" in capsys.readouterr().err
+
+
 def test_a_fedaffect_run_is_refused_by_name_before_any_work(tmp_path: Path, capsys) -> None:
     # Prepare: a run directory whose config names FedAffect (no identity head to attack);
     # it is audited, trained with --audit, and resumed with --audit.
