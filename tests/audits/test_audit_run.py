@@ -276,16 +276,23 @@ def test_cli_audit_prints_every_attack_beside_chance(
     assert out.index("server: head") < out.index("curious_client: head")
 
 
+def _trained_already(run: Path, monkeypatch, tmp_path: Path) -> str:
+    """A config for `train` whose training returns ``run`` (no second training); its path."""
+    config = tmp_path / "config.toml"
+    config.write_text(TINY.format(algorithm="fedavg"))
+    trained = SimpleNamespace(summary=json.loads((run / "summary.json").read_text()), run_dir=run)
+    monkeypatch.setattr("server.embedded.run_embedded", lambda *a, **k: trained)
+    return str(config)
+
+
 def test_train_with_audit_prints_what_audit_prints(
     runs: dict[str, dict[str, Any]], capsys, monkeypatch, tmp_path: Path
 ) -> None:
     # Prepare: `train --audit` whose training returns an existing run (no second training).
     run = Path(runs["fedavg"]["run"])
-    (tmp_path / "config.toml").write_text(TINY.format(algorithm="fedavg"))
-    trained = SimpleNamespace(summary=json.loads((run / "summary.json").read_text()), run_dir=run)
-    monkeypatch.setattr("server.embedded.run_embedded", lambda *a, **k: trained)
+    config = _trained_already(run, monkeypatch, tmp_path)
     # Execute
-    assert main(["train", "--config", str(tmp_path / "config.toml"), "--audit"]) == 0
+    assert main(["train", "--config", config, "--audit"]) == 0
     # Assert: every line of the audit's summary, from the results it wrote
     out = capsys.readouterr().out
     lines = summary_lines(json.loads((run / "audit" / "results.json").read_text()))
@@ -300,10 +307,7 @@ def test_train_with_audit_and_report_in_json_mode_runs_both(
     # Prepare: as above, `train --audit --report --json` on an existing run; with --json the
     # audit and report used to be skipped without a word
     run = Path(runs["fedavg"]["run"])
-    (tmp_path / "config.toml").write_text(TINY.format(algorithm="fedavg"))
-    trained = SimpleNamespace(summary=json.loads((run / "summary.json").read_text()), run_dir=run)
-    monkeypatch.setattr("server.embedded.run_embedded", lambda *a, **k: trained)
-    config = str(tmp_path / "config.toml")
+    config = _trained_already(run, monkeypatch, tmp_path)
     # Execute
     assert main(["train", "--config", config, "--audit", "--report", "--json", "--quiet"]) == 0
     # Assert: one JSON object naming what the audit and report wrote, with the findings
