@@ -482,6 +482,12 @@ def _check_server_sees_heads(config: Config) -> None:
         )
 
 
+# The one float key where TOML's ``inf`` means something (C-FINCH without a threshold is
+# FINCH); every other float rejects inf and nan when the file is read, so a check such as
+# ``lr > 0`` never has to think about them.
+_INFINITY_ALLOWED = frozenset({"algorithm.cfinch_threshold"})
+
+
 def _check(ok: bool, key: str, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: invalid value; allowed: {allowed}")
@@ -510,7 +516,10 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{key} = {value!r}: expected a number")
-        return float(value)
+        number = float(value)
+        if math.isnan(number) or (math.isinf(number) and key not in _INFINITY_ALLOWED):
+            raise ConfigError(f"{key} = {value!r}: expected a finite number")
+        return number
     if hint is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key} = {value!r}: expected a string")

@@ -1,5 +1,8 @@
 """Config loading: typed, validated, errors that name the key and the allowed values."""
 
+import dataclasses
+import math
+import typing
 from pathlib import Path
 
 import pytest
@@ -38,6 +41,37 @@ def test_bad_type_and_range() -> None:
         config_from_dict({"train": {"lr": -1.0}})
     with pytest.raises(ConfigError, match="min_clients"):
         config_from_dict({"partition": {"num_clients": 2}, "server": {"min_clients": 3}})
+
+
+def _float_keys(cls: type, prefix: str = "") -> list[str]:
+    keys = []
+    for name, hint in typing.get_type_hints(cls).items():
+        key = f"{prefix}.{name}" if prefix else name
+        if hint is float:
+            keys.append(key)
+        elif dataclasses.is_dataclass(hint):
+            keys.extend(_float_keys(hint, key))
+    return keys
+
+
+def test_every_float_key_refuses_nan_and_inf_by_name() -> None:
+    keys = _float_keys(Config)
+    assert len(keys) >= 30 and "train.lr" in keys and "privacy.delta" in keys
+    for key in keys:
+        section, name = key.split(".")
+        for bad in (math.nan, math.inf, -math.inf):
+            if key == "algorithm.cfinch_threshold" and math.isinf(bad):
+                continue
+            with pytest.raises(ConfigError, match=rf"{key} = .*expected a finite number"):
+                config_from_dict({section: {name: bad}})
+    # the same through --set, where TOML spells them inf and nan
+    with pytest.raises(ConfigError, match="train.lr = inf: expected a finite number"):
+        config_from_dict({}, ["train.lr=inf"])
+    # C-FINCH's threshold alone takes inf: it means FINCH without a threshold
+    cfg = config_from_dict({}, ["algorithm.cfinch_threshold=inf"])
+    assert cfg.algorithm.cfinch_threshold == math.inf
+    with pytest.raises(ConfigError, match=r"cfinch_threshold: invalid value; allowed: a num"):
+        config_from_dict({"algorithm": {"cfinch_threshold": -math.inf}})
 
 
 def test_overrides_and_toml_round_trip() -> None:
