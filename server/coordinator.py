@@ -569,6 +569,7 @@ class Coordinator:
     def _run_round(self, number: int, kind: TaskKind, needed: int) -> _Round:
         """Run one round with retries; the returned round has >= needed results."""
         last_secure_error = ""
+        last_shortfall = ""
         for attempt in range(self.settings.max_retries + 1):
             online = self._wait_for_clients(needed)
             cohort = self._sample_cohort(online)
@@ -633,6 +634,7 @@ class Coordinator:
             if len(rnd.received) >= needed:
                 return rnd
             last_secure_error = ""
+            last_shortfall = _describe_shortfall(rnd.failed, sorted(rnd.pending))
             log.warning(
                 "round %d attempt %d: %d of %d needed updates arrived; %s",
                 number,
@@ -642,12 +644,12 @@ class Coordinator:
                 then,
             )
         attempts = self.settings.max_retries + 1
+        tries = f"{attempts} attempt" + ("s" if attempts > 1 else "")
         if last_secure_error:
-            raise RoundAborted(
-                f"round {number} aborted after {attempts} attempts: {last_secure_error}"
-            )
+            raise RoundAborted(f"round {number} aborted after {tries}: {last_secure_error}")
         raise RoundAborted(
-            f"round {number} aborted: fewer than {needed} updates after {attempts} attempts"
+            f"round {number} aborted: fewer than {needed} updates after {tries}"
+            + (f"; in the last attempt {last_shortfall}" if last_shortfall else "")
         )
 
     # ------------------------------------------------------- secure aggregation
@@ -912,3 +914,19 @@ def _version() -> str:
     from fl_secure import __version__
 
     return __version__
+
+
+def _describe_shortfall(failed: dict[str, str], silent: list[str]) -> str:
+    """Why a round's cohort fell short, one clause per reason (for the abort message).
+
+    The same refusal from every client (a diverged training's non-finite loss, say) reads
+    once with the clients it hit, so the user learns the cause from the command's own
+    output instead of from the server's log.
+    """
+    by_reason: dict[str, list[str]] = {}
+    for client, reason in sorted(failed.items()):
+        by_reason.setdefault(reason, []).append(client)
+    parts = [f"{', '.join(clients)}: {reason}" for reason, clients in by_reason.items()]
+    if silent:
+        parts.append(f"{', '.join(silent)}: sent nothing before the round's timeout")
+    return "; ".join(parts)

@@ -135,6 +135,9 @@ def test_too_few_updates_retries_then_aborts(tmp_path: Path) -> None:
     driver.join(timeout=30)
     assert coord.status == "aborted"
     assert "round 1 aborted" in coord.stop_reason
+    assert coord.stop_reason.endswith(
+        "in the last attempt c1, c2: sent nothing before the round's timeout"
+    )
     assert [e["attempt"] for e in coord.events] == [0, 1]
     np.testing.assert_array_equal(coord.params["w"], np.zeros((2, 2)))  # nothing applied
     assert coord.store.latest() is None
@@ -242,3 +245,30 @@ def test_a_client_gone_silent_is_not_waited_for_but_an_unseen_one_is(tmp_path: P
     fresh.join("c1", 1)
     waiter.join(timeout=5)
     assert result["c"] == ["c0", "c1"]
+
+
+def test_abort_message_names_why_the_updates_were_refused(tmp_path: Path) -> None:
+    # A diverged training: two clients' uploads are refused for the same reason, a third
+    # for another. The abort message (what `fl-secure train` prints) names both reasons once.
+    coord = _coordinator(tmp_path, rounds=1, min_clients=2, max_retries=0)
+    for c in ("c0", "c1", "c2"):
+        coord.join(c, 10)
+    driver = threading.Thread(target=coord.run)
+    driver.start()
+    while coord.poll("c0", 0).kind is not TaskKind.TRAIN:
+        pass
+    for c in ("c0", "c2"):
+        coord.record_failure(c, 1, "metrics ['train_loss'] are not finite")
+    coord.record_failure("c1", 1, "tensor 'w' has shape (3,), expected (2, 2)")
+    driver.join(timeout=30)
+    assert coord.status == "aborted"
+    assert coord.stop_reason == (
+        "round 1 aborted: fewer than 2 updates after 1 attempt; in the last attempt "
+        "c0, c2: metrics ['train_loss'] are not finite; "
+        "c1: tensor 'w' has shape (3,), expected (2, 2)"
+    )
+    assert coord.events[-1]["failed"] == {
+        "c0": "metrics ['train_loss'] are not finite",
+        "c1": "tensor 'w' has shape (3,), expected (2, 2)",
+        "c2": "metrics ['train_loss'] are not finite",
+    }
