@@ -121,14 +121,16 @@ class RunDir:
     def _iter_metrics(self) -> Iterator[dict[str, Any]]:
         if not self.metrics.exists():
             return
-        for number, line in enumerate(self.metrics.read_text(encoding="utf-8").splitlines(), 1):
+        lines = self.metrics.read_text(encoding="utf-8").splitlines()
+        last = max((n for n, line in enumerate(lines, 1) if line.strip()), default=0)
+        for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                if not line.endswith("}"):
-                    continue  # torn final write
+                if number == last and not line.endswith("}"):
+                    continue  # torn final write (a crash mid-append); resume drops it
                 raise CheckpointError(f"{self.metrics}:{number} is not JSON: {exc}") from exc
             if not isinstance(record, dict):
                 raise CheckpointError(f"{self.metrics}:{number} is not a JSON object")

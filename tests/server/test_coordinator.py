@@ -179,6 +179,18 @@ def test_resume_drops_unfinished_round_metrics(tmp_path: Path) -> None:
     np.testing.assert_array_equal(coord.params["w"], np.ones((2, 2)))
 
 
+def test_only_the_final_metrics_line_may_be_torn(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    for r in (0, 1):
+        run.append_metrics({"round": r})
+    with run.metrics.open("a") as f:
+        f.write('{"round": 2, "torn\n')
+    assert [r["round"] for r in run.read_metrics()] == [0, 1]  # a crash mid-append
+    run.append_metrics({"round": 3})  # a damaged line is no longer the last one
+    with pytest.raises(CheckpointError, match=r"metrics.jsonl:3 is not JSON"):
+        run.read_metrics()
+
+
 def test_resume_refuses_a_config_edited_since_the_checkpoint(tmp_path: Path) -> None:
     # Prepare: one round run under config fingerprint "a...", checkpointed
     coord = _coordinator(tmp_path, rounds=1, config_sha256="a" * 64)
