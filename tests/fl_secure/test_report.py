@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
+from fl_secure.errors import FlSecureError
 from fl_secure.report import load_schema, write_report
 from fl_secure.report.build import build_report
-from fl_secure.report.render import CHROMIUM_FLAGS, find_chromium
+from fl_secure.report.render import CHROMIUM_FLAGS, find_chromium, print_pdf
 from privacy.ledger import Ledger
 
 pytestmark = pytest.mark.slow
@@ -365,11 +366,7 @@ def test_secure_aggregation_without_dp_is_not_presented_as_hiding_the_cohort(
 
 
 def test_html_report_renders_in_headless_chromium(run_dir: Path, tmp_path: Path) -> None:
-    chromium = find_chromium()
-    if chromium is None:
-        if os.environ.get("CI"):
-            pytest.fail("Chromium is missing: .ci/run installs Debian's chromium")
-        pytest.skip("Chromium not installed (apt-get install chromium)")
+    chromium = _chromium_or_skip()
     from playwright.sync_api import sync_playwright
 
     html = write_report(run_dir, ["html"], out=tmp_path)["html"]
@@ -402,3 +399,38 @@ def test_html_report_renders_in_headless_chromium(run_dir: Path, tmp_path: Path)
     }
     assert shown["epsilon"] == f"{summary['epsilon']:.4g}"
     assert (tmp_path / "report.png").stat().st_size > 10_000
+
+
+def _chromium_or_skip() -> str:
+    chromium = find_chromium()
+    if chromium is None:
+        if os.environ.get("CI"):
+            pytest.fail("Chromium is missing: .ci/run installs Debian's chromium")
+        pytest.skip("Chromium not installed (apt-get install chromium)")
+    return chromium
+
+
+def test_pdf_report_is_private_and_replaces_the_old_one_only_when_printed(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    _chromium_or_skip()
+    out = tmp_path / "report"
+    pdf = write_report(run_dir, ["pdf"], out=out)["pdf"]
+    data = pdf.read_bytes()
+    assert data.startswith(b"%PDF-") and data.rstrip().endswith(b"%%EOF")
+    assert pdf.stat().st_mode & 0o777 == 0o600  # as the report's other files
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+
+    # a Chromium that fails, and one that exits 0 but prints nothing
+    failing = tmp_path / "failing-chromium"
+    failing.write_text("#!/bin/sh\necho 'ERROR: cannot open display' >&2\nexit 3\n")
+    silent = tmp_path / "silent-chromium"
+    silent.write_text("#!/bin/sh\nexit 0\n")
+    for fake in (failing, silent):
+        fake.chmod(0o755)
+    with pytest.raises(FlSecureError, match=r"exit 3\): ERROR: cannot open display"):
+        print_pdf(out / "report.html", pdf, str(failing))
+    with pytest.raises(FlSecureError, match="exited without writing a PDF"):
+        print_pdf(out / "report.html", pdf, str(silent))
+    assert pdf.read_bytes() == data  # the earlier PDF is untouched
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
