@@ -7,6 +7,7 @@ Images arrive in the repo's ``[-1, 1]`` normalisation and are written as 8-bit R
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 from torchvision.utils import save_image
 
 from audits.image_metrics import to_unit_range
+from fl_secure.runs import atomic_write_bytes
 
 
 def grid_rows(
@@ -53,7 +55,7 @@ def save_grid(
     """Write a grid, one row per target (real images left, reconstructions right), as PNG.
 
     Args:
-        path: destination ``.png`` (parent folders are created).
+        path: destination ``.png`` (parent folders are created; the file is 0600).
         real: per target, ``[n_i, 3, H, W]`` real images in ``[-1, 1]``.
         reconstructed: per target, ``[k_i, 3, H, W]`` reconstructions in ``[-1, 1]``.
         columns: images per row (default: the widest row).
@@ -66,6 +68,8 @@ def save_grid(
     width = columns or max(a.shape[0] + b.shape[0] for a, b in pairs)
     cells = grid_rows(real, reconstructed, columns=width)
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    save_image(cells, target, nrow=width, padding=padding, format="png")
+    buffer = io.BytesIO()
+    save_image(cells, buffer, nrow=width, padding=padding, format="png")
+    # private (0600) and atomic, as the report's copies: a grid may show a site's real faces
+    atomic_write_bytes(target, buffer.getvalue())
     return target

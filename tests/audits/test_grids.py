@@ -20,6 +20,8 @@ def test_grid_pixels_are_the_denormalised_images(tmp_path) -> None:
         torch.rand(1, 3, 8, 8, generator=g) * 2 - 1,
     ]
     path = save_grid(tmp_path / "sub" / "grid.png", real, recon, padding=2)
+    assert path.stat().st_mode & 0o777 == 0o600  # a grid may show a site's real faces
+    assert [p.name for p in path.parent.iterdir()] == ["grid.png"]  # no temporary left
     with Image.open(path) as image:
         assert image.format == "PNG" and image.mode == "RGB"
         pixels = np.asarray(image)
