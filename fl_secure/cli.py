@@ -262,6 +262,16 @@ def cmd_server(args: argparse.Namespace) -> int:
     return code if summary["status"] in _SUCCESS else 1
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def cmd_client(args: argparse.Namespace) -> int:
     """A client: connects out to the server, trains on its own data."""
     from client.app import Connection, FlClient
@@ -270,6 +280,18 @@ def cmd_client(args: argparse.Namespace) -> int:
 
     if args.config is not None and args.plan_index is None:
         raise FlSecureError("--config needs --plan-index N (which share of the plan is mine)")
+    if args.data is not None:
+        # a mistyped or empty --data is named now, not after the server has taken the
+        # client into a round (the images are decoded after joining, at the run's size)
+        from fl_secure.data.folders import list_identity_folders
+
+        found = list_identity_folders(args.data, check_headers=True)
+        logging.getLogger("client.app").info(
+            "%s: %d identities, %d images",
+            args.data,
+            len(found),
+            sum(len(files) for _, files in found),
+        )
     source = ClientDataSource(
         local_config=load_config(args.config) if args.config else None,
         plan_index=args.plan_index if args.plan_index is not None else -1,
@@ -490,7 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--plan-index", type=int, help="internal: with --config, which share of the plan is mine"
     )
     p.add_argument("--state-dir", type=Path, help="where private parameters are kept")
-    p.add_argument("--threads", type=int, help="torch threads (default: train.threads)")
+    p.add_argument("--threads", type=_at_least_one, help="torch threads (default: train.threads)")
     p.add_argument("--server-name", help="TLS name of the server when it differs from --server")
     p.add_argument(
         "--insecure", action="store_true", help="plaintext gRPC (loopback tests only; warns)"

@@ -90,6 +90,59 @@ def load_image(
     return np.ascontiguousarray(arr / 127.5 - 1.0, dtype=np.float32)
 
 
+def list_identity_folders(
+    root: str | Path,
+    *,
+    min_images_per_identity: int = 1,
+    max_identities: int | None = None,
+    max_images_per_identity: int | None = None,
+    check_headers: bool = False,
+) -> list[tuple[str, list[Path]]]:
+    """The identities and image files :func:`load_identity_folders` would load, unread.
+
+    Cheap enough to run before anything else (a client checks its ``--data`` before it
+    dials the server). With ``check_headers`` every file's header is opened too (no pixel
+    is decoded), which catches a file that is not an image at all.
+
+    Raises:
+        DataError: missing root, no identity folder, an identity folder without images, a
+            file that is not an image (with ``check_headers``), or nothing left after the
+            filters.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"data root {root} does not exist or is not a folder")
+    folders = sorted(
+        (p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")),
+        key=lambda p: natural_key(p.name),
+    )
+    if not folders:
+        raise DataError(f"data root {root} has no identity folders (expected <root>/<name>/*.jpg)")
+    chosen: list[tuple[str, list[Path]]] = []
+    for folder in folders:
+        files = list_images(folder)
+        if not files:
+            raise DataError(f"identity folder {folder} holds no images ({sorted(IMAGE_SUFFIXES)})")
+        if len(files) < min_images_per_identity:
+            continue
+        chosen.append((folder.name, files[:max_images_per_identity]))
+        if max_identities is not None and len(chosen) == max_identities:
+            break
+    if not chosen:
+        raise DataError(
+            f"no identity in {root} has >= {min_images_per_identity} images; lower "
+            "min_images_per_identity"
+        )
+    if check_headers:
+        for _, files in chosen:
+            for path in files:
+                try:
+                    Image.open(path).close()  # reads the header only
+                except (UnidentifiedImageError, OSError, ValueError) as exc:
+                    raise DataError(f"cannot read image {path}: {exc}") from exc
+    return chosen
+
+
 def load_identity_folders(
     root: str | Path,
     *,
@@ -128,29 +181,12 @@ def load_identity_folders(
     ):
         if value is not None and value < low:
             raise DataError(f"{name} must be >= {low}, got {value}")
-    if not root.is_dir():
-        raise DataError(f"data root {root} does not exist or is not a folder")
-    folders = sorted(
-        (p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")),
-        key=lambda p: natural_key(p.name),
+    chosen = list_identity_folders(
+        root,
+        min_images_per_identity=min_images_per_identity,
+        max_identities=max_identities,
+        max_images_per_identity=max_images_per_identity,
     )
-    if not folders:
-        raise DataError(f"data root {root} has no identity folders (expected <root>/<name>/*.jpg)")
-    chosen: list[tuple[str, list[Path]]] = []
-    for folder in folders:
-        files = list_images(folder)
-        if not files:
-            raise DataError(f"identity folder {folder} holds no images ({sorted(IMAGE_SUFFIXES)})")
-        if len(files) < min_images_per_identity:
-            continue
-        chosen.append((folder.name, files[:max_images_per_identity]))
-        if max_identities is not None and len(chosen) == max_identities:
-            break
-    if not chosen:
-        raise DataError(
-            f"no identity in {root} has >= {min_images_per_identity} images; lower "
-            "min_images_per_identity"
-        )
     images = [
         load_image(
             path, image_size=image_size, center_crop=center_crop, grayscale_to_rgb=grayscale_to_rgb

@@ -9,7 +9,12 @@ import pytest
 import torch
 from PIL import Image
 
-from fl_secure.data.folders import load_identity_folders, load_image, natural_key
+from fl_secure.data.folders import (
+    list_identity_folders,
+    load_identity_folders,
+    load_image,
+    natural_key,
+)
 from fl_secure.errors import DataError
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data"
@@ -132,3 +137,35 @@ def test_too_few_images_everywhere(tmp_path: Path) -> None:
         load_identity_folders(tmp_path, min_images_per_identity=2)
     with pytest.raises(DataError, match="image_size must be >= 8"):
         load_identity_folders(tmp_path, image_size=4)
+
+
+def test_listing_names_what_loading_would_load_without_decoding(tmp_path: Path) -> None:
+    for person, count in (("b", 3), ("a", 2), ("c", 1)):
+        for i in range(count):
+            _write(tmp_path / person / f"{i}.png", 10 * i)
+    listed = list_identity_folders(tmp_path, min_images_per_identity=2, check_headers=True)
+    loaded = load_identity_folders(tmp_path, image_size=8, min_images_per_identity=2)
+    assert [name for name, _ in listed] == list(loaded.identity_names) == ["a", "b"]
+    assert sum(len(files) for _, files in listed) == len(loaded) == 5
+    # a file with an image suffix that is not an image: found by its header, named
+    (tmp_path / "a" / "9.png").write_bytes(b"not a png at all")
+    assert len(list_identity_folders(tmp_path)) == 3  # without headers: not opened
+    with pytest.raises(DataError, match=r"cannot read image .*a/9.png"):
+        list_identity_folders(tmp_path, check_headers=True)
+
+
+def test_a_client_refuses_bad_data_before_it_dials(tmp_path: Path, capsys) -> None:
+    from fl_secure.cli import main
+
+    # port 1 on loopback: a client that got as far as dialling would retry for minutes
+    base = ["client", "--server", "127.0.0.1:1", "--id", "site-a", "--insecure", "--quiet"]
+    assert main([*base, "--data", str(tmp_path / "nope")]) == 2
+    assert "data root" in capsys.readouterr().err
+    (tmp_path / "faces" / "alice").mkdir(parents=True)
+    (tmp_path / "faces" / "alice" / "1.jpg").write_text("not a jpeg")
+    assert main([*base, "--data", str(tmp_path / "faces")]) == 2
+    assert "cannot read image" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main([*base, "--data", str(tmp_path / "faces"), "--threads", "0"])
+    assert exited.value.code == 2
+    assert "--threads: must be >= 1, got 0" in capsys.readouterr().err
