@@ -633,7 +633,25 @@ def audit_run(
     atomic_write_json(out / "results.json", results)
     if log is not None:
         log(f"wrote {out / 'results.json'}")
+    # Grids of an earlier audit that this one did not write (another --attack subset or
+    # --targets) would sit beside results that do not describe them: remove them.
+    written = {entry["grid"] for entry in _inversion_entries(results) if "grid" in entry}
+    for stale in sorted(out.glob("inversion-*.png")):
+        if stale.name not in written:
+            stale.unlink()
+            if log is not None:
+                log(f"removed {stale} (an earlier audit's grid)")
     return results
+
+
+def _inversion_entries(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every per-direction entry of the inversion attack (each may name its grid)."""
+    return [
+        entry
+        for view in results["attacks"].get("inversion", {}).values()
+        for entry in view.values()
+        if isinstance(entry, dict)
+    ]
 
 
 def _has_bn(module: torch.nn.Module) -> bool:
@@ -720,17 +738,22 @@ def check_results(results: Any, source: str = "audit/results.json") -> None:
     }
     for party in sections["inversion"]:
         view = node(attacks["inversion"], party, "attacks.inversion")
-        where = f"attacks.inversion.{party}"
+        at = f"attacks.inversion.{party}"
         best = view.get("best")
         if not isinstance(best, str):
-            fail(f"{where}.best", "is missing (expected the name of the best direction)")
-        entry = node(view, str(best), where)
-        where = f"{where}.{best}"
+            fail(f"{at}.best", "is missing (expected the name of the best direction)")
+        entry = node(view, str(best), at)
         for key in ("top1", "chance_top1", "knn_distance", "ssim"):
-            number(entry, key, where)
+            number(entry, key, f"{at}.{best}")
         for key in ("chance_knn_distance", "chance_ssim"):
-            number(entry, key, where, optional=True)
-        interval(entry, "top1_ci95", where)
+            number(entry, key, f"{at}.{best}", optional=True)
+        interval(entry, "top1_ci95", f"{at}.{best}")
+        for direction, each in view.items():
+            grid = each.get("grid") if isinstance(each, dict) else None
+            if grid is not None and (
+                not isinstance(grid, str) or Path(grid).name != grid or not grid.endswith(".png")
+            ):  # the report embeds the file: it must be a PNG in the audit folder itself
+                fail(f"{at}.{direction}.grid", f"is {grid!r}, not a PNG file name")
     for party in sections["templates"]:
         res = node(attacks["templates"], party, "attacks.templates")
         if res.get("applicable"):

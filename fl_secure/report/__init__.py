@@ -80,7 +80,14 @@ def _audit_images(run_dir: Path, report: dict[str, Any], include: bool) -> dict[
     if not synthetic and not include:
         log.info("audit images of real faces left out of the report (--include-images)")
         return {}
-    return {p.name: p.read_bytes() for p in sorted(audit_dir.glob("*.png"))}
+    from fl_secure.report.render import grid_captions
+
+    # only the grids audit/results.json names: a stray PNG in the folder is not this audit's
+    named = sorted(grid_captions(report["threat_model"].get("audit")))
+    missing = [name for name in named if not (audit_dir / name).is_file()]
+    if missing:
+        log.warning("audit grids named in results.json are missing: %s", ", ".join(missing))
+    return {name: (audit_dir / name).read_bytes() for name in named if name not in missing}
 
 
 def _data_source(run_dir: Path) -> str:

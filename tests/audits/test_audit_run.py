@@ -244,8 +244,12 @@ def test_mechanism_audit_never_exceeds_the_accountant(placement: str, epsilon: f
 
 def test_cli_audit_writes_json(runs: dict[str, dict[str, Any]], capsys) -> None:
     run = runs["fedgc"]["run"]
+    grids = sorted(p.name for p in (Path(run) / "audit").glob("*.png"))
+    assert grids, "the full audit wrote inversion grids"
     code = main(["audit", "--run", run, "--attack", "templates,canary", "--json", "--quiet"])
     assert code == 0
+    # results.json now holds no inversion: its grids went with the results they belonged to
+    assert sorted((Path(run) / "audit").glob("*.png")) == []
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(printed["attacks"]) == {"templates", "canary"}
     assert printed["attacks"]["templates"]["server"]["top1"] >= 0.5  # FedGC's server: templates

@@ -315,8 +315,28 @@ def test_edited_audit_results_are_named_field_by_field(run_dir: Path, tmp_path: 
     assert message.endswith("attacks.canary.accountant_epsilon is None, not a number")
     message = edited(lambda r: r.update(attacks=[]))
     assert message == f"{path} is damaged: attacks is missing or not an object"
+    # a grid name is a file the report embeds: nothing outside the audit folder
+    message = edited(lambda r: r["attacks"]["inversion"]["server"][best].update(
+        grid="../../certs/ca.key"))  # fmt: skip
+    assert message.endswith(f"{inversion}.{best}.grid is '../../certs/ca.key', not a PNG file name")
     path.write_text(json.dumps(kept))
     assert build_report(run)["threat_model"]["audit"] == kept  # untouched: read as before
+
+
+def test_report_embeds_only_the_grids_the_audit_results_name(run_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from fl_secure.report.render import grid_captions
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns("report"))
+    named = sorted(grid_captions(json.loads((run / "audit" / "results.json").read_text())))
+    assert named and all((run / "audit" / name).is_file() for name in named)
+    stray = (run / "audit" / named[0]).read_bytes()
+    (run / "audit" / "inversion-of-another-audit.png").write_bytes(stray)
+    write_report(run, ["md"], out=tmp_path / "out")
+    written = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
+    assert written == named  # the stray PNG stays out of the report
 
 
 def test_audit_table_puts_chance_beside_the_measures_it_belongs_to() -> None:
