@@ -226,28 +226,38 @@ def cmd_server(args: argparse.Namespace) -> int:
     else:
         enrolled = set(load_enrollment(args.certs).fingerprints)
     check_address(args.address or config.server.address)
+    if args.port_file is not None and not Path(args.port_file).parent.is_dir():
+        raise FlSecureError(f"--port-file {args.port_file}: its folder does not exist")
+    created = run is None
     if run is None:  # the checks that need no run directory come first, as in train
         preflight(config, len(enrolled))
         run = RunDir(new_run_dir(args.out, config.run.name))
         write_config(run, config)
     _torch_threads(config.train.threads)
-    side = build_server(
-        config,
-        run,
-        enrolled=enrolled,
-        evaluate=not args.no_eval,
-        cert_dir=None if args.insecure else args.certs,
-    )
-    side.coordinator.resume()
-    address = args.address or config.server.address
-    server, port = start_server(
-        side.coordinator, address, cert_dir=args.certs, insecure=args.insecure
-    )
+    try:
+        side = build_server(
+            config,
+            run,
+            enrolled=enrolled,
+            evaluate=not args.no_eval,
+            cert_dir=None if args.insecure else args.certs,
+        )
+        side.coordinator.resume()
+        address = args.address or config.server.address
+        server, port = start_server(
+            side.coordinator, address, cert_dir=args.certs, insecure=args.insecure
+        )
+    except BaseException:
+        if created:  # nothing ran: leave no run directory behind (a port in use, say)
+            import shutil
+
+            shutil.rmtree(run.path, ignore_errors=True)
+        raise
     print(f"listening on port {port}; run directory {run.path}", file=sys.stderr, flush=True)
-    if args.port_file:
-        Path(args.port_file).write_text(str(port))
     started = time.time()
     try:
+        if args.port_file:
+            Path(args.port_file).write_text(str(port))
         side.coordinator.run()
         side.coordinator.wait_clients_finished(timeout=10.0)
     finally:
