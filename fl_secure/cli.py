@@ -205,7 +205,7 @@ def _report(summary: dict[str, Any], run_dir: Path, as_json: bool) -> int:
 def cmd_server(args: argparse.Namespace) -> int:
     """Standalone server: clients on other machines connect to it."""
     from fl_secure.config import load_config
-    from fl_secure.runs import RunDir, new_run_dir
+    from fl_secure.runs import RunDir, new_run_dir, removed_if_setup_fails
     from server.app import check_address, load_enrollment, start_server
     from server.setup import build_server, preflight, write_config
     from server.summary import build_summary
@@ -228,13 +228,14 @@ def cmd_server(args: argparse.Namespace) -> int:
     check_address(args.address or config.server.address)
     if args.port_file is not None and not Path(args.port_file).parent.is_dir():
         raise FlSecureError(f"--port-file {args.port_file}: its folder does not exist")
-    created = run is None
+    created = None
     if run is None:  # the checks that need no run directory come first, as in train
         preflight(config, len(enrolled))
-        run = RunDir(new_run_dir(args.out, config.run.name))
-        write_config(run, config)
+        run = RunDir(created := new_run_dir(args.out, config.run.name))
     _torch_threads(config.train.threads)
-    try:
+    with removed_if_setup_fails(created):
+        if created is not None:
+            write_config(run, config)
         side = build_server(
             config,
             run,
@@ -247,12 +248,6 @@ def cmd_server(args: argparse.Namespace) -> int:
         server, port = start_server(
             side.coordinator, address, cert_dir=args.certs, insecure=args.insecure
         )
-    except BaseException:
-        if created:  # nothing ran: leave no run directory behind (a port in use, say)
-            import shutil
-
-            shutil.rmtree(run.path, ignore_errors=True)
-        raise
     print(f"listening on port {port}; run directory {run.path}", file=sys.stderr, flush=True)
     started = time.time()
     try:

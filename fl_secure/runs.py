@@ -7,8 +7,10 @@ Writes that must survive a crash are atomic (temporary file, fsync, rename).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -72,6 +74,22 @@ def new_run_dir(base: Path, name: str) -> Path:
             continue
         return candidate
     raise CheckpointError(f"could not create a run directory under {base}")  # pragma: no cover
+
+
+@contextlib.contextmanager
+def removed_if_setup_fails(path: Path | None) -> Iterator[None]:
+    """Remove ``path``, a run directory this process just made, if its set-up fails.
+
+    A server that cannot start (a port in use, a data plan that does not fit) has run
+    nothing, so it leaves no run directory to mistake for a run. ``None`` (a resumed run,
+    whose directory holds a real history) is never touched.
+    """
+    try:
+        yield
+    except BaseException:
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from fl_secure.config import Config, load_config
 from fl_secure.errors import CheckpointError
-from fl_secure.runs import RunDir, new_run_dir
+from fl_secure.runs import RunDir, new_run_dir, removed_if_setup_fails
 from fl_secure.tls import init_certificates
 from server.app import load_enrollment, start_server
 from server.setup import build_server, preflight, write_config
@@ -93,6 +93,7 @@ def run_embedded(
     progress: bool = True,
 ) -> EmbeddedResult:
     """Train a run end to end in embedded mode (or resume one after a crash)."""
+    created = None
     if resume is not None:
         run = RunDir(resume)
         if not run.config.exists():
@@ -100,21 +101,25 @@ def run_embedded(
         config = load_config(run.config)
     else:
         preflight(config, config.partition.num_clients)  # before anything is written
-        run = RunDir(new_run_dir(out or Path("runs"), config.run.name))
-        write_config(run, config)
-        init_certificates(run.certs, clients=config.partition.num_clients)
-        if config.secure_aggregation.scheme == "ckks":  # the clients' shared key, made here
-            from privacy.ckks_session import write_ckks_keys
-
-            write_ckks_keys(run.certs)
-    enrolled = set(load_enrollment(run.certs).fingerprints)
+        run = RunDir(created := new_run_dir(out or Path("runs"), config.run.name))
     started = time.time()
-    side = build_server(config, run, enrolled=enrolled, cert_dir=None if insecure else run.certs)
-    coordinator = side.coordinator
-    done = coordinator.resume()
-    server, port = start_server(
-        coordinator, config.server.address, cert_dir=run.certs, insecure=insecure
-    )
+    with removed_if_setup_fails(created):  # e.g. a data plan that does not fit the clients
+        if created is not None:
+            write_config(run, config)
+            init_certificates(run.certs, clients=config.partition.num_clients)
+            if config.secure_aggregation.scheme == "ckks":  # the clients' shared key, made here
+                from privacy.ckks_session import write_ckks_keys
+
+                write_ckks_keys(run.certs)
+        enrolled = set(load_enrollment(run.certs).fingerprints)
+        side = build_server(
+            config, run, enrolled=enrolled, cert_dir=None if insecure else run.certs
+        )
+        coordinator = side.coordinator
+        done = coordinator.resume()
+        server, port = start_server(
+            coordinator, config.server.address, cert_dir=run.certs, insecure=insecure
+        )
     procs = spawn_clients(port, run, config.partition.num_clients, insecure=insecure)
     bar = tqdm(
         total=config.train.rounds,

@@ -36,3 +36,16 @@ def test_a_server_that_cannot_start_leaves_no_run_directory(tmp_path: Path, caps
     assert taken == 2 and f"could not bind the server to 127.0.0.1:{port}" in taken_err
     assert no_folder == 2 and "--port-file" in no_folder_err and "does not exist" in no_folder_err
     assert list((tmp_path / "runs").glob("*")) == []
+
+
+def test_a_train_whose_data_plan_does_not_fit_leaves_no_run_directory(
+    tmp_path: Path, capsys
+) -> None:
+    # 8 training identities for 9 clients: found when the server plans the data, after the
+    # run directory and the clients' certificates were made
+    code = main(["train", "--config", str(ROOT / "examples" / "quickstart.toml"), *TINY,
+                 "--set", "partition.num_clients=9", "--out", str(tmp_path / "runs"),
+                 "--quiet"])  # fmt: skip
+    assert code == 2
+    assert "8 training identities cannot be spread over 9 clients" in capsys.readouterr().err
+    assert list((tmp_path / "runs").glob("*")) == []
