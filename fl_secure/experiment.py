@@ -121,16 +121,26 @@ def load_experiment(path: str | Path) -> Experiment:
     for key, value in lists.items():
         if not isinstance(value, list) or not value:
             raise ConfigError(f"experiment.{key} must be a non-empty list")
+        kind = int if key == "seeds" else str
+        odd = [v for v in value if isinstance(v, bool) or not isinstance(v, kind)]
+        if odd:
+            raise ConfigError(
+                f"experiment.{key} holds {odd[0]!r}: expected "
+                + ("integers" if kind is int else "strings")
+            )
+    overrides = table.get("set", [])
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise ConfigError('experiment.set must be a list of "section.key=value" strings')
     far = str(table.get("far", "1e-1"))
     if far not in GROUP_FARS:
         raise ConfigError(f"experiment.far = {far!r}; allowed: {', '.join(GROUP_FARS)}")
     return Experiment(
         name=str(table.get("name", p.stem)),
         base=(p.parent / str(table["base"])).resolve(),
-        algorithms=tuple(str(a) for a in lists["algorithms"]),
-        partitions=tuple(str(x) for x in lists["partitions"]),
-        seeds=tuple(int(s) for s in lists["seeds"]),
-        overrides=tuple(str(o) for o in table.get("set", [])),
+        algorithms=tuple(lists["algorithms"]),
+        partitions=tuple(lists["partitions"]),
+        seeds=tuple(lists["seeds"]),
+        overrides=tuple(overrides),
         source=str(path),
         far=far,
     )

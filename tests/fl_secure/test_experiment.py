@@ -126,6 +126,21 @@ def test_bad_experiment_files_are_refused(tmp_path: Path) -> None:
     (tmp_path / "c.toml").write_text('[experiment]\nbasis = "x"\n')
     with pytest.raises(ConfigError, match="unknown key basis"):
         load_experiment(tmp_path / "c.toml")
+    # values of the wrong type are named, not a ValueError from deep inside
+    good = '[experiment]\nbase = "x"\nalgorithms = ["fedpe"]\npartitions = ["equal"]\n'
+    for extra, message in (
+        ('seeds = ["a"]', "experiment.seeds holds 'a': expected integers"),
+        ("seeds = [true]", "experiment.seeds holds True: expected integers"),
+        ("seeds = [1.5]", "experiment.seeds holds 1.5: expected integers"),
+        ('seeds = [0]\nset = "train.rounds=2"', "experiment.set must be a list of"),
+        ("seeds = [0]\nset = [3]", "experiment.set must be a list of"),
+    ):
+        (tmp_path / "d.toml").write_text(good + extra + "\n")
+        with pytest.raises(ConfigError, match=message):
+            load_experiment(tmp_path / "d.toml")
+    (tmp_path / "e.toml").write_text(good.replace('["fedpe"]', "[1]") + "seeds = [0]\n")
+    with pytest.raises(ConfigError, match="experiment.algorithms holds 1: expected strings"):
+        load_experiment(tmp_path / "e.toml")
 
 
 def test_committed_experiments_parse_and_their_cells_load() -> None:
