@@ -12,10 +12,14 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fl_secure import __version__
 from fl_secure.errors import CheckpointError, FlSecureError
+
+if TYPE_CHECKING:  # imported lazily at run time: `fl-secure --help` stays fast
+    from fl_secure.config import Config
+    from fl_secure.runs import RunDir
 
 log = logging.getLogger("fl_secure")
 
@@ -205,10 +209,9 @@ def _report(summary: dict[str, Any], run_dir: Path, as_json: bool) -> int:
 def cmd_server(args: argparse.Namespace) -> int:
     """Standalone server: clients on other machines connect to it."""
     from fl_secure.config import load_config
-    from fl_secure.runs import RunDir, new_run_dir, removed_if_setup_fails
-    from server.app import check_address, load_enrollment, start_server
-    from server.setup import build_server, preflight, write_config
-    from server.summary import build_summary
+    from fl_secure.runs import RunDir, new_run_dir
+    from server.app import check_address, load_enrollment
+    from server.setup import preflight
 
     _check_resume(args)
     if not args.insecure and args.certs is None:
@@ -232,6 +235,23 @@ def cmd_server(args: argparse.Namespace) -> int:
     if run is None:  # the checks that need no run directory come first, as in train
         preflight(config, len(enrolled))
         run = RunDir(created := new_run_dir(args.out, config.run.name))
+    with run.held():
+        return _serve(args, config, run, created, enrolled)
+
+
+def _serve(
+    args: argparse.Namespace,
+    config: Config,
+    run: RunDir,
+    created: Path | None,
+    enrolled: set[str],
+) -> int:
+    """:func:`cmd_server` once this process holds the run directory."""
+    from fl_secure.runs import removed_if_setup_fails
+    from server.app import start_server
+    from server.setup import build_server, write_config
+    from server.summary import build_summary
+
     _torch_threads(config.train.threads)
     with removed_if_setup_fails(created):
         if created is not None:

@@ -123,6 +123,41 @@ class RunDir:
         """Certificates made for an embedded run."""
         return self.path / "certs"
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold this run for one training process; refuse if another process holds it.
+
+        Two servers on one run directory (a resume started while the first still runs)
+        would both append to metrics.jsonl and the ledger and write checkpoints. An
+        exclusive ``flock`` on ``.lock`` stops the second before it touches anything. The
+        kernel releases the lock when the process ends, however it ends, so a crashed
+        run resumes without any clean-up.
+
+        Raises:
+            CheckpointError: another process holds the run (its pid is named).
+        """
+        import fcntl
+
+        lock = self.path / ".lock"
+        handle = open(lock, "a+", encoding="utf-8")  # noqa: SIM115 - held until the end
+        try:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "unknown"
+                raise CheckpointError(
+                    f"{self.path} is in use by another fl-secure process (pid {holder}); "
+                    "stop it first, or wait for it to end"
+                ) from None
+            handle.seek(0)
+            handle.truncate()
+            handle.write(str(os.getpid()))
+            handle.flush()
+            yield
+        finally:
+            handle.close()  # releases the lock
+
     def append_metrics(self, record: dict[str, Any]) -> None:
         """Append one round's metrics and sync to disk."""
         self.path.mkdir(parents=True, exist_ok=True)

@@ -102,6 +102,14 @@ def run_embedded(
     else:
         preflight(config, config.partition.num_clients)  # before anything is written
         run = RunDir(created := new_run_dir(out or Path("runs"), config.run.name))
+    with run.held():
+        return _run_held(config, run, created, insecure=insecure, progress=progress)
+
+
+def _run_held(
+    config: Config, run: RunDir, created: Path | None, *, insecure: bool, progress: bool
+) -> EmbeddedResult:
+    """:func:`run_embedded` once this process holds the run directory."""
     started = time.time()
     with removed_if_setup_fails(created):  # e.g. a data plan that does not fit the clients
         if created is not None:

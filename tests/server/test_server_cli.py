@@ -49,3 +49,32 @@ def test_a_train_whose_data_plan_does_not_fit_leaves_no_run_directory(
     assert code == 2
     assert "8 training identities cannot be spread over 9 clients" in capsys.readouterr().err
     assert list((tmp_path / "runs").glob("*")) == []
+
+
+def test_a_run_held_by_one_process_is_refused_to_a_second(tmp_path: Path, capsys) -> None:
+    import os
+
+    from fl_secure.config import config_to_toml, load_config
+    from fl_secure.runs import RunDir
+
+    # Prepare: a run directory (config only, as after a crash before round 1)
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    config = load_config(ROOT / "examples" / "quickstart.toml", TINY[1::2])
+    run.config.write_text(config_to_toml(config))
+    init_certificates(tmp_path / "certs", clients=4)
+    before = sorted(p.name for p in run.path.iterdir())
+    # Execute: while this process holds it, train --resume and server --resume try it
+    with run.held():
+        assert (run.path / ".lock").read_text() == str(os.getpid())
+        trained = main(["train", "--resume", str(run.path), "--quiet"])
+        train_err = capsys.readouterr().err
+        served = main(["server", "--resume", str(run.path), "--certs", str(tmp_path / "certs"),
+                       "--address", "127.0.0.1:0", "--quiet"])  # fmt: skip
+        serve_err = capsys.readouterr().err
+    # Assert: both refused, naming the holder; nothing was written but the lock file
+    for code, err in ((trained, train_err), (served, serve_err)):
+        assert code == 2 and f"is in use by another fl-secure process (pid {os.getpid()})" in err
+    assert sorted(p.name for p in run.path.iterdir()) == sorted([*before, ".lock"])
+    with run.held():  # released when the holder let go
+        pass
