@@ -129,7 +129,7 @@ class RunDir:
 
         Two servers on one run directory (a resume started while the first still runs)
         would both append to metrics.jsonl and the ledger and write checkpoints. An
-        exclusive ``flock`` on ``.lock`` stops the second before it touches anything. The
+        exclusive ``flock`` on ``.run.lock`` stops the second before it touches anything. The
         kernel releases the lock when the process ends, however it ends, so a crashed
         run resumes without any clean-up.
 
@@ -138,7 +138,7 @@ class RunDir:
         """
         import fcntl
 
-        lock = self.path / ".lock"
+        lock = self.path / ".run.lock"
         handle = open(lock, "a+", encoding="utf-8")  # noqa: SIM115 - held until the end
         try:
             try:

@@ -66,7 +66,7 @@ def test_a_run_held_by_one_process_is_refused_to_a_second(tmp_path: Path, capsys
     before = sorted(p.name for p in run.path.iterdir())
     # Execute: while this process holds it, train --resume and server --resume try it
     with run.held():
-        assert (run.path / ".lock").read_text() == str(os.getpid())
+        assert (run.path / ".run.lock").read_text() == str(os.getpid())
         trained = main(["train", "--resume", str(run.path), "--quiet"])
         train_err = capsys.readouterr().err
         served = main(["server", "--resume", str(run.path), "--certs", str(tmp_path / "certs"),
@@ -75,6 +75,6 @@ def test_a_run_held_by_one_process_is_refused_to_a_second(tmp_path: Path, capsys
     # Assert: both refused, naming the holder; nothing was written but the lock file
     for code, err in ((trained, train_err), (served, serve_err)):
         assert code == 2 and f"is in use by another fl-secure process (pid {os.getpid()})" in err
-    assert sorted(p.name for p in run.path.iterdir()) == sorted([*before, ".lock"])
+    assert sorted(p.name for p in run.path.iterdir()) == sorted([*before, ".run.lock"])
     with run.held():  # released when the holder let go
         pass
