@@ -287,16 +287,6 @@ def _serve(
     return code if summary["status"] in _SUCCESS else 1
 
 
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def cmd_client(args: argparse.Namespace) -> int:
     """A client: connects out to the server, trains on its own data."""
     from client.app import Connection, FlClient
@@ -458,6 +448,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every sub-command."""
+    from privacy.cli import positive_int
+
     parser = argparse.ArgumentParser(
         prog="fl-secure",
         description="Privacy-focused, secure federated training of face-recognition models.",
@@ -537,7 +529,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--plan-index", type=int, help="internal: with --config, which share of the plan is mine"
     )
     p.add_argument("--state-dir", type=Path, help="where private parameters are kept")
-    p.add_argument("--threads", type=_at_least_one, help="torch threads (default: train.threads)")
+    p.add_argument(
+        "--threads", type=positive_int("--threads"), help="torch threads (default: train.threads)"
+    )
     p.add_argument("--server-name", help="TLS name of the server when it differs from --server")
     p.add_argument(
         "--insecure", action="store_true", help="plaintext gRPC (loopback tests only; warns)"

@@ -38,7 +38,9 @@ def _number(flag: str, ok: Callable[[float], bool], allowed: str) -> Callable[[s
     return parse
 
 
-def _integer(flag: str) -> Callable[[str], int]:
+def positive_int(flag: str) -> Callable[[str], int]:
+    """An argparse ``type`` for an integer >= 1 whose error names ``flag``."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -58,7 +60,7 @@ def _common(p: argparse.ArgumentParser, default_accountant: str | None) -> None:
         type=_number("--sample-rate", lambda q: 0 < q <= 1, "in (0, 1]"),
         help="sampling rate q per step (Poisson rate, or cohort / population for fixed_size)",
     )
-    p.add_argument("--steps", required=True, type=_integer("--steps"), help="number of steps T")
+    p.add_argument("--steps", required=True, type=positive_int("--steps"), help="number of steps T")
     p.add_argument(
         "--delta",
         required=True,
@@ -82,7 +84,7 @@ def _common(p: argparse.ArgumentParser, default_accountant: str | None) -> None:
     )
     p.add_argument(
         "--population",
-        type=_integer("--population"),
+        type=positive_int("--population"),
         default=None,
         help="records sampled from; required with --sampling fixed_size",
     )

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fl_secure.data.folders import load_image, natural_key
+from fl_secure.data.folders import keep_identities, load_image, natural_key
 from fl_secure.data.types import FaceDataset
 from fl_secure.errors import DataError
 
@@ -170,14 +170,15 @@ def load_celeba(
     for filename, identity in ids.items():
         if filename in annotated:
             by_identity[identity].append(filename)
-    chosen: list[tuple[int, list[str]]] = []
-    for identity in sorted(by_identity):
-        files = sorted(by_identity[identity], key=natural_key)
-        if len(files) < min_images_per_identity:
-            continue
-        chosen.append((identity, files[:max_images_per_identity]))
-        if max_identities is not None and len(chosen) == max_identities:
-            break
+    chosen = keep_identities(
+        (
+            (identity, sorted(by_identity[identity], key=natural_key))
+            for identity in sorted(by_identity)
+        ),
+        min_images=min_images_per_identity,
+        max_identities=max_identities,
+        max_images=max_images_per_identity,
+    )
     if not chosen:
         raise DataError(
             f"no CelebA identity has >= {min_images_per_identity} annotated images; lower "

@@ -13,7 +13,9 @@ channels.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -90,6 +92,33 @@ def load_image(
     return np.ascontiguousarray(arr / 127.5 - 1.0, dtype=np.float32)
 
 
+K = TypeVar("K")
+F = TypeVar("F")
+
+
+def keep_identities(
+    groups: Iterable[tuple[K, list[F]]],
+    *,
+    min_images: int,
+    max_identities: int | None,
+    max_images: int | None,
+) -> list[tuple[K, list[F]]]:
+    """The data-set filters, in order, over ``(identity, files)`` groups.
+
+    Identities with at least ``min_images`` files are kept, each with its first
+    ``max_images`` files, up to ``max_identities`` of them. ``groups`` is read lazily, so
+    nothing after the last identity kept is listed.
+    """
+    chosen: list[tuple[K, list[F]]] = []
+    for key, files in groups:
+        if len(files) < min_images:
+            continue
+        chosen.append((key, files[:max_images]))
+        if max_identities is not None and len(chosen) == max_identities:
+            break
+    return chosen
+
+
 def list_identity_folders(
     root: str | Path,
     *,
@@ -118,16 +147,19 @@ def list_identity_folders(
     )
     if not folders:
         raise DataError(f"data root {root} has no identity folders (expected <root>/<name>/*.jpg)")
-    chosen: list[tuple[str, list[Path]]] = []
-    for folder in folders:
+
+    def images_of(folder: Path) -> list[Path]:
         files = list_images(folder)
         if not files:
             raise DataError(f"identity folder {folder} holds no images ({sorted(IMAGE_SUFFIXES)})")
-        if len(files) < min_images_per_identity:
-            continue
-        chosen.append((folder.name, files[:max_images_per_identity]))
-        if max_identities is not None and len(chosen) == max_identities:
-            break
+        return files
+
+    chosen = keep_identities(
+        ((folder.name, images_of(folder)) for folder in folders),
+        min_images=min_images_per_identity,
+        max_identities=max_identities,
+        max_images=max_images_per_identity,
+    )
     if not chosen:
         raise DataError(
             f"no identity in {root} has >= {min_images_per_identity} images; lower "

@@ -168,4 +168,4 @@ def test_a_client_refuses_bad_data_before_it_dials(tmp_path: Path, capsys) -> No
     with pytest.raises(SystemExit) as exited:
         main([*base, "--data", str(tmp_path / "faces"), "--threads", "0"])
     assert exited.value.code == 2
-    assert "--threads: must be >= 1, got 0" in capsys.readouterr().err
+    assert "--threads must be >= 1, got 0" in capsys.readouterr().err
