@@ -575,6 +575,7 @@ class Coordinator:
             cohort = self._sample_cohort(online)
             if len(cohort) < needed:
                 log.warning("round %d: cohort of %d < %d, resampling", number, len(cohort), needed)
+                last_shortfall = f"the sampled cohort had {len(cohort)} clients"
                 continue
             aggregator: Aggregator | None = None
             secure = None

@@ -284,3 +284,16 @@ def test_abort_message_names_why_the_updates_were_refused(tmp_path: Path) -> Non
         "c1": "tensor 'w' has shape (3,), expected (2, 2)",
         "c2": "metrics ['train_loss'] are not finite",
     }
+
+
+def test_abort_after_too_small_cohorts_says_so(tmp_path: Path) -> None:
+    # Poisson sampling at q = 1e-9: the cohort is empty on every attempt
+    coord = _coordinator(tmp_path, rounds=1, min_clients=2, max_retries=1, sample_rate=1e-9)
+    for c in ("c0", "c1", "c2"):
+        coord.join(c, 10)
+    coord.run()
+    assert coord.status == "aborted"
+    assert coord.stop_reason == (
+        "round 1 aborted: fewer than 2 updates after 2 attempts; "
+        "in the last attempt the sampled cohort had 0 clients"
+    )
