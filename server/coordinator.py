@@ -630,6 +630,7 @@ class Coordinator:
             then = "retrying" if attempt < self.settings.max_retries else "aborting"
             if secure_error:
                 last_secure_error = secure_error
+                last_shortfall = _describe_shortfall(rnd.failed, [])
                 log.warning("round %d attempt %d: %s; %s", number, attempt, secure_error, then)
                 continue
             if len(rnd.received) >= needed:
@@ -647,7 +648,10 @@ class Coordinator:
         attempts = self.settings.max_retries + 1
         tries = f"{attempts} attempt" + ("s" if attempts > 1 else "")
         if last_secure_error:
-            raise RoundAborted(f"round {number} aborted after {tries}: {last_secure_error}")
+            raise RoundAborted(
+                f"round {number} aborted after {tries}: {last_secure_error}"
+                + (f"; in the last attempt {last_shortfall}" if last_shortfall else "")
+            )
         raise RoundAborted(
             f"round {number} aborted: fewer than {needed} updates after {tries}"
             + (f"; in the last attempt {last_shortfall}" if last_shortfall else "")

@@ -230,6 +230,19 @@ def test_too_few_survivors_abort_without_a_result(tmp_path: Path, monkeypatch) -
     assert "too few" in coord.stop_reason
 
 
+def test_an_abort_names_the_clients_that_withdrew(tmp_path: Path) -> None:
+    # Prepare: three of four clients fail while training (a diverged model, say) and
+    # withdraw; one masked input cannot be unmasked alone
+    coord = _run(tmp_path, [0.5, 1.0, -0.25, 2.0], failing={1, 2, 3}, min_clients=2)
+    # Assert: the abort says both what the protocol lacked and why: the withdrawals
+    assert coord.status == "aborted"
+    assert "secure aggregation aborted" in coord.stop_reason
+    assert coord.stop_reason.endswith(
+        "; in the last attempt client-1, client-2, client-3: "
+        "secure aggregation: withdrew at masked input"
+    ), coord.stop_reason
+
+
 def test_distributed_discrete_gaussian_noise_on_the_secure_sum(tmp_path: Path) -> None:
     # Prepare: client-level DP, distributed placement: every client clips to C = 1 and adds
     # discrete Gaussian noise to its integer vector; any t = 3 shares carry z C
