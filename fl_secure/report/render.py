@@ -636,54 +636,49 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
 def print_pdf(html_path: Path, pdf_path: Path, chromium: str) -> None:
     """Headless Chromium's print-to-PDF of the HTML file (no network).
 
-    Chromium prints into a private temporary file beside ``pdf_path`` that replaces it only
-    when the print succeeded, so a failed print leaves an earlier report.pdf as it was, and
-    the PDF gets the report's other files' mode (0600: it may embed audit images).
+    Chromium prints inside a private temporary folder; the PDF then replaces ``pdf_path``
+    atomically with the report's other files' mode (0600: it may embed audit images), so a
+    failed print leaves an earlier report.pdf as it was.
 
     Raises:
-        FlSecureError: Chromium failed or timed out (its last words are in the message).
+        FlSecureError: Chromium failed, timed out or printed no PDF (its last words are in
+            the message).
     """
-    import os
     import tempfile
 
     from fl_secure.errors import FlSecureError
+    from fl_secure.runs import atomic_write_bytes
 
-    pdf_path = Path(pdf_path).resolve()
-    fd, tmp = tempfile.mkstemp(dir=pdf_path.parent, prefix=f".{pdf_path.name}.", suffix=".tmp")
-    os.close(fd)  # mkstemp made it 0600; Chromium writes into the existing file
-    try:
-        with tempfile.TemporaryDirectory() as profile:
-            try:
-                subprocess.run(  # noqa: S603 - fixed binary and arguments
-                    [
-                        chromium,
-                        *CHROMIUM_FLAGS,
-                        f"--user-data-dir={profile}",
-                        "--no-pdf-header-footer",
-                        f"--print-to-pdf={tmp}",
-                        Path(html_path).resolve().as_uri(),  # as_uri() needs an absolute path
-                    ],
-                    check=True,
-                    capture_output=True,
-                    timeout=120,
-                )
-            except subprocess.CalledProcessError as exc:
-                said = exc.stderr.decode("utf-8", "replace").strip().splitlines()[-3:]
-                raise FlSecureError(
-                    f"{chromium} could not print the report to PDF (exit {exc.returncode}): "
-                    + (" / ".join(said) or "no message")
-                ) from exc
-            except subprocess.TimeoutExpired as exc:
-                raise FlSecureError(
-                    f"{chromium} did not print the report to PDF within {exc.timeout:.0f} s"
-                ) from exc
-        with open(tmp, "rb") as handle:
-            if handle.read(5) != b"%PDF-":
-                raise FlSecureError(f"{chromium} exited without writing a PDF")
-            os.fsync(handle.fileno())
-        os.replace(tmp, pdf_path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory() as work:
+        printed = Path(work) / "report.pdf"
+        try:
+            subprocess.run(  # noqa: S603 - fixed binary and arguments
+                [
+                    chromium,
+                    *CHROMIUM_FLAGS,
+                    f"--user-data-dir={Path(work) / 'profile'}",
+                    "--no-pdf-header-footer",
+                    f"--print-to-pdf={printed}",
+                    Path(html_path).resolve().as_uri(),  # as_uri() needs an absolute path
+                ],
+                check=True,
+                capture_output=True,
+                timeout=120,
+            )
+        except subprocess.CalledProcessError as exc:
+            said = exc.stderr.decode("utf-8", "replace").strip().splitlines()[-3:]
+            raise FlSecureError(
+                f"{chromium} could not print the report to PDF (exit {exc.returncode}): "
+                + (" / ".join(said) or "no message")
+            ) from exc
+        except subprocess.TimeoutExpired as exc:
+            raise FlSecureError(
+                f"{chromium} did not print the report to PDF within {exc.timeout:.0f} s"
+            ) from exc
+        data = printed.read_bytes() if printed.is_file() else b""
+    if not data.startswith(b"%PDF-"):
+        raise FlSecureError(f"{chromium} exited without writing a PDF")
+    atomic_write_bytes(Path(pdf_path), data)
 
 
 def _no_ledger(led: dict[str, Any]) -> str:
