@@ -356,6 +356,29 @@ def cmd_certs_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_certs_issue(args: argparse.Namespace) -> int:
+    """Issue client certificates from an existing CA and enroll them."""
+    from fl_secure.tls import issue_client_certificate
+
+    if args.days < 1:
+        raise FlSecureError(f"--days must be >= 1, got {args.days}")
+    for client_id in args.ids:
+        issue_client_certificate(
+            args.out, client_id, days=args.days, ca_key=args.ca_key, overwrite=args.overwrite
+        )
+    if args.json:
+        _print_json({"out": str(args.out), "issued": list(args.ids)})
+    else:
+        print(f"issued and enrolled {', '.join(args.ids)} in {args.out}")
+        print(
+            "give each new site ca.pem, clients/<id>.pem, clients/<id>.key, "
+            "clients/<id>.sign.key, signing_keys.json and signing_keys.sig; every other site "
+            "needs the re-signed signing_keys.json and signing_keys.sig too; a server reads "
+            "enrolled.json when it starts"
+        )
+    return 0
+
+
 def cmd_certs_ckks(args: argparse.Namespace) -> int:
     """Make the clients' shared CKKS key and the server's key-less context."""
     from privacy.ckks import CkksParams
@@ -549,6 +572,24 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--overwrite", action="store_true", help="replace an existing CA")
     common(q)
     q.set_defaults(func=cmd_certs_init)
+    q = certs_sub.add_parser(
+        "issue",
+        help="add a site (or re-issue one) to an existing CA and enrollment list",
+        description="Issue a client certificate and signing key for each ID, enroll it in "
+        "enrolled.json and re-sign signing_keys.json. With --overwrite an existing site's "
+        "certificate is replaced and, by fingerprint pinning, the old one is refused from "
+        "then on (revocation). A server reads enrolled.json when it starts, so a change "
+        "applies to the runs started after it.",
+    )
+    q.add_argument("--out", type=Path, required=True, help="the folder `certs init` wrote")
+    q.add_argument("--id", nargs="+", required=True, dest="ids", help="client id(s) to issue")
+    q.add_argument("--days", type=int, default=365, help="certificate validity (default: 365)")
+    q.add_argument("--ca-key", type=Path, help="the CA key when kept outside --out (offline)")
+    q.add_argument(
+        "--overwrite", action="store_true", help="re-issue an existing id (revokes the old one)"
+    )
+    common(q)
+    q.set_defaults(func=cmd_certs_issue)
     q = certs_sub.add_parser(
         "ckks",
         help="make the CKKS contexts for secure_aggregation.scheme = 'ckks'",

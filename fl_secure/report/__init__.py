@@ -44,6 +44,8 @@ def write_report(
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown:
         raise ConfigError(f"unknown report format {', '.join(unknown)}; use {', '.join(FORMATS)}")
+    if not formats:
+        raise ConfigError(f"no report format given; use one or more of {', '.join(FORMATS)}")
     report = build_report(run_dir)
     out = out or Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)

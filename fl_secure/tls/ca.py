@@ -123,8 +123,8 @@ def issue_client_certificate(
     cert_path = paths.client_cert(client_id)
     if cert_path.exists() and not overwrite:
         raise TlsError(
-            f"{cert_path} already exists; pass overwrite=True to re-issue it (with fingerprint "
-            "pinning the old certificate is then refused)"
+            f"{cert_path} already exists; re-issue it with overwrite=True (`fl-secure certs "
+            "issue --overwrite`); with fingerprint pinning the old certificate is then refused"
         )
     ca = load_certified_key(paths.ca_cert, Path(ca_key) if ca_key else paths.ca_key)
     enrollment = EnrollmentList.load(paths.enrollment)
