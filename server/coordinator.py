@@ -647,14 +647,11 @@ class Coordinator:
             )
         attempts = self.settings.max_retries + 1
         tries = f"{attempts} attempt" + ("s" if attempts > 1 else "")
+        why = f"; in the last attempt {last_shortfall}" if last_shortfall else ""
         if last_secure_error:
-            raise RoundAborted(
-                f"round {number} aborted after {tries}: {last_secure_error}"
-                + (f"; in the last attempt {last_shortfall}" if last_shortfall else "")
-            )
+            raise RoundAborted(f"round {number} aborted after {tries}: {last_secure_error}{why}")
         raise RoundAborted(
-            f"round {number} aborted: fewer than {needed} updates after {tries}"
-            + (f"; in the last attempt {last_shortfall}" if last_shortfall else "")
+            f"round {number} aborted: fewer than {needed} updates after {tries}{why}"
         )
 
     # ------------------------------------------------------- secure aggregation
