@@ -23,7 +23,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from client.trainer import LocalTrainer
 from fl_secure import __version__, serde
-from fl_secure.errors import FlSecureError, ProtocolError, TlsError
+from fl_secure.errors import (
+    FlSecureError,
+    PrivacyError,
+    ProtocolError,
+    RoundAborted,
+    TlsError,
+    UpdateError,
+)
 from fl_secure.memory import retain_freed_memory
 from fl_secure.messages import JoinReply, Task, TaskKind, Tensors, UpdateHeader
 from fl_secure.tls import channel_credentials, warn_insecure
@@ -331,8 +338,16 @@ class FlClient:
         # cohort); training starts only after the key stages, as before.
         parameters = _background(fetch)
 
+        training_failed = False
+
         def compute() -> Tensors:  # after the key stages: the download, then training
-            update, _, found = trainer.train(parameters.result(), task.training)
+            nonlocal training_failed
+            params = parameters.result()
+            try:
+                update, _, found = trainer.train(params, task.training)
+            except BaseException:
+                training_failed = True
+                raise
             metrics.update(found)
             return update
 
@@ -379,7 +394,7 @@ class FlClient:
             finished = True
         except Exception as exc:
             # Say so at once, so that the cohort does not wait for this client to a deadline.
-            self._withdraw(stub, task)
+            self._withdraw(stub, task, withdraw_reason(exc, training_failed))
             if isinstance(exc, grpc.RpcError) and exc.code() in (
                 grpc.StatusCode.ABORTED,
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -400,18 +415,42 @@ class FlClient:
         self.last_round = task.round
         self.rounds_done += 1
 
-    def _withdraw(self, stub: pb_grpc.FlSecureStub, task: Task) -> None:
+    def _withdraw(
+        self, stub: pb_grpc.FlSecureStub, task: Task, reason: pb.WithdrawReason.ValueType
+    ) -> None:
         """Leave a secure round this client can no longer finish (best effort)."""
         try:
             stub.SecAggExchange(
                 pb.SecAggMessage(
-                    round=task.round, nonce=task.nonce, stage=pb.SECAGG_STAGE_WITHDRAW
+                    round=task.round,
+                    nonce=task.nonce,
+                    stage=pb.SECAGG_STAGE_WITHDRAW,
+                    withdraw_reason=reason,
                 ),
                 metadata=self._metadata,
                 timeout=10,
             )
         except grpc.RpcError as exc:  # the round is over, or the server is out of reach
             log.info("round %d: withdrawal not delivered: %s", task.round, exc.code())
+
+
+def withdraw_reason(exc: BaseException, training_failed: bool) -> pb.WithdrawReason.ValueType:
+    """The category of a secure round's local failure that a withdrawal tells the server.
+
+    Only the category leaves the client (``WithdrawReason``), never the error's text, which
+    may quote data-dependent values.
+    """
+    if isinstance(exc, UpdateError):  # before training: a diverged model's update is refused
+        return pb.WITHDRAW_REASON_UPDATE_REFUSED
+    if training_failed:
+        return pb.WITHDRAW_REASON_LOCAL_TRAINING
+    if isinstance(exc, grpc.RpcError):
+        return pb.WITHDRAW_REASON_TRANSPORT
+    if isinstance(exc, RoundAborted):  # a client raises it for too few neighbours only
+        return pb.WITHDRAW_REASON_TOO_FEW_SHARES
+    if isinstance(exc, (ProtocolError, PrivacyError)):
+        return pb.WITHDRAW_REASON_MESSAGE_REFUSED
+    return pb.WITHDRAW_REASON_OTHER
 
 
 def _background(work: Callable[[], Tensors]) -> Future[Tensors]:

@@ -36,3 +36,7 @@ class RoundAborted(FlSecureError):
 
 class PrivacyError(FlSecureError, ValueError):
     """A privacy-accounting request is out of range, unsupported or cannot be met."""
+
+
+class UpdateError(PrivacyError):
+    """A client's own update cannot be released: it is not finite or has the wrong size."""

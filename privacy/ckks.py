@@ -58,7 +58,7 @@ from typing import Any, NoReturn
 import numpy as np
 import tenseal as ts
 
-from fl_secure.errors import PrivacyError, ProtocolError
+from fl_secure.errors import PrivacyError, ProtocolError, UpdateError
 from fl_secure.messages import Tensors, TensorSpec
 
 #: Version of the :meth:`EncryptedUpdate.to_bytes` format this module writes and reads.
@@ -621,7 +621,7 @@ def encrypt_update(
     )
     for name, a in arrays.items():
         if a.dtype.kind in "fc" and not np.isfinite(a).all():
-            raise PrivacyError(f"layer {name!r} contains NaN or infinity; refusing to encrypt it")
+            raise UpdateError(f"layer {name!r} contains NaN or infinity; refusing to encrypt it")
     flat = np.empty(layout.encrypted_size, dtype=np.float64)
     plain: Tensors = OrderedDict()
     for layer in layout.layers:

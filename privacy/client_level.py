@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from fl_secure.errors import PrivacyError, ProtocolError
+from fl_secure.errors import PrivacyError, ProtocolError, UpdateError
 from fl_secure.messages import Tensors, TensorSpec
 from privacy.noise import NoiseSource, gaussian_like
 
@@ -54,7 +54,7 @@ def clip_update(update: Mapping[str, np.ndarray], clip_norm: float) -> tuple[Ten
         raise PrivacyError(f"clip_norm must be > 0, got {clip_norm!r}")
     norm = update_norm(update)
     if not math.isfinite(norm):
-        raise PrivacyError("the update contains NaN or infinity; refusing to release it")
+        raise UpdateError("the update contains NaN or infinity; refusing to release it")
     factor = min(1.0, clip_norm / norm) if norm > 0 else 1.0
     clipped = OrderedDict(
         (k, (np.asarray(v, dtype=np.float64) * factor).astype(v.dtype)) for k, v in update.items()

@@ -69,7 +69,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from fl_secure.errors import PrivacyError, ProtocolError, RoundAborted
+from fl_secure.errors import PrivacyError, ProtocolError, RoundAborted, UpdateError
 
 PRIME = 2**521 - 1  # Mersenne prime: the Shamir field GF(p); 32-byte secrets are < p
 FIELD_BYTES = 66  # big-endian width of one field element
@@ -713,7 +713,7 @@ class _FixedPointEncoder:
             # The sum is finite when every value is, unless finite values overflow it (only
             # absurdly large ones can); the exact check decides then. Cheaper than isfinite.
             if not math.isfinite(np.add.reduce(scaled)) and not np.isfinite(x).all():
-                raise PrivacyError("the update contains NaN or infinity; refusing to encode it")
+                raise UpdateError("the update contains NaN or infinity; refusing to encode it")
         np.clip(scaled, -self._bound, self._bound, out=scaled)
         np.floor(scaled, out=low)
         scaled -= low  # the fractional part: round up with this probability
@@ -1253,7 +1253,7 @@ class SecAggClient:
         assert self._b is not None and self._s_sk is not None
         update = np.asarray(update)
         if update.size != self.vector_length:
-            raise PrivacyError(f"update has {update.size} values, expected {self.vector_length}")
+            raise UpdateError(f"update has {update.size} values, expected {self.vector_length}")
         for share in shares:
             if share.sender in self._held:
                 raise ProtocolError(f"two shares from {share.sender!r}")

@@ -32,7 +32,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from fl_secure.config import SecureAggregationConfig
-from fl_secure.errors import FlSecureError, PrivacyError, ProtocolError, RoundAborted
+from fl_secure.errors import PrivacyError, ProtocolError, RoundAborted, UpdateError
 from fl_secure.messages import Tensors, TensorSpec
 from privacy.secagg import (
     AdvertiseKeys,
@@ -52,6 +52,20 @@ ADVERTISE, SHARE, MASKED, UNMASK, DONE = range(5)
 STAGE_NAMES = {ADVERTISE: "advertise keys", SHARE: "share keys", MASKED: "masked input",
                UNMASK: "unmasking", DONE: "done"}  # fmt: skip
 _MAX_ITEMS = 100_000
+
+#: Why a client withdrew from a secure round (``fl_secure.v1.WithdrawReason``, same numbers),
+#: as the server words it. A category of the client's own failure, never data; like the
+#: withdrawal itself (a dropout) it is visible to the server and not covered by DP.
+WITHDRAW_REASONS = {
+    0: "",  # a client that gave no reason
+    1: "local training failed",
+    2: "its update was not finite or had the wrong size",
+    3: "a message of the round failed its checks (malformed, out of order, or a key or "
+    "share that failed verification)",
+    4: "too few of its neighbours took part to reach the threshold",
+    5: "a call to the server failed",
+    6: "an unexpected local error",
+}
 
 
 def pack(items: Sequence[bytes]) -> bytes:
@@ -506,7 +520,7 @@ def client_secure_update(
     # fixed point encodes chunk by chunk in float64: no float64 copy of the whole update here
     vector = flatten(update) if setup.encoding == "ddg" else concatenate(update)
     if vector.size != setup.vector_length:
-        raise FlSecureError(
+        raise UpdateError(
             f"update has {vector.size} values, the round expects {setup.vector_length}"
         )
     encoded = None
@@ -515,6 +529,8 @@ def client_secure_update(
         from privacy.noise import SecureGaussian
 
         norm = float(np.linalg.norm(vector))
+        if not math.isfinite(norm):  # NaN would pass the clip below and wrap to garbage
+            raise UpdateError("the update contains NaN or infinity; refusing to encode it")
         if norm > setup.clip_norm:  # the sensitivity bound D2 assumes ||x|| <= C
             vector = vector * (setup.clip_norm / norm)
         encoded = ddg_encode(

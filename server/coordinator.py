@@ -461,13 +461,19 @@ class Coordinator:
             with self._cv:
                 rnd.attending.pop(client_id, None)
 
-    def secagg_withdraw(self, client_id: str, round_: int, nonce: bytes) -> None:
-        """``client_id`` leaves its secure round (it failed locally): a dropout, noticed now."""
-        from privacy.secagg_session import STAGE_NAMES
+    def secagg_withdraw(self, client_id: str, round_: int, nonce: bytes, reason: int = 0) -> None:
+        """``client_id`` leaves its secure round (it failed locally): a dropout, noticed now.
 
+        ``reason`` is the client's ``WithdrawReason``; a number this server does not know
+        (a newer client's) reads as no reason.
+        """
+        from privacy.secagg_session import STAGE_NAMES, WITHDRAW_REASONS
+
+        why = WITHDRAW_REASONS.get(reason, "")
         with self._cv:
             rnd, sec = self._secure_member(client_id, round_, nonce)
-            self._client_gone(rnd, client_id, f"withdrew at {STAGE_NAMES[sec.stage]}")
+            how = f"withdrew at {STAGE_NAMES[sec.stage]}" + (f" ({why})" if why else "")
+            self._client_gone(rnd, client_id, how)
 
     def _client_gone(self, rnd: _Round, client_id: str, how: str) -> None:
         """``client_id`` left the secure round: its open call closed, or it withdrew.

@@ -98,7 +98,9 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
         if request.stage in (pb.SECAGG_STAGE_WITHDRAW, pb.SECAGG_STAGE_ATTEND):
             try:
                 if request.stage == pb.SECAGG_STAGE_WITHDRAW:
-                    self.coordinator.secagg_withdraw(client_id, round_, nonce)
+                    self.coordinator.secagg_withdraw(
+                        client_id, round_, nonce, int(request.withdraw_reason)
+                    )
                 else:  # held until the round ends; a closed call wakes its handler at once
                     wake = threading.Event()
                     context.add_callback(wake.set)

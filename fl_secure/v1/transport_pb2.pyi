@@ -136,6 +136,46 @@ once instead of at a deadline).
 """
 Global___SecAggStage: _TypeAlias = SecAggStage  # noqa: Y015
 
+class _WithdrawReason:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _WithdrawReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WithdrawReason.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    WITHDRAW_REASON_UNSPECIFIED: _WithdrawReason.ValueType  # 0
+    WITHDRAW_REASON_LOCAL_TRAINING: _WithdrawReason.ValueType  # 1
+    """local training raised an error"""
+    WITHDRAW_REASON_UPDATE_REFUSED: _WithdrawReason.ValueType  # 2
+    """the update was not finite or had the wrong size"""
+    WITHDRAW_REASON_MESSAGE_REFUSED: _WithdrawReason.ValueType  # 3
+    """a message of the round failed the client's checks"""
+    WITHDRAW_REASON_TOO_FEW_SHARES: _WithdrawReason.ValueType  # 4
+    """too few neighbours took part to reach t"""
+    WITHDRAW_REASON_TRANSPORT: _WithdrawReason.ValueType  # 5
+    """a call to the server failed"""
+    WITHDRAW_REASON_OTHER: _WithdrawReason.ValueType  # 6
+    """an unexpected local error"""
+
+class WithdrawReason(_WithdrawReason, metaclass=_WithdrawReasonEnumTypeWrapper):
+    """Why a client withdraws (with SECAGG_STAGE_WITHDRAW): a category of its own failure, never
+    data. Like the withdrawal itself it is visible to the server and not covered by DP.
+    """
+
+WITHDRAW_REASON_UNSPECIFIED: WithdrawReason.ValueType  # 0
+WITHDRAW_REASON_LOCAL_TRAINING: WithdrawReason.ValueType  # 1
+"""local training raised an error"""
+WITHDRAW_REASON_UPDATE_REFUSED: WithdrawReason.ValueType  # 2
+"""the update was not finite or had the wrong size"""
+WITHDRAW_REASON_MESSAGE_REFUSED: WithdrawReason.ValueType  # 3
+"""a message of the round failed the client's checks"""
+WITHDRAW_REASON_TOO_FEW_SHARES: WithdrawReason.ValueType  # 4
+"""too few neighbours took part to reach t"""
+WITHDRAW_REASON_TRANSPORT: WithdrawReason.ValueType  # 5
+"""a call to the server failed"""
+WITHDRAW_REASON_OTHER: WithdrawReason.ValueType  # 6
+"""an unexpected local error"""
+Global___WithdrawReason: _TypeAlias = WithdrawReason  # noqa: Y015
+
 @_typing.final
 class TensorHeader(_message.Message):
     """Starts one tensor; `data` chunks follow until `num_bytes` bytes have been sent."""
@@ -556,12 +596,15 @@ class SecAggMessage(_message.Message):
     NONCE_FIELD_NUMBER: _builtins.int
     STAGE_FIELD_NUMBER: _builtins.int
     PAYLOAD_FIELD_NUMBER: _builtins.int
+    WITHDRAW_REASON_FIELD_NUMBER: _builtins.int
     round: _builtins.int
     nonce: _builtins.bytes
     """the task's nonce: only cohort members take part"""
     stage: Global___SecAggStage.ValueType
     payload: _builtins.bytes
     """versioned encoding of privacy.secagg messages (never pickle)"""
+    withdraw_reason: Global___WithdrawReason.ValueType
+    """with SECAGG_STAGE_WITHDRAW only"""
     def __init__(
         self,
         *,
@@ -569,10 +612,11 @@ class SecAggMessage(_message.Message):
         nonce: _builtins.bytes = ...,
         stage: Global___SecAggStage.ValueType = ...,
         payload: _builtins.bytes = ...,
+        withdraw_reason: Global___WithdrawReason.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["nonce", b"nonce", "payload", b"payload", "round", b"round", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["nonce", b"nonce", "payload", b"payload", "round", b"round", "stage", b"stage", "withdraw_reason", b"withdraw_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

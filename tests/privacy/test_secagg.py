@@ -683,3 +683,62 @@ def test_a_client_seen_to_go_is_not_waited_for_and_counts_as_dropped() -> None:
     session.close_stage()
     assert session.stage == SHARE and session.dropped == {ids[3]: "advertise keys"}
     assert set(session.expected()) == set(ids[:3])  # the next stage asks only the others
+
+
+@pytest.mark.parametrize("encoding", ["fixed_point", "ddg"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_client_refuses_to_mask_an_update_that_is_not_finite(encoding: str, bad: float) -> None:
+    # Prepare: a 3-client round driven in-process; client-000's update has one bad value.
+    # With the distributed discrete Gaussian ("ddg") a NaN norm would pass the clip and wrap
+    # to garbage integers in the sum, so the session must check it itself.
+    from collections import OrderedDict
+
+    from fl_secure.config import SecureAggregationConfig
+    from fl_secure.errors import UpdateError
+    from privacy.secagg_session import (
+        ADVERTISE,
+        SHARE,
+        ServerSecureRound,
+        client_secure_update,
+        make_setup,
+        pack,
+        unpack,
+    )
+
+    ids = _ids(3)
+    setup = make_setup(
+        SecureAggregationConfig(scheme="secagg"), run_id="nan", round_=1, attempt=0,
+        cohort=ids, vector_length=8, ddg=(1.0, 1.0, 2) if encoding == "ddg" else None,
+    )  # fmt: skip
+    assert setup.encoding == encoding
+    keys = {u: Ed25519PrivateKey.generate() for u in ids}
+    registry = {u: k.public_key() for u, k in keys.items()}
+    session = ServerSecureRound(setup, registry, stage_timeout=60.0, clock=lambda: 0.0)
+    others = {
+        u: SecAggClient(u, keys[u], setup.config(), registry, setup.vector_length) for u in ids[1:]
+    }
+
+    def exchange(stage: int, payload: bytes) -> bytes:  # the other two answer in step
+        session.submit(stage, ids[0], payload)
+        for u, c in others.items():
+            if stage == ADVERTISE:
+                session.submit(stage, u, c.advertise_keys().to_bytes())
+            else:
+                adverts = [
+                    AdvertiseKeys.from_bytes(b)
+                    for b in unpack(session.reply(ADVERTISE, u), "adverts")
+                ]
+                session.submit(stage, u, pack([s.to_bytes() for s in c.share_keys(adverts)]))
+        session.close_stage()
+        return session.reply(stage, ids[0])
+
+    update = np.zeros(8, np.float32)
+    update[3] = bad
+    uploaded: list[np.ndarray] = []
+    # Execute / Assert: refused after the key stages, before anything is uploaded
+    with pytest.raises(UpdateError, match="NaN or infinity"):
+        client_secure_update(
+            setup, ids[0], keys[ids[0]], registry, exchange,
+            lambda: OrderedDict([("w", update)]), uploaded.append,
+        )  # fmt: skip
+    assert session.stage == SHARE + 1 and uploaded == []

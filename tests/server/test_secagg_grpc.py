@@ -193,7 +193,24 @@ def test_a_client_dropping_after_sharing_keys_is_recovered(tmp_path: Path) -> No
     sa = RunDir(tmp_path / "run").read_metrics()[-1]["secure_aggregation"]
     assert sa["survivors"] == ["client-0", "client-1", "client-2"]
     failed = coord.events[-1]["failed"]
-    assert failed == {"client-3": "secure aggregation: withdrew at masked input"}
+    assert failed == {
+        "client-3": "secure aggregation: withdrew at masked input (local training failed)"
+    }
+
+
+def test_a_client_whose_update_is_not_finite_withdraws_and_says_why(tmp_path: Path) -> None:
+    # Prepare: client-3's training diverged: its update is NaN everywhere
+    shifts = [0.5, 1.0, -0.25, float("nan")]
+    # Execute
+    coord = _run(tmp_path, shifts, failing=set(), min_clients=3)
+    # Assert: its encoder refused the update, it withdrew with that category (and nothing
+    # else: the error's text stays on the client), and the round is the mean of the three
+    assert coord.status == "completed", coord.stop_reason
+    np.testing.assert_allclose(coord.params["w"], np.mean(shifts[:3]), atol=4 * 2.0**-20)
+    assert coord.events[-1]["failed"] == {
+        "client-3": "secure aggregation: withdrew at masked input "
+        "(its update was not finite or had the wrong size)"
+    }
 
 
 def test_ten_clients_two_killed_after_their_masked_input(tmp_path: Path, monkeypatch) -> None:
@@ -239,7 +256,7 @@ def test_an_abort_names_the_clients_that_withdrew(tmp_path: Path) -> None:
     assert "secure aggregation aborted" in coord.stop_reason
     assert coord.stop_reason.endswith(
         "; in the last attempt client-1, client-2, client-3: "
-        "secure aggregation: withdrew at masked input"
+        "secure aggregation: withdrew at masked input (local training failed)"
     ), coord.stop_reason
 
 
@@ -349,7 +366,9 @@ def test_ckks_round_decrypts_the_mean_of_the_cohort(tmp_path: Path) -> None:
     sa = RunDir(tmp_path / "run").read_metrics()[-1]["secure_aggregation"]
     assert sa["scheme"] == "ckks" and sa["survivors"] == ["client-0", "client-1", "client-2"]
     failed = coord.events[-1]["failed"]  # seen at once: the clock never moves
-    assert failed == {"client-3": "secure aggregation: withdrew at masked input"}
+    assert failed == {
+        "client-3": "secure aggregation: withdrew at masked input (local training failed)"
+    }
     assert sa["ciphertexts"] == 3 and sa["encrypted_layers"] == "all"
     assert len(sa["decryptors"]) == 2 and set(sa["decryptors"]) <= set(sa["survivors"])
 
@@ -420,12 +439,12 @@ def test_bad_attend_and_withdraw_messages_are_refused_and_a_withdrawal_is_honour
     while task.kind != pb.TASK_KIND_TRAIN:
         task = stub.PollTask(pb.PollRequest(last_round=0), timeout=30)
 
-    def message(stage: int, nonce: bytes = task.nonce) -> pb.SecAggMessage:
-        return pb.SecAggMessage(round=task.round, nonce=nonce, stage=stage)  # type: ignore[arg-type]
+    def message(stage: int, nonce: bytes = task.nonce, reason: int = 0) -> pb.SecAggMessage:
+        return pb.SecAggMessage(round=task.round, nonce=nonce, stage=stage, withdraw_reason=reason)  # type: ignore[arg-type]
 
     try:
         # Execute: a withdrawal with another nonce, a second attendance call, stages 0 and
-        # 9, then a withdrawal
+        # 9, then a withdrawal whose reason this server does not know (a newer client's)
         attend = stub.SecAggExchange.future(message(pb.SECAGG_STAGE_ATTEND), timeout=60)
         refused = []
         for request in (
@@ -437,7 +456,7 @@ def test_bad_attend_and_withdraw_messages_are_refused_and_a_withdrawal_is_honour
             with pytest.raises(grpc.RpcError) as caught:
                 stub.SecAggExchange(request, timeout=30)
             refused.append((caught.value.code(), caught.value.details()))
-        stub.SecAggExchange(message(pb.SECAGG_STAGE_WITHDRAW), timeout=30)
+        stub.SecAggExchange(message(pb.SECAGG_STAGE_WITHDRAW, reason=99), timeout=30)
         driver.join(timeout=120)
         ended = attend.result(timeout=30)  # answered when the round ended
     finally:
@@ -463,5 +482,35 @@ def test_bad_attend_and_withdraw_messages_are_refused_and_a_withdrawal_is_honour
     sa = RunDir(tmp_path / "run").read_metrics()[-1]["secure_aggregation"]
     assert sa["survivors"] == ["client-0", "client-1", "client-2"]
     assert sa["dropped"] == {"client-3": "advertise keys"} and sa["left"] == ["client-3"]
-    failed = coord.events[-1]["failed"]
+    failed = coord.events[-1]["failed"]  # the unknown reason reads as none
     assert failed == {"client-3": "secure aggregation: withdrew at advertise keys"}
+
+
+def test_withdraw_reasons_match_the_wire_enum_and_classify_local_failures() -> None:
+    import grpc
+
+    from client.app import withdraw_reason
+    from fl_secure.errors import PrivacyError, ProtocolError, RoundAborted, UpdateError
+    from fl_secure.v1 import transport_pb2 as pb
+    from privacy.secagg_session import WITHDRAW_REASONS
+
+    # the server's wording covers exactly the proto's numbers, and only "none" is empty
+    assert sorted(WITHDRAW_REASONS) == sorted(pb.WithdrawReason.values())
+    assert [n for n, text in WITHDRAW_REASONS.items() if not text] == [
+        pb.WITHDRAW_REASON_UNSPECIFIED
+    ]
+
+    class _Rpc(grpc.RpcError):
+        pass
+
+    cases = [
+        (UpdateError("NaN"), True, pb.WITHDRAW_REASON_UPDATE_REFUSED),  # raised in training
+        (UpdateError("NaN"), False, pb.WITHDRAW_REASON_UPDATE_REFUSED),
+        (RuntimeError("crash"), True, pb.WITHDRAW_REASON_LOCAL_TRAINING),
+        (_Rpc(), False, pb.WITHDRAW_REASON_TRANSPORT),
+        (RoundAborted("only 1 neighbours"), False, pb.WITHDRAW_REASON_TOO_FEW_SHARES),
+        (ProtocolError("truncated list"), False, pb.WITHDRAW_REASON_MESSAGE_REFUSED),
+        (PrivacyError("share failed authentication"), False, pb.WITHDRAW_REASON_MESSAGE_REFUSED),
+        (KeyError("x"), False, pb.WITHDRAW_REASON_OTHER),
+    ]
+    assert [withdraw_reason(exc, t) for exc, t, _ in cases] == [want for *_, want in cases]
