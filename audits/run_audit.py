@@ -59,14 +59,16 @@ from audits.mechanism import audit_mechanism, mechanism_of_run
 from audits.observations import (
     RunContext,
     View,
+    check_auditable,
     choose_targets,
     load_run,
     observations,
     threat_model,
 )
+from fl_secure.config import load_config
 from fl_secure.data.types import FaceDataset
 from fl_secure.errors import CheckpointError, ConfigError
-from fl_secure.runs import atomic_write_json
+from fl_secure.runs import RunDir, atomic_write_json
 from fl_secure.training import FaceModel, set_tensors
 from privacy.client_level import add_gaussian, client_noise_std
 from privacy.noise import SeededGaussian
@@ -516,10 +518,33 @@ def audit_run(
     progress: bool = False,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Attack every view of the run; write ``audit/results.json`` (and grids); return it."""
-    cfg = settings or AuditSettings()
+    """Attack every view of the run; write ``audit/results.json`` (and grids); return it.
+
+    The audit holds the run (:meth:`RunDir.held`) from loading it to writing its results: a
+    server still training it would move the checkpoint under the attack, and two audits
+    would write one ``audit/`` folder.
+
+    Raises:
+        CheckpointError: another process (a training server, another audit) holds the run.
+    """
     started = time.perf_counter()
-    run = load_run(run_dir)
+    run_dir = Path(run_dir)
+    # The refusals that need no lock come first: no lock file in a folder that is no run
+    if not (run_dir / "config.toml").is_file():
+        raise CheckpointError(f"{run_dir} is not a run directory (no config.toml)")
+    check_auditable(load_config(run_dir / "config.toml").algorithm.name)
+    with RunDir(run_dir).held():
+        return _audit_held(load_run(run_dir), settings or AuditSettings(), started, progress, log)
+
+
+def _audit_held(
+    run: RunContext,
+    cfg: AuditSettings,
+    started: float,
+    progress: bool,
+    log: Callable[[str], None] | None,
+) -> dict[str, Any]:
+    """:func:`audit_run` once this process holds the run directory."""
     out = run.path / "audit"
     out.mkdir(parents=True, exist_ok=True)
     synthetic = run.config.data.source == "synthetic"

@@ -10,6 +10,7 @@ same 10 targets with the same judge in every design.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -278,6 +279,31 @@ def test_cli_audit_prints_every_attack_beside_chance(
     assert f"from the exact inputs {exact:.2f}; chance {chance:.2f})" in out
     assert "curious_client: update leakage: this party receives no client's update" in out
     assert out.index("server: head") < out.index("curious_client: head")
+
+
+def test_an_audit_refuses_a_run_another_process_holds(
+    runs: dict[str, dict[str, Any]], capsys
+) -> None:
+    # Prepare: a server (here: this process) holds the audited run while training it
+    from fl_secure.runs import RunDir
+
+    run = RunDir(Path(runs["fedpe"]["run"]))
+    before = (run.path / "audit" / "results.json").read_bytes()
+    # Execute
+    with run.held():
+        code = main(["audit", "--run", str(run.path), "--attack", "templates", "--quiet"])
+        err = capsys.readouterr().err
+    # Assert: refused with the holder's pid, the earlier results untouched; once the run is
+    # free the audit runs
+    assert code == 2 and f"is in use by another fl-secure process (pid {os.getpid()})" in err
+    assert (run.path / "audit" / "results.json").read_bytes() == before
+    assert main(["audit", "--run", str(run.path), "--attack", "templates", "--quiet"]) == 0
+
+
+def test_an_audit_of_a_folder_that_is_not_a_run_leaves_no_lock_file(tmp_path: Path, capsys) -> None:
+    assert main(["audit", "--run", str(tmp_path), "--quiet"]) == 2
+    assert "is not a run directory (no config.toml)" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 def _trained_already(run: Path, monkeypatch, tmp_path: Path) -> str:
