@@ -41,6 +41,21 @@ class CheckpointStore:
         self.folder = folder
         self.keep = keep
 
+    def path_of(self, round_: int) -> Path:
+        """Where the parameters after ``round_`` are written."""
+        return self.folder / f"round-{round_:06d}.safetensors"
+
+    @staticmethod
+    def encode(round_: int, parameters: Tensors) -> bytes:
+        """The bytes of a parameters file (safetensors; the tensor order in its metadata).
+
+        The released model's SHA-256 is the SHA-256 of these bytes, so the ledger can name
+        the file before it is written (``sha256sum`` of the file checks it).
+        """
+        arrays = {k: np.ascontiguousarray(v) for k, v in parameters.items()}
+        order = json.dumps(list(parameters))
+        return save(arrays, metadata={"round": str(round_), "order": order})
+
     def save(
         self,
         round_: int,
@@ -48,13 +63,18 @@ class CheckpointStore:
         state: dict[str, Any],
         *,
         client_tensors: Mapping[str, Tensors] | None = None,
+        encoded: bytes | None = None,
     ) -> Path:
-        """Save the parameters after ``round_``, then point ``latest.json`` at them."""
+        """Save the parameters after ``round_``, then point ``latest.json`` at them.
+
+        ``encoded``: :meth:`encode` of the same round and parameters, when the caller already
+        made it (to hash it); written as it is.
+        """
         self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / f"round-{round_:06d}.safetensors"
-        arrays = {k: np.ascontiguousarray(v) for k, v in parameters.items()}
-        order = json.dumps(list(parameters))
-        atomic_write_bytes(path, save(arrays, metadata={"round": str(round_), "order": order}))
+        path = self.path_of(round_)
+        if encoded is None:
+            encoded = self.encode(round_, parameters)
+        atomic_write_bytes(path, encoded)
         pointer: dict[str, Any] = {"round": round_, "file": path.name, **state}
         if client_tensors:
             clients = self.folder / f"clients-{round_:06d}.safetensors"
@@ -76,6 +96,16 @@ class CheckpointStore:
         """The last completed checkpoint, or None for a fresh run."""
         state = self.latest_state()
         return None if state is None else self._read(state)
+
+    def latest_file(self) -> tuple[int, Path] | None:
+        """The round and parameters file ``latest.json`` points at (nothing read), or None."""
+        state = self.latest_state()
+        if state is None:
+            return None
+        try:
+            return int(state["round"]), self.folder / Path(str(state["file"])).name
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{self.folder / 'latest.json'}: {exc!r}") from exc
 
     def latest_state(self) -> dict[str, Any] | None:
         """``latest.json`` alone (no tensors read), or None for a fresh run."""

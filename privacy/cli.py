@@ -14,7 +14,7 @@ import dataclasses
 import json
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,15 @@ from fl_secure.errors import CheckpointError, PrivacyError
 from privacy.accountants.accountant import ADJACENCY, SAMPLINGS
 from privacy.accountants.registry import ACCOUNTANTS, DEFAULT_CLIENT_LEVEL
 from privacy.calibration import calibrate_noise, epsilon_for
-from privacy.ledger import Ledger, LedgerError, format_ledger, ledger_json, recorded_head
+from privacy.ledger import (
+    Entry,
+    Ledger,
+    LedgerError,
+    format_ledger,
+    ledger_json,
+    recorded_head,
+    released_model,
+)
 
 
 def _number(flag: str, ok: Callable[[float], bool], allowed: str) -> Callable[[str], float]:
@@ -124,7 +132,8 @@ def add_privacy_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--verify",
         action="store_true",
         help="check the hash chain, and against the entry count and head summary.json recorded "
-        "when the run ended (catches entries dropped from the end); exit 1 on any problem",
+        "when the run ended (catches entries dropped from the end), and the latest parameters "
+        "file against the SHA-256 its round's rows name; exit 1 on any problem",
     )
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     g.set_defaults(func=cmd_ledger)
@@ -145,6 +154,10 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         return 2
     if result is not None and record_note is not None:
         result = dataclasses.replace(result, ok=False, problems=[*result.problems, record_note])
+    model = _released_model(args.run, entries) if result is not None else None
+    if result is not None and model is not None and model["problem"]:
+        problems = [*result.problems, model["problem"]]
+        result = dataclasses.replace(result, ok=False, problems=problems)
     if args.json:
         out = ledger_json(entries, result, run_id=run_id)
         if result is not None:
@@ -155,6 +168,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
                 if record is None
                 else {"entries": record[0], "head": record[1]},
                 "entries_after_summary": result.after_record,
+                "released_model": model,
             }
         sys.stdout.write(json.dumps(out) + "\n")
     else:
@@ -177,7 +191,24 @@ def cmd_ledger(args: argparse.Namespace) -> int:
                     "note: no summary.json with the ledger's head (the run has not ended): "
                     "entries dropped from the end cannot be detected"
                 )
+            if model is not None and model["checkpoint"] is not None and model["sha256"]:
+                print(f"released model: {model['checkpoint']}, SHA-256 {model['sha256']}")
+                if model["matches_ledger"]:
+                    print(f"  the file the ledger's rows of round {model['round']} name")
+                elif model["matches_ledger"] is None and not model["problem"]:
+                    print("  the ledger names no model (written before ledgers recorded it)")
     return 0 if result is None or result.ok else 1
+
+
+def _released_model(run: Path, entries: Sequence[Entry]) -> dict[str, Any]:
+    """:func:`released_model` of the run's latest checkpoint; a broken pointer is a problem."""
+    from fl_secure.checkpoints import CheckpointStore
+
+    try:
+        latest = CheckpointStore(run / "checkpoints").latest_file()
+    except CheckpointError as exc:
+        return {**released_model(entries, None), "problem": str(exc)}
+    return released_model(entries, latest)
 
 
 def _recorded(run: Path) -> tuple[tuple[int, str] | None, str | None]:

@@ -625,3 +625,67 @@ def ledger_json(
     if verify_result is not None:
         out["verify"] = {"ok": verify_result.ok, "problems": list(verify_result.problems)}
     return out
+
+
+def released_model(entries: Sequence[Entry], latest: tuple[int, Path] | None) -> dict[str, Any]:
+    """The model the ledger says it released, checked against the run's latest parameters file.
+
+    Every round's ledger rows carry ``model_sha256``: the SHA-256 of the parameters file the
+    round released (``checkpoints/round-NNNNNN.safetensors``; ``sha256sum`` of the file gives
+    it). Ledgers written before that carry none, which is no problem but leaves the guarantee
+    unbound to a file.
+
+    Args:
+        entries: The ledger's entries.
+        latest: The round and file ``checkpoints/latest.json`` points at (None: none).
+
+    Returns:
+        ``checkpoint`` (file name), ``round``, ``sha256`` (of the file), ``ledger_sha256``
+        (what the rows of that round name), ``matches_ledger`` (None when the ledger names
+        none) and ``problem`` (None, or what is wrong, naming the file and both digests).
+    """
+    out: dict[str, Any] = {
+        "checkpoint": None,
+        "round": None,
+        "sha256": None,
+        "ledger_sha256": None,
+        "matches_ledger": None,
+        "problem": None,
+    }
+    if latest is None:
+        return out
+    round_, path = latest
+    out.update(checkpoint=f"checkpoints/{path.name}", round=round_)
+    try:
+        out["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as exc:
+        out["problem"] = f"the released model's file {out['checkpoint']} cannot be read ({exc})"
+        return out
+    released = [e for e in entries if e.kind in ("client_level", "example_level")]
+    named = {str(e.payload["model_sha256"]) for e in released if "model_sha256" in e.payload}
+    later = sorted({e.round for e in released if e.round > round_})
+    if later:
+        out["problem"] = (
+            f"the ledger records round {later[-1]} but checkpoints/latest.json points at round "
+            f"{round_}: the run's latest model is not the last one the ledger released"
+        )
+    of_round = {
+        str(e.payload["model_sha256"])
+        for e in released
+        if e.round == round_ and "model_sha256" in e.payload
+    }
+    if not of_round:
+        if named and out["problem"] is None:  # the ledger names models, but not this one
+            out["problem"] = f"the ledger names no model for round {round_}"
+        return out
+    if len(of_round) > 1:
+        out["problem"] = f"the ledger's rows of round {round_} name {len(of_round)} models"
+        return out
+    out["ledger_sha256"] = recorded = of_round.pop()
+    out["matches_ledger"] = recorded == out["sha256"]
+    if not out["matches_ledger"] and out["problem"] is None:
+        out["problem"] = (
+            f"{out['checkpoint']} has SHA-256 {out['sha256'][:16]}, but the ledger's rows of "
+            f"round {round_} name {recorded[:16]}: the file is not the model the run released"
+        )
+    return out

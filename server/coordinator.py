@@ -9,6 +9,7 @@ this object, so the whole round logic is testable without a network. One driver 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import secrets
 import threading
@@ -692,8 +693,6 @@ class Coordinator:
 
     def _ckks_round(self, number: int, attempt: int, cohort: list[str]) -> ServerCkksRound:
         """A CKKS round: encrypted uploads summed here, decrypted by one or two clients."""
-        import hashlib
-
         from privacy.ckks_session import CkksSetup, ServerCkksRound, shared_layers
 
         cfg = self.settings.secure_aggregation
@@ -776,7 +775,9 @@ class Coordinator:
                 mean_update = self._aggregate(rnd)
                 params = self.server_step(self.params, mean_update, number)
                 heads = {**self.heads, **self._step_heads(number, rnd)}
-                rows = self._privacy_rows(number, rnd)
+                # the ledger names the file it releases: SHA-256 of the checkpoint's bytes
+                encoded = self.store.encode(number, params)
+                rows = self._privacy_rows(number, rnd, hashlib.sha256(encoded).hexdigest())
                 last = self._record(number, rnd, params, rows)
                 # Checkpoint (with the round's ledger rows and the clients' heads), then the
                 # ledger entry is synced, and only then is the model released to the next cohort.
@@ -785,12 +786,7 @@ class Coordinator:
                     state["config_sha256"] = self.settings.config_sha256
                 if self.settings.run_id:  # the ledger's id, kept if the folder is renamed
                     state["run_id"] = self.settings.run_id
-                self.store.save(
-                    number,
-                    params,
-                    state,
-                    client_tensors=heads,
-                )
+                self.store.save(number, params, state, client_tensors=heads, encoded=encoded)
                 if self.privacy is not None:
                     self.privacy.commit(number, rows)
                 with self._cv:
@@ -874,11 +870,14 @@ class Coordinator:
         self.stop_reason = reason
         return True
 
-    def _privacy_rows(self, number: int, rnd: _Round) -> list[dict[str, Any]]:
+    def _privacy_rows(self, number: int, rnd: _Round, model_sha256: str) -> list[dict[str, Any]]:
         if self.privacy is None:
             return []
         metrics = {c: h.metrics for c, h in rnd.received.items()}
-        return self.privacy.round_entries(number, len(rnd.cohort), metrics)
+        rows = self.privacy.round_entries(number, len(rnd.cohort), metrics)
+        for row in rows:  # what the guarantee covers: the parameters file of this round
+            row["payload"]["model_sha256"] = model_sha256
+        return rows
 
     def _record(
         self, number: int, rnd: _Round, params: Tensors, rows: list[dict[str, Any]]

@@ -22,7 +22,7 @@ from fl_secure.errors import CheckpointError
 from fl_secure.runs import RunDir, read_json_object
 
 #: Version of the report JSON (``schema/report-v{major}.schema.json``).
-REPORT_VERSION = "1.0"
+REPORT_VERSION = "1.1"
 SCHEMA_FILE = Path(__file__).with_name("schema") / "report-v1.schema.json"
 
 #: Whom each noise placement trusts (shown beside the placement).
@@ -79,10 +79,31 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         "threat_model": _threat_model(summary, audit),
         "utility": _utility(summary, metrics),
         "provenance": _provenance(run.path, summary, config, config_text),
+        "model": _model(run),
     }
     report["warnings"] = _warnings(report, config, metrics)
     report["plain_summary"] = _plain_summary(report)
     return report
+
+
+def _model(run: RunDir) -> dict[str, Any]:
+    """The released model's file and SHA-256, checked against what the ledger names."""
+    from fl_secure.checkpoints import CheckpointStore
+    from privacy.ledger import Ledger, released_model
+
+    source = (
+        "checkpoints/latest.json and the parameters file it names; ledger.sqlite "
+        "(model_sha256 of that round's rows)"
+    )
+    entries = []
+    if (run.path / "ledger.sqlite").exists():
+        with Ledger.read(run.path / "ledger.sqlite") as ledger:
+            entries = list(ledger.entries())
+    try:
+        latest = CheckpointStore(run.checkpoints).latest_file()
+    except CheckpointError as exc:
+        return {**released_model(entries, None), "problem": str(exc), "source": source}
+    return {**released_model(entries, latest), "source": source}
 
 
 def _ledger(path: Path, summary: dict[str, Any]) -> dict[str, Any]:
@@ -452,6 +473,18 @@ def _warnings(
                 "code": "ledger-tampered",
                 "message": "The privacy ledger failed "
                 "verification: " + "; ".join(report["ledger"]["problems"]),
+            }
+        )
+    model = report.get("model") or {}
+    if model.get("problem"):
+        w.append({"code": "model-not-the-released-one", "message": f"{model['problem']}."})
+    elif led.get("present") and model.get("sha256") and model.get("ledger_sha256") is None:
+        w.append(
+            {
+                "code": "model-not-in-ledger",
+                "message": "The ledger does not name the model it released (a ledger written "
+                "before ledgers recorded model_sha256): the privacy statement is not tied to "
+                f"{model.get('checkpoint')} by the ledger.",
             }
         )
     final = report["utility"]["final"].get("tar_at_far_1e-2")

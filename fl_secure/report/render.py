@@ -316,6 +316,20 @@ def grid_captions(audit: dict[str, Any] | None) -> dict[str, str]:
     }
 
 
+def model_line(model: dict[str, Any] | None) -> str:
+    """The released model's file and SHA-256, and whether the ledger names that file."""
+    if not model or not model.get("checkpoint"):
+        return "no checkpoint"
+    if not model.get("sha256"):
+        return f"{model['checkpoint']}: {model.get('problem') or 'unreadable'}"
+    line = f"{model['checkpoint']} (round {model['round']}), SHA-256 {model['sha256']}"
+    if model.get("problem"):
+        return f"{line}; PROBLEM: {model['problem']}"
+    if model.get("matches_ledger"):
+        return f"{line}; the file the privacy ledger's rows of that round name"
+    return f"{line}; not named by a privacy ledger"
+
+
 def _client_rows(u: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     keys = sorted({k for m in u["clients"].values() for k in m})
     return ["client", *keys], [[c, *(fmt(m.get(k)) for k in keys)] for c, m in u["clients"].items()]
@@ -500,6 +514,7 @@ def render_html(
         for k in ("version", "commit", "started_at", "ended_at", "config_sha256")
     ]
     rows.append(["data manifest", fmt(prov["data_manifest"])])
+    rows.append(["released model", model_line(report.get("model"))])
     rows += [[f"package {k}", fmt(v)] for k, v in sorted(prov["packages"].items())]
     parts.append(table(["item", "value"], rows))
     parts.append(
@@ -626,6 +641,7 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
                 for k in ("version", "commit", "started_at", "ended_at", "config_sha256")
             ]
             + [["data manifest", fmt(prov["data_manifest"])]]
+            + [["released model", model_line(report.get("model"))]]
             + [[f"package {k}", fmt(v)] for k, v in sorted(prov["packages"].items())],
         ),
         "",

@@ -192,6 +192,52 @@ def test_tampered_ledger_is_reported_up_front(run_dir: Path, tmp_path: Path) -> 
     assert "ledger-tampered" in [w["code"] for w in report["warnings"]]
 
 
+def test_the_ledger_names_the_released_model_file_and_a_swapped_file_is_caught(
+    run_dir: Path, tmp_path: Path, capsys
+) -> None:
+    import hashlib
+    import shutil
+
+    from fl_secure.checkpoints import CheckpointStore
+    from fl_secure.cli import main
+    from privacy.ledger import Ledger
+
+    # Prepare: a copy of a finished DP run (3 rounds); its last parameters file
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("report"))
+    final = copy / "checkpoints" / "round-000003.safetensors"
+    digest = hashlib.sha256(final.read_bytes()).hexdigest()  # what `sha256sum` prints
+    with Ledger.read(copy / "ledger.sqlite") as ledger:
+        named = {
+            e.round: e.payload.get("model_sha256")
+            for e in ledger.entries()
+            if e.kind == "client_level"
+        }
+    # Assert: every round's row names its own file's SHA-256; the report and --verify agree
+    assert named[3] == digest and len(set(named.values())) == 3, named
+    model = build_report(copy)["model"]
+    assert model["checkpoint"] == "checkpoints/round-000003.safetensors" and model["round"] == 3
+    assert model["sha256"] == model["ledger_sha256"] == digest and model["matches_ledger"]
+    verify = ["privacy", "ledger", "--run", str(copy), "--verify"]
+    assert main(verify) == 0
+    assert f"released model: checkpoints/round-000003.safetensors, SHA-256 {digest}" in (
+        capsys.readouterr().out
+    )
+    # Execute: the final file is replaced by round 2's parameters (a valid model, not the
+    # one the run released)
+    store = CheckpointStore(copy / "checkpoints")
+    final.write_bytes(store.encode(3, store.load(2).parameters))
+    # Assert: the report warns and names both digests; --verify fails
+    report = build_report(copy)
+    swapped = hashlib.sha256(final.read_bytes()).hexdigest()
+    assert report["model"]["matches_ledger"] is False and report["model"]["sha256"] == swapped
+    (warning,) = [w for w in report["warnings"] if w["code"] == "model-not-the-released-one"]
+    assert f"SHA-256 {swapped[:16]}" in warning["message"] and digest[:16] in warning["message"]
+    assert main([*verify, "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["verify"]["released_model"]["problem"] == warning["message"].rstrip(".")
+
+
 def test_report_checks_the_ledger_against_what_the_run_recorded(
     run_dir: Path, tmp_path: Path
 ) -> None:

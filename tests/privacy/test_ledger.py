@@ -373,3 +373,47 @@ def test_format_and_json(ledger_path: Path) -> None:
     assert doc["rounds_recorded"] == [1, 2, 3] and doc["epsilon"] == 1.5 and doc["delta"] == 1e-5
     assert doc["entries"][0] == entries[0].to_dict()  # type: ignore[index]
     assert "verify" not in ledger_json(entries, None)
+
+
+def test_released_model_is_checked_against_the_rows_of_its_round(tmp_path: Path) -> None:
+    import hashlib
+
+    from privacy.ledger import released_model
+
+    # Prepare: two rounds' files and a ledger whose rows name them
+    files = {r: tmp_path / f"round-{r:06d}.safetensors" for r in (1, 2)}
+    for r, f in files.items():
+        f.write_bytes(f"parameters of round {r}".encode())
+    sha = {r: hashlib.sha256(f.read_bytes()).hexdigest() for r, f in files.items()}
+    with Ledger.open(tmp_path / "ledger.sqlite", "run-m") as ledger:
+        for r in (1, 2):
+            payload = {**client_payload(r), "model_sha256": sha[r]}
+            ledger.append("client_level", round=r, party="server", payload=payload)
+        ledger.append("note", round=2, party="server", payload={"message": "budget"})
+        entries = ledger.entries()
+    # Execute / Assert: the latest file is the one round 2 released
+    ok = released_model(entries, (2, files[2]))
+    assert (ok["checkpoint"], ok["sha256"], ok["matches_ledger"], ok["problem"]) == (
+        "checkpoints/round-000002.safetensors",
+        sha[2],
+        True,
+        None,
+    )
+    # latest.json rolled back to round 1: its file matches round 1, but it is not the last
+    rolled = released_model(entries, (1, files[1]))
+    assert rolled["matches_ledger"] is True
+    assert rolled["problem"] == (
+        "the ledger records round 2 but checkpoints/latest.json points at round 1: the run's "
+        "latest model is not the last one the ledger released"
+    )
+    # the file of round 2 altered
+    files[2].write_bytes(b"other parameters")
+    bad = released_model(entries, (2, files[2]))
+    assert bad["matches_ledger"] is False and bad["ledger_sha256"] == sha[2]
+    assert bad["problem"].endswith("the file is not the model the run released")
+    # a ledger written before rows named models: nothing to compare, no problem
+    old = [e for e in entries if e.kind == "note"]
+    assert released_model(old, (2, files[2]))["problem"] is None
+    assert released_model(entries, None)["checkpoint"] is None
+    files[2].unlink()
+    assert "cannot be read" in released_model(entries, (2, files[2]))["problem"]
