@@ -95,11 +95,21 @@ class AuditSettings:
 
     def __post_init__(self) -> None:
         """Reject unknown attacks and sizes that cannot run."""
+        allowed = ", ".join(ATTACKS)
+        if not self.attacks:
+            raise ConfigError(f"--attack names no attack; allowed: {allowed}")
         unknown = sorted(set(self.attacks) - set(ATTACKS))
-        if unknown or not self.attacks:
-            raise ConfigError(f"unknown attack {unknown}; allowed: {', '.join(ATTACKS)}")
-        if self.targets < 2 or self.steps < 1 or self.restarts < 1:
-            raise ConfigError("need --targets >= 2, --steps >= 1 and restarts >= 1")
+        if unknown:
+            raise ConfigError(f"unknown attack {', '.join(unknown)}; allowed: {allowed}")
+        for name, value, low in (
+            ("--targets", self.targets, 2),
+            ("--steps", self.steps, 1),
+            ("restarts", self.restarts, 1),
+            ("canaries", self.canaries, 1),
+            ("trials", self.trials, 2),
+        ):
+            if value < low:
+                raise ConfigError(f"{name} = {value}: need {name} >= {low}")
 
 
 @dataclass(frozen=True)

@@ -281,6 +281,23 @@ def test_cli_audit_prints_every_attack_beside_chance(
     assert out.index("server: head") < out.index("curious_client: head")
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--targets", "1"], "--targets = 1: need --targets >= 2"),
+        (["--steps", "0"], "--steps = 0: need --steps >= 1"),
+        (["--attack", ","], "--attack names no attack; allowed: inversion, templates, leakage"),
+        (["--attack", "pixels,canary,gan"], "unknown attack gan, pixels; allowed: inversion"),
+    ],
+)
+def test_audit_settings_name_the_value_that_is_wrong(
+    args: list[str], message: str, tmp_path: Path, capsys
+) -> None:
+    assert main(["audit", "--run", str(tmp_path), *args]) == 2
+    assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_audit_refuses_a_run_another_process_holds(
     runs: dict[str, dict[str, Any]], capsys
 ) -> None:
