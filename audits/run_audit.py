@@ -665,6 +665,9 @@ def _audit_held(
         "images": "grids written" if grids else "no grids: real faces (use --include-images)",
         "duration_s": round(time.perf_counter() - started, 1),
     }
+    # what the audit concluded, as it concluded it (a reader of results.json alone sees it;
+    # the report recomputes them from the numbers and says so if they differ)
+    results["findings"] = findings(results)
     atomic_write_json(out / "results.json", results)
     if log is not None:
         log(f"wrote {out / 'results.json'}")
@@ -727,6 +730,10 @@ def table_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _is_finding(f: dict[str, Any]) -> bool:
+    return isinstance(f.get("code"), str) and isinstance(f.get("message"), str)
+
+
 def check_results(results: Any, source: str = "audit/results.json") -> None:
     """Refuse audit results that :func:`table_rows` and :func:`findings` cannot read.
 
@@ -766,6 +773,11 @@ def check_results(results: Any, source: str = "audit/results.json") -> None:
         if not ok:
             fail(f"{where}.{key}", f"is {value!r}, not a [low, high] interval")
 
+    stated = results.get("findings") if isinstance(results, dict) else None
+    if stated is not None and not (
+        isinstance(stated, list) and all(isinstance(f, dict) and _is_finding(f) for f in stated)
+    ):
+        fail("findings", "is not a list of {code, message} objects")
     attacks = node(results, "attacks", "")
     sections = {
         name: node(attacks, name, "attacks") if name in attacks else {}

@@ -503,7 +503,19 @@ def _warnings(
     if audit is not None:
         from audits.run_audit import findings
 
-        w += findings(audit)
+        derived = findings(audit)
+        stated = audit.get("findings")  # absent from results written before they were stored
+        if stated is not None and stated != derived:
+            w.append(
+                {
+                    "code": "audit-findings-differ",
+                    "message": "audit/results.json states findings that its own numbers do "
+                    "not give (the file was edited, or written by another version of "
+                    f"fl-secure): it states {[f['code'] for f in stated]}, its numbers give "
+                    f"{[f['code'] for f in derived]}; the warnings below are the latter.",
+                }
+            )
+        w += derived
     if report["run"]["status"] != "completed":
         w.append(
             {

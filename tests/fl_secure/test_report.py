@@ -165,10 +165,12 @@ def test_audit_findings_are_report_warnings(run_dir: Path, tmp_path: Path) -> No
 
     report = build_report(run_dir)
     codes = [w["code"] for w in report["warnings"]]
-    assert [c for c in codes if c.startswith("audit-")] == [
-        f["code"] for f in findings(report["threat_model"]["audit"])
-    ]
-    # an empirical epsilon above the accountant's puts the guarantee in doubt, up front
+    audit = report["threat_model"]["audit"]
+    # results.json states the findings the audit printed: the ones its numbers give
+    assert audit["findings"] == findings(audit)
+    assert [c for c in codes if c.startswith("audit-")] == [f["code"] for f in findings(audit)]
+    # an empirical epsilon above the accountant's puts the guarantee in doubt, up front; the
+    # edit leaves the stated findings behind the numbers, which the report names too
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("report"))
     audit = json.loads((copy / "audit" / "results.json").read_text())
@@ -176,6 +178,22 @@ def test_audit_findings_are_report_warnings(run_dir: Path, tmp_path: Path) -> No
     (copy / "audit" / "results.json").write_text(json.dumps(audit))
     warned = {w["code"]: w["message"] for w in build_report(copy)["warnings"]}
     assert "cannot be relied on" in warned["audit-exceeds-accountant"]
+    stated = [f["code"] for f in audit["findings"]]
+    assert "audit-exceeds-accountant" not in stated
+    assert warned["audit-findings-differ"].startswith(
+        f"audit/results.json states findings that its own numbers do not give (the file was "
+        f"edited, or written by another version of fl-secure): it states {stated}, its numbers "
+        f"give {[*stated, 'audit-exceeds-accountant']}"
+    )
+    # results written before findings were stored: nothing to compare
+    del audit["findings"]
+    (copy / "audit" / "results.json").write_text(json.dumps(audit))
+    assert "audit-findings-differ" not in {w["code"] for w in build_report(copy)["warnings"]}
+    # a damaged findings list is named
+    audit["findings"] = [{"code": 3}]
+    (copy / "audit" / "results.json").write_text(json.dumps(audit))
+    with pytest.raises(FlSecureError, match="findings is not a list of"):
+        build_report(copy)
 
 
 def test_tampered_ledger_is_reported_up_front(run_dir: Path, tmp_path: Path) -> None:
