@@ -306,14 +306,28 @@ def _config_for_clients(config: Config, privacy: ServerPrivacy | None) -> Config
 
 
 def recorded_run_id(run_dir: RunDir) -> str | None:
-    """The run id the last checkpoint recorded (its ledger's), whatever the folder is called now.
+    """The run id the run recorded (its ledger's), whatever the folder is called now.
 
-    A run's id starts as its folder's name; once a checkpoint records it, a folder that was
-    renamed or moved still resumes as the same run, against the same ledger.
+    A run's id starts as its folder's name; once a checkpoint (or, before the first one, the
+    ledger) records it, a folder that was renamed or moved still resumes as the same run,
+    against the same ledger.
     """
     state = CheckpointStore(run_dir.checkpoints).latest_state()
     run_id = state.get("run_id") if state is not None else None
-    return run_id if isinstance(run_id, str) and run_id else None
+    if isinstance(run_id, str) and run_id:
+        return run_id
+    # No checkpoint yet, but the server may have made the ledger before it died: the ledger's
+    # id is the run's (a folder renamed before round 1 would otherwise refuse its own ledger)
+    ledger = run_dir.path / "ledger.sqlite"
+    if state is None and ledger.is_file():
+        from privacy.ledger import Ledger, LedgerError
+
+        try:
+            with Ledger.read(ledger) as held:
+                return held.run_id or None
+        except LedgerError:
+            return None  # opening it for the run names the damage
+    return None
 
 
 def write_config(run_dir: RunDir, config: Config) -> Path:

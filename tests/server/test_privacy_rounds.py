@@ -234,3 +234,33 @@ def test_a_bad_private_config_leaves_no_run_directory(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="clip_range = 1 would clip the noisy updates"):
         run_embedded(config, out=tmp_path / "runs")
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_run_renamed_before_its_first_checkpoint_keeps_its_ledgers_id(tmp_path: Path) -> None:
+    # Prepare: a DP run's server started (its ledger made, named after the folder), then the
+    # process died before round 1 and the folder was renamed
+    from fl_secure.config import config_from_dict
+    from server.setup import build_server
+
+    config = config_from_dict(
+        {
+            "data": {"image_size": 32, "num_identities": 12, "images_per_identity": 4,
+                     "held_out_identities": 2},
+            "partition": {"num_clients": 2},
+            "server": {"min_clients": 2},
+            "model": {"backbone": "cnn-small", "embedding_size": 16},
+            "privacy": {"unit": "client", "noise_multiplier": 1.0, "noise_placement": "central"},
+        }
+    )  # fmt: skip
+    enrolled = {"client-0", "client-1"}
+    first = tmp_path / "tiny-20261125"
+    first.mkdir()
+    side = build_server(config, RunDir(first), enrolled=enrolled)
+    assert side.coordinator.settings.run_id == "tiny-20261125"
+    first.rename(tmp_path / "archived")
+    # Execute: the renamed folder's server starts again
+    again = build_server(config, RunDir(tmp_path / "archived"), enrolled=enrolled)
+    # Assert: the run keeps the id its ledger holds (no "another run's ledger" refusal)
+    assert again.coordinator.settings.run_id == "tiny-20261125"
+    with Ledger.read(tmp_path / "archived" / "ledger.sqlite") as ledger:
+        assert ledger.run_id == "tiny-20261125" and ledger.verify().ok
