@@ -322,6 +322,41 @@ class ServerPrivacy:
         return out
 
     # ------------------------------------------------------------ resume
+    def _check_same_sampling(self, entries: list[Entry]) -> None:
+        """Refuse to resume under a cohort sampling the ledger's rounds cannot compose with.
+
+        The population is the enrolled set, read when the server starts: a site enrolled
+        since (or one removed) changes it. Rounds at another population compose exactly (each
+        ledger row keeps its own sample rate and population), but with a fixed
+        ``server.clients_per_round`` the change can turn full-participation (Poisson, add/remove
+        adjacency) cohorts into fixed-size ones (replace-one), or back, which no accountant
+        composes; the round would train and then fail to be accounted.
+        """
+        rows = [e.payload for e in entries if e.kind == "client_level"]
+        if self.plan is None or not rows:
+            return
+        last = rows[-1]
+        was, now = str(last.get("sampling", "poisson")), self.plan.sampling
+        before = last.get("population")
+        if was != now:
+            kind = {"poisson": "Poisson-sampled", "fixed_size": "fixed-size"}
+            raise PrivacyError(
+                f"the ledger accounts its rounds with {kind.get(was, was)} cohorts of "
+                f"{before} enrolled clients; with the {self.plan.population} enrolled now, "
+                f"server.clients_per_round makes them {kind.get(now, now)}, which no "
+                f"accountant composes with those ({ADJACENCY.get(was, was)} vs "
+                f"{ADJACENCY[now]} adjacency): resume with the clients the run started with, "
+                "or start a new run"
+            )
+        if before != self.plan.population:
+            log.warning(
+                "the enrolled population changed from %s to %d since the last round: the "
+                "next rounds are accounted at sample rate %.4g, composed with the ledger's",
+                before,
+                self.plan.population,
+                self.plan.sample_rate,
+            )
+
     def resume(self, completed_round: int, pending: list[LedgerRow]) -> None:
         """Rebuild the accountant from the ledger; append a checkpointed round's lost rows.
 
@@ -351,6 +386,7 @@ class ServerPrivacy:
                 f"{completed_round}); it does not match this run's checkpoints"
             )
         recorded = {(e.kind, e.round, e.party) for e in entries}
+        self._check_same_sampling(entries)
         for entry in entries:
             self._absorb(entry)
         missing = [r for r in pending if (r["kind"], completed_round, r["party"]) not in recorded]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -264,3 +265,74 @@ def test_a_run_renamed_before_its_first_checkpoint_keeps_its_ledgers_id(tmp_path
     assert again.coordinator.settings.run_id == "tiny-20261125"
     with Ledger.read(tmp_path / "archived" / "ledger.sqlite") as ledger:
         assert ledger.run_id == "tiny-20261125" and ledger.verify().ok
+
+
+def _grown(tmp_path: Path, population: int) -> Any:
+    cfg = PrivacyConfig(
+        unit="client", noise_placement="central", noise_multiplier=1.5, delta=1e-5,
+        secure_rng=False,
+    )  # fmt: skip
+    return open_server_privacy(
+        cfg, tmp_path / "ledger.sqlite", "grow", rounds=4, population=population,
+        clients_per_round=2, sample_rate=0.0, source=SeededGaussian(0),
+    )  # fmt: skip
+
+
+def _account(privacy: Any, round_: int) -> dict[str, Any]:
+    return privacy.commit(round_, privacy.round_entries(round_, 2, {"c0": {}, "c1": {}}))
+
+
+def test_a_run_resumed_with_more_sites_composes_each_rounds_own_population(
+    tmp_path: Path,
+) -> None:
+    import dp_accounting
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    # Prepare: two rounds with cohorts of 2 out of 3 enrolled clients
+    first = _grown(tmp_path, 3)
+    for r in (1, 2):
+        _account(first, r)
+    first.ledger.close()
+    # Execute: the server restarts with a fourth site enrolled; round 3 draws 2 of 4
+    again = _grown(tmp_path, 4)
+    again.resume(2, [])
+    _account(again, 3)
+    # Assert: the ledger's epsilon is dp_accounting's composition of the rounds as they ran
+    # (replace-one, sampling without replacement; the noise over the sensitivity 2C)
+
+    def swor(population: int) -> dp_accounting.DpEvent:
+        return dp_accounting.SampledWithoutReplacementDpEvent(
+            population, 2, dp_accounting.GaussianDpEvent(1.5 / 2)
+        )
+
+    reference = rdp_privacy_accountant.RdpAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE
+    )
+    reference.compose(dp_accounting.ComposedDpEvent([swor(3), swor(3), swor(4)]))
+    with Ledger.read(tmp_path / "ledger.sqlite") as ledger:
+        rows = [e.payload for e in ledger.entries() if e.kind == "client_level"]
+    assert [r["population"] for r in rows] == [3, 3, 4]
+    assert rows[-1]["epsilon"] == pytest.approx(reference.get_epsilon(1e-5), rel=1e-9)
+
+
+def test_a_resume_that_would_change_the_sampling_scheme_is_refused(tmp_path: Path) -> None:
+    # Prepare: clients_per_round = 2 of 2 enrolled: every client each round (Poisson, q = 1)
+    first = _grown(tmp_path, 2)
+    for r in (1, 2):
+        _account(first, r)
+    first.ledger.close()
+    before = (tmp_path / "ledger.sqlite").read_bytes()
+    # Execute: a third site enrolled makes the cohorts fixed-size (2 of 3)
+    again = _grown(tmp_path, 3)
+    with pytest.raises(PrivacyError) as caught:
+        again.resume(2, [])
+    again.ledger.close()
+    # Assert: refused at start (not after a round trained), naming both schemes; the ledger
+    # is untouched
+    assert str(caught.value) == (
+        "the ledger accounts its rounds with Poisson-sampled cohorts of 2 enrolled clients; "
+        "with the 3 enrolled now, server.clients_per_round makes them fixed-size, which no "
+        "accountant composes with those (add/remove vs replace-one adjacency): resume with "
+        "the clients the run started with, or start a new run"
+    )
+    assert (tmp_path / "ledger.sqlite").read_bytes() == before
