@@ -205,21 +205,27 @@ def test_resume_writes_nothing_on_a_ledger_that_does_not_match(tmp_path: Path) -
     assert ledger_path.read_bytes() == before
 
 
-def test_example_level_dp_refuses_a_batchnorm_backbone_before_training(tmp_path: Path) -> None:
+def _two_client_config(backbone: str, privacy: dict[str, Any]) -> Any:
+    """A tiny synthetic two-client config for starting a server (no training)."""
     from fl_secure.config import config_from_dict
-    from fl_secure.errors import ConfigError
-    from server.setup import build_server
 
-    config = config_from_dict(
+    return config_from_dict(
         {
             "data": {"image_size": 32, "num_identities": 12, "images_per_identity": 4,
                      "held_out_identities": 2},
             "partition": {"num_clients": 2},
             "server": {"min_clients": 2},
-            "model": {"backbone": "resnet18-bn", "embedding_size": 16},
-            "privacy": {"unit": "example", "noise_multiplier": 1.0},
+            "model": {"backbone": backbone, "embedding_size": 16},
+            "privacy": privacy,
         }
     )  # fmt: skip
+
+
+def test_example_level_dp_refuses_a_batchnorm_backbone_before_training(tmp_path: Path) -> None:
+    from fl_secure.errors import ConfigError
+    from server.setup import build_server
+
+    config = _two_client_config("resnet18-bn", {"unit": "example", "noise_multiplier": 1.0})
     with pytest.raises(ConfigError, match=r"resnet18-bn.*BatchNorm.*GroupNorm backbone"):
         build_server(config, RunDir(tmp_path), enrolled={"client-0", "client-1"})
 
@@ -240,19 +246,11 @@ def test_a_bad_private_config_leaves_no_run_directory(tmp_path: Path) -> None:
 def test_a_run_renamed_before_its_first_checkpoint_keeps_its_ledgers_id(tmp_path: Path) -> None:
     # Prepare: a DP run's server started (its ledger made, named after the folder), then the
     # process died before round 1 and the folder was renamed
-    from fl_secure.config import config_from_dict
     from server.setup import build_server
 
-    config = config_from_dict(
-        {
-            "data": {"image_size": 32, "num_identities": 12, "images_per_identity": 4,
-                     "held_out_identities": 2},
-            "partition": {"num_clients": 2},
-            "server": {"min_clients": 2},
-            "model": {"backbone": "cnn-small", "embedding_size": 16},
-            "privacy": {"unit": "client", "noise_multiplier": 1.0, "noise_placement": "central"},
-        }
-    )  # fmt: skip
+    config = _two_client_config(
+        "cnn-small", {"unit": "client", "noise_multiplier": 1.0, "noise_placement": "central"}
+    )
     enrolled = {"client-0", "client-1"}
     first = tmp_path / "tiny-20261125"
     first.mkdir()
