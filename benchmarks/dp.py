@@ -246,9 +246,15 @@ def _figures(summary: dict[str, Any]) -> dict[str, Any]:
         cs = summary.get("clients_summary", {})
         out["tar_at_far_1e-2"] = cs.get("tar_at_far_1e-2_mean")
         out["rank1"] = cs.get("rank1_mean")
+        out["initial_tar_at_far_1e-2"] = (summary.get("untrained_clients_summary") or {}).get(
+            "tar_at_far_1e-2_mean"
+        )
         out["evaluation"] = "mean over clients of their own test images"
     else:
+        out["initial_tar_at_far_1e-2"] = (summary.get("untrained") or {}).get("tar_at_far_1e-2")
         out["evaluation"] = "held-out identities"
+    # the model the run started from: untrained, or model.pretrained's backbone
+    out["initial_model"] = summary.get("initial_model")
     return out
 
 
