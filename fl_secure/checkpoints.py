@@ -122,7 +122,7 @@ class CheckpointStore:
 
     def load(self, round_: int) -> Checkpoint:
         """The checkpoint of ``round_`` (only the last few are kept)."""
-        path = self.folder / f"round-{round_:06d}.safetensors"
+        path = self.path_of(round_)
         if not path.exists():
             kept = sorted(p.name for p in self.folder.glob("round-*.safetensors"))
             raise CheckpointError(f"no checkpoint of round {round_}; kept: {kept}")

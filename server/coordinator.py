@@ -775,9 +775,8 @@ class Coordinator:
                 mean_update = self._aggregate(rnd)
                 params = self.server_step(self.params, mean_update, number)
                 heads = {**self.heads, **self._step_heads(number, rnd)}
-                # the ledger names the file it releases: SHA-256 of the checkpoint's bytes
-                encoded = self.store.encode(number, params)
-                rows = self._privacy_rows(number, rnd, hashlib.sha256(encoded).hexdigest())
+                encoded = self.store.encode(number, params)  # hashed for the ledger, written
+                rows = self._privacy_rows(number, rnd, encoded)
                 last = self._record(number, rnd, params, rows)
                 # Checkpoint (with the round's ledger rows and the clients' heads), then the
                 # ledger entry is synced, and only then is the model released to the next cohort.
@@ -870,13 +869,15 @@ class Coordinator:
         self.stop_reason = reason
         return True
 
-    def _privacy_rows(self, number: int, rnd: _Round, model_sha256: str) -> list[dict[str, Any]]:
+    def _privacy_rows(self, number: int, rnd: _Round, encoded: bytes) -> list[dict[str, Any]]:
+        """The round's ledger rows; each names the parameters file (``encoded``) it covers."""
         if self.privacy is None:
             return []
         metrics = {c: h.metrics for c, h in rnd.received.items()}
         rows = self.privacy.round_entries(number, len(rnd.cohort), metrics)
-        for row in rows:  # what the guarantee covers: the parameters file of this round
-            row["payload"]["model_sha256"] = model_sha256
+        digest = hashlib.sha256(encoded).hexdigest()  # sha256sum of the file checks it
+        for row in rows:
+            row["payload"]["model_sha256"] = digest
         return rows
 
     def _record(

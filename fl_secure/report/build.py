@@ -16,10 +16,13 @@ import json
 import math
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fl_secure.errors import CheckpointError
 from fl_secure.runs import RunDir, read_json_object
+
+if TYPE_CHECKING:
+    from privacy.ledger import Entry
 
 #: Version of the report JSON (``schema/report-v{major}.schema.json``).
 REPORT_VERSION = "1.1"
@@ -53,7 +56,7 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         from audits.run_audit import check_results
 
         check_results(audit, str(audit_path))
-    ledger = _ledger(run.path / "ledger.sqlite", summary)
+    ledger, entries = _ledger(run.path / "ledger.sqlite", summary)
     privacy = _privacy(summary, config, ledger)
     secure = _secure_aggregation(summary, metrics)
     report: dict[str, Any] = {
@@ -79,26 +82,22 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         "threat_model": _threat_model(summary, audit),
         "utility": _utility(summary, metrics),
         "provenance": _provenance(run.path, summary, config, config_text),
-        "model": _model(run),
+        "model": _model(run, entries),
     }
     report["warnings"] = _warnings(report, config, metrics)
     report["plain_summary"] = _plain_summary(report)
     return report
 
 
-def _model(run: RunDir) -> dict[str, Any]:
+def _model(run: RunDir, entries: list[Entry]) -> dict[str, Any]:
     """The released model's file and SHA-256, checked against what the ledger names."""
     from fl_secure.checkpoints import CheckpointStore
-    from privacy.ledger import Ledger, released_model
+    from privacy.ledger import released_model
 
     source = (
         "checkpoints/latest.json and the parameters file it names; ledger.sqlite "
         "(model_sha256 of that round's rows)"
     )
-    entries = []
-    if (run.path / "ledger.sqlite").exists():
-        with Ledger.read(run.path / "ledger.sqlite") as ledger:
-            entries = list(ledger.entries())
     try:
         latest = CheckpointStore(run.checkpoints).latest_file()
     except CheckpointError as exc:
@@ -106,7 +105,8 @@ def _model(run: RunDir) -> dict[str, Any]:
     return {**released_model(entries, latest), "source": source}
 
 
-def _ledger(path: Path, summary: dict[str, Any]) -> dict[str, Any]:
+def _ledger(path: Path, summary: dict[str, Any]) -> tuple[dict[str, Any], list[Entry]]:
+    """The report's ledger section, and the ledger's entries (none without a ledger)."""
     from privacy.ledger import Ledger, ledger_guarantee, recorded_head
 
     recorded = recorded_head(summary)
@@ -115,7 +115,7 @@ def _ledger(path: Path, summary: dict[str, Any]) -> dict[str, Any]:
             "present": False,
             "recorded_entries": None if recorded is None else recorded[0],
             "source": "ledger.sqlite",
-        }
+        }, []
     with Ledger.read(path) as ledger:
         result = ledger.verify(recorded=recorded)
         entries = list(ledger.entries())
@@ -152,7 +152,7 @@ def _ledger(path: Path, summary: dict[str, Any]) -> dict[str, Any]:
         ],
         "example_level": [example_rows[k] for k in sorted(example_rows)],
         "source": "ledger.sqlite",
-    }
+    }, entries
 
 
 def _privacy(
