@@ -14,7 +14,7 @@ import dataclasses
 import json
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +23,12 @@ from privacy.accountants.accountant import ADJACENCY, SAMPLINGS
 from privacy.accountants.registry import ACCOUNTANTS, DEFAULT_CLIENT_LEVEL
 from privacy.calibration import calibrate_noise, epsilon_for
 from privacy.ledger import (
-    Entry,
     Ledger,
     LedgerError,
     format_ledger,
     ledger_json,
     recorded_head,
-    released_model,
+    released_model_of_run,
 )
 
 
@@ -154,7 +153,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         return 2
     if result is not None and record_note is not None:
         result = dataclasses.replace(result, ok=False, problems=[*result.problems, record_note])
-    model = _released_model(args.run, entries) if result is not None else None
+    model = released_model_of_run(args.run, entries) if result is not None else None
     if result is not None and model is not None and model["problem"]:
         problems = [*result.problems, model["problem"]]
         result = dataclasses.replace(result, ok=False, problems=problems)
@@ -198,17 +197,6 @@ def cmd_ledger(args: argparse.Namespace) -> int:
                 elif model["matches_ledger"] is None and not model["problem"]:
                     print("  the ledger names no model (written before ledgers recorded it)")
     return 0 if result is None or result.ok else 1
-
-
-def _released_model(run: Path, entries: Sequence[Entry]) -> dict[str, Any]:
-    """:func:`released_model` of the run's latest checkpoint; a broken pointer is a problem."""
-    from fl_secure.checkpoints import CheckpointStore
-
-    try:
-        latest = CheckpointStore(run / "checkpoints").latest_file()
-    except CheckpointError as exc:
-        return {**released_model(entries, None), "problem": str(exc)}
-    return released_model(entries, latest)
 
 
 def _recorded(run: Path) -> tuple[tuple[int, str] | None, str | None]:

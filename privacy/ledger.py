@@ -689,3 +689,14 @@ def released_model(entries: Sequence[Entry], latest: tuple[int, Path] | None) ->
             f"round {round_} name {recorded[:16]}: the file is not the model the run released"
         )
     return out
+
+
+def released_model_of_run(run: Path, entries: Sequence[Entry]) -> dict[str, Any]:
+    """:func:`released_model` of the run's latest checkpoint; a broken pointer is a problem."""
+    from fl_secure.checkpoints import CheckpointStore
+
+    try:
+        latest = CheckpointStore(Path(run) / "checkpoints").latest_file()
+    except CheckpointError as exc:
+        return {**released_model(entries, None), "problem": str(exc)}
+    return released_model(entries, latest)

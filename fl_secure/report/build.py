@@ -91,18 +91,13 @@ def build_report(run_dir: Path) -> dict[str, Any]:
 
 def _model(run: RunDir, entries: list[Entry]) -> dict[str, Any]:
     """The released model's file and SHA-256, checked against what the ledger names."""
-    from fl_secure.checkpoints import CheckpointStore
-    from privacy.ledger import released_model
+    from privacy.ledger import released_model_of_run
 
     source = (
         "checkpoints/latest.json and the parameters file it names; ledger.sqlite "
         "(model_sha256 of that round's rows)"
     )
-    try:
-        latest = CheckpointStore(run.checkpoints).latest_file()
-    except CheckpointError as exc:
-        return {**released_model(entries, None), "problem": str(exc), "source": source}
-    return {**released_model(entries, latest), "source": source}
+    return {**released_model_of_run(run.path, entries), "source": source}
 
 
 def _ledger(path: Path, summary: dict[str, Any]) -> tuple[dict[str, Any], list[Entry]]:
