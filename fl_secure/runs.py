@@ -125,10 +125,11 @@ class RunDir:
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
-        """Hold this run for one training process; refuse if another process holds it.
+        """Hold this run for one process (training or auditing it); refuse if another holds it.
 
         Two servers on one run directory (a resume started while the first still runs)
-        would both append to metrics.jsonl and the ledger and write checkpoints. An
+        would both append to metrics.jsonl and the ledger and write checkpoints; an audit of
+        a run still training would attack a checkpoint that moves under it. An
         exclusive ``flock`` on ``.run.lock`` stops the second before it touches anything. The
         kernel releases the lock when the process ends, however it ends, so a crashed
         run resumes without any clean-up.
