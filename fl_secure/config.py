@@ -443,6 +443,12 @@ class Config:
                     "Gaussian on integer updates, which needs secure_aggregation.scheme = "
                     "'secagg' or 'secagg+'; with 'ckks' use noise_placement 'local' or 'central'"
                 )
+            if self.secure_aggregation.modulus_bits > 62:
+                raise ConfigError(
+                    f"secure_aggregation.modulus_bits = {self.secure_aggregation.modulus_bits}: "
+                    "privacy.noise_placement = 'distributed' does its integer arithmetic in "
+                    "62 bits at most; use secure_aggregation.modulus_bits <= 62"
+                )
         if self.algorithm.name in ("fedgc", "fedcos"):
             _check_server_sees_heads(self)
         if self.algorithm.name == "fedaffect" and self.privacy.unit == "example":

@@ -540,7 +540,7 @@ class EncryptedUpdate:
                 object_pairs_hook=_no_duplicate_keys,
                 parse_constant=_reject_constant,
             )
-        except (UnicodeDecodeError, ValueError) as exc:
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise ProtocolError(f"encrypted update header is not valid JSON: {exc}") from exc
         if not isinstance(header, dict) or set(header) != _HEADER_KEYS:
             keys = sorted(header) if isinstance(header, dict) else type(header).__name__

@@ -167,7 +167,14 @@ class CkksSetup:
                 min_count=int(doc["min_count"]),
                 decryptors=int(doc["decryptors"]),
             )
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (
+            ValueError,
+            KeyError,
+            TypeError,
+            AttributeError,
+            OverflowError,
+            RecursionError,
+        ) as exc:
             raise ProtocolError(f"invalid CKKS round setup: {exc}") from exc
         if setup.min_count < 1 or not 1 <= setup.decryptors <= 2:
             raise ProtocolError("invalid CKKS round setup: min_count or decryptors")
@@ -178,7 +185,7 @@ def is_ckks_setup(data: bytes) -> bool:
     """Whether a task's ``secagg_setup`` describes a CKKS round (vs pairwise masks)."""
     try:
         doc = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return isinstance(doc, dict) and doc.get("scheme") == "ckks"
 

@@ -34,7 +34,7 @@ import math
 
 import numpy as np
 
-from fl_secure.errors import PrivacyError
+from fl_secure.errors import PrivacyError, ProtocolError
 from privacy.noise import NoiseSource
 
 
@@ -159,10 +159,23 @@ def ddg_encode(
     return ints.astype(np.uint64) & np.uint64((1 << modulus_bits) - 1)  # negatives wrap
 
 
-def ddg_decode(total: np.ndarray, *, gamma: float, modulus_bits: int) -> np.ndarray:
-    """Centered lift of a sum mod ``2^bits`` (``bits <= 62``) back to reals, times ``gamma``."""
+def ddg_decode(
+    total: np.ndarray, *, gamma: float, modulus_bits: int, bound: float | None = None
+) -> np.ndarray:
+    """Centered lift of a sum mod ``2^bits`` (``bits <= 62``) back to reals, times ``gamma``.
+
+    Raises:
+        ProtocolError: A lifted value exceeds ``bound`` (integer units): the sum is corrupted.
+    """
     if not 1 <= modulus_bits <= 62:
         raise PrivacyError(f"modulus_bits = {modulus_bits}: the lift supports 1..62")
     values = np.asarray(total, dtype=np.uint64).astype(np.int64)
     values = np.where(values >= 1 << (modulus_bits - 1), values - (1 << modulus_bits), values)
+    if bound is not None and values.size:
+        peak = int(np.abs(values).max())
+        if peak > bound:
+            raise ProtocolError(
+                f"decoded sum has a coordinate of magnitude {peak} > {bound:.6g}, more than "
+                "the survivors' clipped, noised inputs can produce: the sum is corrupted"
+            )
     return values.astype(np.float64) * gamma

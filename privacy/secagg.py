@@ -959,6 +959,10 @@ class SecAggConfig:
         neighbours: ``k``: 0 for SecAgg (complete graph, ``k = n - 1``), else SecAgg+.
         modulus_bits: Arithmetic is mod ``2^modulus_bits`` (1..64); checked by
             :func:`check_modulus` so the cohort's sum cannot wrap.
+        min_inputs: The fewest masked inputs a sum may be unmasked with (0: the protocol's
+            own ``t + 1``). Under distributed DP each input carries a share of the noise, so a
+            sum of fewer than the shares it needs would be under-noised: the server aborts
+            before asking for shares, and a client refuses an unmask request listing fewer.
     """
 
     round_id: bytes
@@ -968,6 +972,7 @@ class SecAggConfig:
     scale: float
     neighbours: int = 0
     modulus_bits: int = 32
+    min_inputs: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.round_id, bytes) or not 1 <= len(self.round_id) <= 255:
@@ -988,6 +993,8 @@ class SecAggConfig:
                 f"threshold = {self.threshold}: expected {k // 2 + 1}..{k} for {k} neighbours "
                 "(a strict majority, at most the neighbourhood)"
             )
+        if not 0 <= self.min_inputs <= n:
+            raise PrivacyError(f"min_inputs = {self.min_inputs}: expected 0..{n} for {n} clients")
         check_modulus(n, self.clip_range, self.scale, self.modulus_bits)
 
     @property
@@ -1333,6 +1340,12 @@ class SecAggClient:
         t = self.config.threshold
         if len(survivors) < t:
             raise RoundAborted(f"only {len(survivors)} survivors, fewer than t = {t}")
+        if len(survivors) < self.config.min_inputs:
+            raise PrivacyError(
+                f"{self.client_id!r} refuses to unmask a sum of {len(survivors)} inputs: the "
+                f"round needs at least {self.config.min_inputs} (under distributed DP, the "
+                "noise shares the sum must carry)"
+            )
         b_out, s_out = [], []
         for owner in sorted(self._held):
             x, b_y, s_y = self._held[owner]
@@ -1414,6 +1427,11 @@ class SecAggServer:
             raise self._abort(
                 f"only {m} clients {stage}; at least t + 1 = {t + 1} are needed "
                 f"(every survivor needs t = {t} surviving neighbours)"
+            )
+        if m < self.config.min_inputs:
+            raise self._abort(
+                f"only {m} clients {stage}; the round needs at least {self.config.min_inputs} "
+                "inputs in its sum, so it is aborted before any share is revealed"
             )
 
     @property

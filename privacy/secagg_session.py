@@ -113,6 +113,7 @@ class RoundSetup:
     encoding: str = "fixed_point"  # or "ddg": distributed discrete Gaussian (integers)
     ddg_sigma: float = 0.0  # ddg: each client's N_Z(0, sigma^2), in units of 1 / scale
     clip_norm: float = 0.0  # ddg: the L2 bound C every client's update is clipped to
+    min_inputs: int = 0  # the fewest masked inputs the sum may be unmasked with (0: t + 1)
 
     def config(self) -> SecAggConfig:
         """The protocol configuration (validates threshold, graph and modulus)."""
@@ -124,12 +125,13 @@ class RoundSetup:
             scale=self.scale,
             neighbours=self.neighbours,
             modulus_bits=self.modulus_bits,
+            min_inputs=self.min_inputs,
         )
 
     def to_bytes(self) -> bytes:
-        """Canonical JSON (version 1)."""
+        """Canonical JSON (version 2: version 1 plus ``min_inputs``)."""
         doc = {
-            "version": 1,
+            "version": 2,
             "round_id": self.round_id.hex(),
             "cohort": list(self.cohort),
             "threshold": self.threshold,
@@ -141,6 +143,7 @@ class RoundSetup:
             "encoding": self.encoding,
             "ddg_sigma": self.ddg_sigma,
             "clip_norm": self.clip_norm,
+            "min_inputs": self.min_inputs,
         }
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
@@ -149,11 +152,11 @@ class RoundSetup:
         """Strict inverse of :meth:`to_bytes`."""
         try:
             doc = json.loads(data)
-            if doc.pop("version") != 1:
-                raise ValueError("unsupported version")
+            if doc.pop("version") != 2:
+                raise ValueError("unsupported version (server and client releases differ)")
             keys = {"round_id", "cohort", "threshold", "neighbours", "modulus_bits",
                     "clip_range", "scale", "vector_length", "encoding", "ddg_sigma",
-                    "clip_norm"}  # fmt: skip
+                    "clip_norm", "min_inputs"}  # fmt: skip
             if set(doc) != keys:
                 raise ValueError(f"keys {sorted(doc)}")
             setup = cls(
@@ -168,8 +171,16 @@ class RoundSetup:
                 encoding=str(doc["encoding"]),
                 ddg_sigma=float(doc["ddg_sigma"]),
                 clip_norm=float(doc["clip_norm"]),
+                min_inputs=int(doc["min_inputs"]),
             )
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (
+            ValueError,
+            KeyError,
+            TypeError,
+            AttributeError,
+            OverflowError,
+            RecursionError,
+        ) as exc:
             raise ProtocolError(f"invalid secure-aggregation setup: {exc}") from exc
         if setup.vector_length < 1:
             raise ProtocolError("invalid secure-aggregation setup: vector_length < 1")
@@ -205,8 +216,14 @@ def make_setup(
     cohort: Sequence[str],
     vector_length: int,
     ddg: tuple[float, float, int] | None = None,
+    min_inputs: int = 0,
 ) -> RoundSetup:
     """The setup of one attempt of a round (a fresh round id for every attempt).
+
+    ``min_inputs``: the fewest masked inputs the sum may be unmasked with (the round's
+    ``server.min_clients``: a sum of fewer would be discarded anyway, and under distributed
+    DP it would carry fewer noise shares than the accounting assumes). With ``ddg`` it is at
+    least the ``t`` the noise is split over.
 
     ``ddg = (noise_multiplier z, clip norm C, min_survivors t)`` selects the distributed
     discrete Gaussian: each client adds ``N_Z(0, sigma^2)`` with ``sigma = z D2 / sqrt(t)``,
@@ -220,6 +237,7 @@ def make_setup(
     if ddg is not None:
         encoding = "ddg"
         sigma, clip_norm = check_ddg(ddg, cfg, n, vector_length)
+        min_inputs = max(min_inputs, ddg[2])
     return RoundSetup(
         round_id=round_id[:16],
         cohort=tuple(sorted(cohort)),
@@ -232,6 +250,7 @@ def make_setup(
         encoding=encoding,
         ddg_sigma=sigma,
         clip_norm=clip_norm,
+        min_inputs=min_inputs,
     )
 
 
@@ -251,6 +270,11 @@ def check_ddg(
     )
 
     z, clip_norm, t = ddg
+    if cfg.modulus_bits > 62:
+        raise PrivacyError(
+            f"secure_aggregation.modulus_bits = {cfg.modulus_bits}: the distributed discrete "
+            "Gaussian's integer arithmetic supports up to 62"
+        )
     gamma = 2.0**-cfg.scale_bits
     bound = integer_l2_bound(clip_norm, gamma, d)
     sigma = ddg_client_sigma(z, bound, t)
@@ -260,7 +284,7 @@ def check_ddg(
             "(KLS21 tau term); raise secure_aggregation.scale_bits"
         )
     peak = n * (clip_norm / gamma + 1) + 10 * math.sqrt(n) * sigma
-    if 2 * peak >= 2.0 ** min(cfg.modulus_bits, 62):
+    if 2 * peak >= 2.0**cfg.modulus_bits:
         raise PrivacyError(
             f"a cohort of {n} noisy sums could wrap mod 2^{cfg.modulus_bits} (peak {peak:.3g}); "
             "raise secure_aggregation.modulus_bits (up to 62) or lower scale_bits"
@@ -371,6 +395,7 @@ class ServerSecureRound(StagedRound):
     aborted: str = ""
     dropped: dict[str, str] = field(default_factory=dict)  # client -> the stage it missed
     result: np.ndarray | None = None
+    decoded: np.ndarray | None = None  # the float64 sum, decoded when unmasking closes
 
     def __post_init__(self) -> None:
         self.server = SecAggServer(self.setup.config(), self.registry, self.setup.vector_length)
@@ -456,8 +481,9 @@ class ServerSecureRound(StagedRound):
         elif self.stage == MASKED:
             request: UnmaskRequest = self.server.unmask_request()
             self.unmask_payload = request.to_bytes()
-        elif self.stage == UNMASK:
+        elif self.stage == UNMASK:  # decoded here, so a corrupted sum aborts the attempt
             self.result = self.server.finish()
+            self.decoded = self._decode(self.result)
 
     def reply(self, stage: int, client_id: str) -> bytes:
         """What ``client_id`` receives once ``stage`` has closed."""
@@ -477,15 +503,27 @@ class ServerSecureRound(StagedRound):
 
     def decoded_sum(self) -> np.ndarray:
         """The float64 sum of the survivors' (clipped, fixed-point) updates."""
-        if self.result is None:
+        if self.decoded is None:
             raise RoundAborted(self.aborted or "the secure round has no result")
-        if self.setup.encoding == "ddg":
-            from privacy.discrete_gaussian import ddg_decode
+        return self.decoded
 
-            return ddg_decode(
-                self.result, gamma=1.0 / self.setup.scale, modulus_bits=self.setup.modulus_bits
-            )
-        return self.setup.config().decode(self.result, len(self.server.survivors))
+    def _decode(self, total: np.ndarray) -> np.ndarray:
+        """The unmasked sum as floats; :class:`ProtocolError` when no honest cohort made it.
+
+        A masked input that is well-formed but not an encoding (a faulty or hostile client)
+        unmasks to values no survivors' clipped inputs can sum to: fixed-point checks each
+        coordinate against ``n B``; the discrete Gaussian against the same peak the modulus
+        was sized for (clipped values plus 10 standard deviations of the summed noise).
+        """
+        setup, m = self.setup, len(self.server.survivors)
+        if setup.encoding != "ddg":
+            return setup.config().decode(total, m)
+        from privacy.discrete_gaussian import ddg_decode
+
+        peak = m * (setup.clip_norm * setup.scale + 1) + 10 * math.sqrt(m) * setup.ddg_sigma
+        return ddg_decode(
+            total, gamma=1.0 / setup.scale, modulus_bits=setup.modulus_bits, bound=peak
+        )
 
 
 #: (stage, payload) -> the server's reply payload (one SecAggExchange call).

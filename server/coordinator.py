@@ -686,6 +686,7 @@ class Coordinator:
                 cohort=cohort,
                 vector_length=length,
                 ddg=self._ddg(),
+                min_inputs=self.settings.min_clients,
             )
             return ServerSecureRound(setup, self.signing_registry, cfg.stage_timeout, self.clock)
         except PrivacyError as exc:

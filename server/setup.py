@@ -122,7 +122,7 @@ def build_server(
         source=noise or _noise_source(config, "server"),
         min_survivors=s.min_clients,
     )
-    _check_encoding_range(config, privacy)
+    _check_encoding_range(config, privacy, sum(a.size for a in initial.values()), len(enrolled))
     sent = _config_for_clients(config, privacy)
     registry = _signing_registry(config, cert_dir, enrolled)
     ckks_public = _ckks_public_context(config, cert_dir)
@@ -219,10 +219,28 @@ def _check_secagg_cohort(config: Config, population: int) -> None:
         raise ConfigError(f"secure_aggregation: {exc}") from exc
 
 
-def _check_encoding_range(config: Config, privacy: ServerPrivacy | None) -> None:
-    """Under secure aggregation, clipped + noised updates must fit the encoding's range."""
-    if privacy is not None and privacy.plan is not None:
-        _check_plan_encoding(config, privacy.plan)
+def _check_encoding_range(
+    config: Config, privacy: ServerPrivacy | None, vector_length: int, population: int
+) -> None:
+    """Under secure aggregation, clipped + noised updates must fit the encoding's range.
+
+    With distributed noise, the discrete Gaussian of the largest cohort must be as private
+    as the accounted Gaussian and its noisy sum must not wrap: checked here for the model's
+    ``vector_length`` shared values, so the run stops before round 1 rather than in it.
+    """
+    if privacy is None or privacy.plan is None:
+        return
+    p, sa = privacy.plan, config.secure_aggregation
+    if p.placement == "distributed" and sa.scheme in ("secagg", "secagg+"):
+        from privacy.secagg_session import check_ddg
+
+        n = min(config.server.clients_per_round or population, population)
+        ddg = (p.noise_multiplier, p.clip_norm, config.server.min_clients)
+        try:
+            check_ddg(ddg, sa, n, vector_length)
+        except PrivacyError as exc:
+            raise ConfigError(f"privacy.noise_placement = 'distributed': {exc}") from exc
+    _check_plan_encoding(config, p)
 
 
 def _check_plan_encoding(config: Config, p: ClientLevelPlan) -> None:

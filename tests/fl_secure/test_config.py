@@ -124,6 +124,10 @@ def test_privacy_section_is_validated_with_clear_errors() -> None:
         {"privacy": distributed, "secure_aggregation": {"scheme": "secagg", "clip_range": 8.0}}
     )
     assert both.privacy.noise_placement == "distributed"
+    # its integer arithmetic is 62-bit: a larger modulus is refused here, not in round 1
+    wide = {"scheme": "secagg", "modulus_bits": 63}
+    with pytest.raises(ConfigError, match="modulus_bits = 63: .*'distributed'.*<= 62"):
+        config_from_dict({"privacy": distributed, "secure_aggregation": wide})
     with pytest.raises(ConfigError, match="privacy.delta"):
         config_from_dict({"privacy": {"delta": 1.5}})
     with pytest.raises(ConfigError, match="privacy.unit = 'user' is not allowed"):

@@ -395,3 +395,9 @@ def test_layout_plan_matches_specs_order_not_selection_order() -> None:
     assert layout.offsets == {"conv": 0, "bias": 432}
     assert layout.chunk_sizes == (439,)
     assert layout.specs == SPECS
+
+
+def test_a_header_nested_beyond_the_parsers_limit_is_a_protocol_error() -> None:
+    # deep nesting makes json raise RecursionError, which must not escape as a crash
+    with pytest.raises(ProtocolError, match="header is not valid JSON"):
+        EncryptedUpdate._from_parts(b"[" * 100_000, [])

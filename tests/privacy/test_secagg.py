@@ -277,6 +277,32 @@ def test_too_few_clients_advertising_abort_the_round() -> None:
         rnd.adverts({"client-000": 0, "client-001": 0})
 
 
+def test_a_sum_of_fewer_than_min_inputs_is_never_unmasked() -> None:
+    # Prepare: n = 10, t = 5, and the round needs 8 inputs in its sum (under distributed DP,
+    # the noise shares the accounting assumes); three clients drop after sharing keys, so 7
+    # masked inputs arrive: enough for the protocol (t + 1 = 6), too few for the round
+    config = dataclasses.replace(_config(10, 5), min_inputs=8)
+    rnd = Round.start(config, d=4)
+    gone = ["client-007", "client-008", "client-009"]
+    # Execute / Assert: the server aborts when it would build the unmask request, before it
+    # asks anybody for a share
+    with pytest.raises(RoundAborted, match="only 7 clients sent masked inputs; the round needs "
+                       "at least 8 inputs in its sum"):  # fmt: skip
+        rnd.masked(dict.fromkeys(gone, 2))
+    assert rnd.server.result is None
+    # and a client asked anyway (a server that skips the check) refuses to reveal a share
+    request = UnmaskRequest(ROUND, tuple(_ids(7)), tuple(gone))
+    with pytest.raises(PrivacyError, match="refuses to unmask a sum of 7 inputs.*at least 8"):
+        rnd.clients["client-000"].unmask(request)
+    # with all 8 needed inputs, the same round unmasks the exact sum
+    rnd = Round.start(config, d=4)
+    result = rnd.run(dict.fromkeys(gone[1:], 2))
+    survivors = _ids(8)
+    assert result.tolist() == _plain_sum([rnd.encoded(u) for u in survivors], 32)
+    with pytest.raises(PrivacyError, match="min_inputs = 11: expected 0..10"):
+        dataclasses.replace(config, min_inputs=11)
+
+
 def test_client_refuses_to_go_on_with_fewer_than_t_neighbours() -> None:
     # Prepare: n = 5, t = 3; the server relays only two neighbours' adverts / shares
     config = _config(5, 3)
@@ -742,3 +768,34 @@ def test_a_client_refuses_to_mask_an_update_that_is_not_finite(encoding: str, ba
             lambda: OrderedDict([("w", update)]), uploaded.append,
         )  # fmt: skip
     assert session.stage == SHARE + 1 and uploaded == []
+
+
+def test_round_setups_round_trip_and_malformed_ones_are_protocol_errors() -> None:
+    from fl_secure.config import SecureAggregationConfig
+    from privacy.ckks_session import CkksSetup, is_ckks_setup
+    from privacy.secagg_session import RoundSetup, make_setup
+
+    setup = make_setup(
+        SecureAggregationConfig(scheme="secagg"), run_id="rt", round_=1, attempt=0,
+        cohort=_ids(5), vector_length=8, min_inputs=4,
+    )  # fmt: skip
+    assert RoundSetup.from_bytes(setup.to_bytes()) == setup
+    assert setup.config().min_inputs == 4
+    raw = setup.to_bytes()
+    malformed = [
+        raw.replace(b'"threshold":3', b'"threshold":Infinity'),  # int(inf): OverflowError
+        raw.replace(b'"min_inputs":4', b'"min_inputs":1e999'),
+        raw.replace(b'"version":2', b'"version":1'),  # an older release's setup
+        b"[" * 100_000,  # nesting beyond the parser's recursion limit
+    ]
+    assert all(m != raw for m in malformed[:3])
+    for data in malformed:
+        with pytest.raises(ProtocolError, match="invalid secure-aggregation setup"):
+            RoundSetup.from_bytes(data)
+    ckks = CkksSetup(ROUND, tuple(_ids(3)), None, min_count=2, decryptors=1)
+    assert CkksSetup.from_bytes(ckks.to_bytes()) == ckks
+    for data in (ckks.to_bytes().replace(b'"min_count":2', b'"min_count":1e999'), b"[" * 100_000):
+        assert data != ckks.to_bytes()
+        with pytest.raises(ProtocolError, match="invalid CKKS round setup"):
+            CkksSetup.from_bytes(data)
+    assert not is_ckks_setup(b"[" * 100_000)

@@ -243,6 +243,25 @@ def test_a_bad_private_config_leaves_no_run_directory(tmp_path: Path) -> None:
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_distributed_noise_sum_that_could_wrap_is_refused_before_round_1(
+    tmp_path: Path,
+) -> None:
+    # The quickstart's distributed discrete Gaussian with a 24-bit modulus: the fixed-point
+    # range fits (4 x 2^20 < 2^23) but the noisy integer sum of the cohort does not
+    from fl_secure.config import load_config
+    from fl_secure.errors import ConfigError
+    from server.embedded import run_embedded
+
+    root = Path(__file__).resolve().parents[2]
+    config = load_config(
+        root / "examples" / "quickstart.toml", ["secure_aggregation.modulus_bits=24"]
+    )
+    assert config.privacy.noise_placement == "distributed"
+    with pytest.raises(ConfigError, match="'distributed': a cohort of 4 noisy sums could wrap"):
+        run_embedded(config, out=tmp_path / "runs")
+    assert list((tmp_path / "runs").iterdir()) == []  # the run folder it had made is gone
+
+
 def test_a_run_renamed_before_its_first_checkpoint_keeps_its_ledgers_id(tmp_path: Path) -> None:
     # Prepare: a DP run's server started (its ledger made, named after the folder), then the
     # process died before round 1 and the folder was renamed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -285,6 +286,65 @@ def test_distributed_discrete_gaussian_noise_on_the_secure_sum(tmp_path: Path) -
     assert abs(noise.mean()) < 5 * noise.std() / np.sqrt(d)
     entry = privacy.ledger.last("client_level") if privacy else None
     assert entry is not None and entry.payload["noise_distribution"] == "discrete_gaussian"
+
+
+def test_a_sum_with_too_few_noise_shares_is_never_unmasked(tmp_path: Path) -> None:
+    # Prepare: distributed discrete Gaussian over 6 clients, noise split so that any 5
+    # shares carry z C; two clients fail while training, so 4 masked inputs arrive: enough
+    # for the protocol (t = 3, t + 1 = 4), too few noise shares for the accounting
+    from privacy.session import open_server_privacy
+
+    cfg = PrivacyConfig(unit="client", noise_placement="distributed", noise_multiplier=0.05)
+    privacy = open_server_privacy(
+        cfg, tmp_path / "ledger.sqlite", "secagg-test", rounds=1, population=6,
+        clients_per_round=0, sample_rate=0.0, min_survivors=5,
+    )  # fmt: skip
+    # Execute
+    coord = _run(tmp_path, [0.5] * 6, failing={4, 5}, min_clients=5, privacy=privacy)
+    # Assert: the attempt aborted when the masked inputs closed, before any share was asked
+    # for: the server never held the under-noised sum, and nothing entered the ledger
+    assert coord.status == "aborted"
+    assert "only 4 clients sent masked inputs; the round needs at least 5" in coord.stop_reason
+    assert "before any share is revealed" in coord.stop_reason
+    assert privacy is not None and privacy.ledger.last("client_level") is None
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["fixed_point", "ddg"])
+def test_a_masked_input_that_is_not_an_encoding_aborts_the_attempt(
+    tmp_path: Path, monkeypatch, distributed: bool
+) -> None:
+    # Prepare: client-2 uploads random words instead of its masked input: well-formed, so
+    # the protocol unmasks it, but the sum is no sum of clipped (noised) inputs
+    import privacy.secagg_session as session
+
+    real = session.client_secure_update
+
+    def garbage(setup, client_id, identity, registry, exchange, compute, upload):
+        def upload_garbage(vector: np.ndarray) -> None:
+            words = np.frombuffer(os.urandom(vector.nbytes), dtype=vector.dtype)
+            upload(words & np.asarray((1 << setup.modulus_bits) - 1, dtype=vector.dtype))
+
+        bad = upload_garbage if client_id == "client-2" else upload
+        return real(setup, client_id, identity, registry, exchange, compute, bad)
+
+    monkeypatch.setattr(session, "client_secure_update", garbage)
+    privacy = None
+    if distributed:
+        from privacy.session import open_server_privacy
+
+        cfg = PrivacyConfig(unit="client", noise_placement="distributed", noise_multiplier=0.05)
+        privacy = open_server_privacy(
+            cfg, tmp_path / "ledger.sqlite", "secagg-test", rounds=1, population=4,
+            clients_per_round=0, sample_rate=0.0, min_survivors=3,
+        )  # fmt: skip
+    # Execute
+    coord = _run(tmp_path, [0.5, 1.0, -0.25, 2.0], failing=set(), min_clients=3, privacy=privacy)
+    # Assert: the attempt aborts (and would be retried) instead of the error escaping the
+    # server's round loop; the model is untouched
+    assert coord.status == "aborted", coord.status
+    assert "the sum is corrupted" in coord.stop_reason
+    assert coord.completed_round == 0
+    np.testing.assert_array_equal(coord.params["w"], np.zeros((50, 40), np.float32))
 
 
 @pytest.mark.slow
