@@ -49,6 +49,8 @@ _RETRYABLE = {
     grpc.StatusCode.INTERNAL,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
+#: Training metrics a secure round's upload may carry (besides ``dp_*``): not data-dependent.
+_SECURE_METRICS = frozenset({"local_steps"})
 
 
 @dataclass(frozen=True)
@@ -235,7 +237,14 @@ class FlClient:
             # download runs alongside them, so no stage waits for a client's download.
             self._secure_round(stub, task, fetch, time.monotonic())
             return
-        shared = fetch()
+        try:
+            shared = fetch()
+        except grpc.RpcError as exc:
+            if exc.code() is not grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            # the round (attempt) closed before the download began: wait for the next task
+            log.warning("round %d: parameters refused: %s", task.round, exc.details())
+            return
         started = time.monotonic()
         if task.kind is TaskKind.TRAIN:
             update, examples, metrics = trainer.train(shared, task.training)
@@ -348,7 +357,11 @@ class FlClient:
             except BaseException:
                 training_failed = True
                 raise
-            metrics.update(found)
+            # Only the schedule and the DP bookkeeping go beside a masked upload: a training
+            # loss or accuracy in the clear would tell the server about this site's update.
+            metrics.update(
+                {k: v for k, v in found.items() if k in _SECURE_METRICS or k[:3] == "dp_"}
+            )
             return update
 
         def upload(vector: np.ndarray) -> None:

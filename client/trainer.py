@@ -19,10 +19,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
 from fl_secure.algorithms import Strategy
 from fl_secure.algorithms.base import BROADCAST_PREFIX
+from fl_secure.errors import CheckpointError
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import atomic_write_bytes
 from fl_secure.training import FaceModel, LocalData, set_tensors
@@ -83,7 +85,13 @@ class LocalTrainer:
         path = self._private_path()
         if path is None or not path.exists():
             return
-        saved = load_file(str(path))
+        try:
+            saved = load_file(str(path))
+        except (SafetensorError, OSError) as exc:  # kept, not overwritten: it may be restored
+            raise CheckpointError(
+                f"the site's private state {path} is damaged ({exc}); restore it from a "
+                "backup, or move it away to start the private layers afresh"
+            ) from exc
         extra = {
             k[len(STRATEGY_PREFIX) :]: v for k, v in saved.items() if k.startswith(STRATEGY_PREFIX)
         }

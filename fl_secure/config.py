@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import re
 import tomllib
@@ -42,7 +43,7 @@ NoisePlacement = Literal["local", "distributed", "central"]
 #: smallest privacy.noise_multiplier: privacy.accountants.accountant.MIN_ACCOUNTED_NOISE, kept
 #: here so that reading a config does not import the accountants (a test ties the two)
 MIN_NOISE_MULTIPLIER = 0.05
-_RUN_NAME = re.compile(r"[^/\\\x00.\s][^/\\\x00]{0,99}")
+_RUN_NAME = re.compile(r"[^/\\\x00-\x1f\x7f.\s][^/\\\x00-\x1f\x7f]{0,99}")
 AccountantName = Literal["", "rdp", "prv", "pld"]
 ClippingEngine = Literal["auto", "book-keeping", "opacus"]
 SecAggScheme = Literal["none", "secagg", "secagg+", "ckks"]
@@ -59,7 +60,8 @@ class RunConfig:
         _check(
             bool(_RUN_NAME.fullmatch(self.name)),
             "run.name",
-            "a plain folder name of 1-100 characters, no '/' or '\\', not starting with '.' "
+            "a plain folder name of 1-100 characters, no '/', '\\' or control characters, not "
+            "starting with '.' "
             f"or a space (got {self.name!r}; the run directory goes under --out)",
         )
 
@@ -633,9 +635,8 @@ def _resolve(value: str, base: Path) -> str:
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, str):
-        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
-        return f'"{escaped}"'
+    if isinstance(value, str):  # a TOML basic string: JSON's escapes, and DEL, which TOML bans
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, float):
         return repr(value)
     if isinstance(value, tuple | list):

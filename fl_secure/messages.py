@@ -6,6 +6,7 @@ protobuf.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
@@ -36,7 +37,7 @@ class TensorSpec:
     @property
     def num_bytes(self) -> int:
         """Size of the tensor's raw bytes (only meaningful without ``-1`` dimensions)."""
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def fits(self, shape: tuple[int, ...]) -> bool:
         """Whether ``shape`` matches; a ``-1`` dimension of this spec matches any size."""

@@ -175,15 +175,18 @@ class RunDir:
     def _iter_metrics(self) -> Iterator[dict[str, Any]]:
         if not self.metrics.exists():
             return
-        lines = self.metrics.read_text(encoding="utf-8").splitlines()
+        text = self.metrics.read_text(encoding="utf-8")
+        lines = text.splitlines()
         last = max((n for n, line in enumerate(lines, 1) if line.strip()), default=0)
+        # every append ends with "}\n": a last line without either was cut mid-write
+        torn = not text.endswith("\n")
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                if number == last and not line.endswith("}"):
+                if number == last and (torn or not line.endswith("}")):
                     continue  # torn final write (a crash mid-append); resume drops it
                 raise CheckpointError(f"{self.metrics}:{number} is not JSON: {exc}") from exc
             if not isinstance(record, dict):

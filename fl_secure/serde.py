@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
@@ -28,6 +29,10 @@ from fl_secure.messages import (
 from fl_secure.v1 import transport_pb2 as pb
 
 MAX_CHUNK_BYTES = 2 * 1024 * 1024
+#: An update header's metrics: at most this many, with names of at most this many characters
+#: (they are stored in metrics.jsonl and summary.json every round; clients send about 15).
+MAX_METRICS = 256
+MAX_METRIC_NAME = 100
 
 _DTYPES: dict[pb.DType.ValueType, np.dtype] = {
     pb.DTYPE_FLOAT32: np.dtype("<f4"),
@@ -192,7 +197,7 @@ class TensorStreamReader:
                 )
         elif header.name in self.tensors:
             raise ProtocolError(f"tensor {header.name!r} sent twice")
-        num_bytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        num_bytes = math.prod(shape) * dtype.itemsize  # exact: no int64 wrap-around
         if header.num_bytes != num_bytes:
             raise ProtocolError(
                 f"tensor {header.name!r} declares {header.num_bytes} bytes, "
@@ -279,7 +284,12 @@ def parameters_from_chunks(
 
 
 def update_header_from_proto(msg: pb.UpdateHeader) -> UpdateHeader:
-    """Dataclass of an update header, with its metrics checked for finiteness."""
+    """Dataclass of an update header, with its metrics checked for number, names, finiteness."""
+    if len(msg.metrics) > MAX_METRICS:
+        raise ProtocolError(f"{len(msg.metrics)} metrics exceed the limit of {MAX_METRICS}")
+    long = [k[:40] + "..." for k in msg.metrics if len(k) > MAX_METRIC_NAME]
+    if long:
+        raise ProtocolError(f"metric names {long} exceed {MAX_METRIC_NAME} characters")
     metrics = {str(k): float(v) for k, v in msg.metrics.items()}
     bad = [k for k, v in metrics.items() if not np.isfinite(v)]
     if bad:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import secrets
 import threading
 import time
@@ -775,6 +776,7 @@ class Coordinator:
                 rnd = self._run_round(number, TaskKind.TRAIN, s.min_clients)
                 mean_update = self._aggregate(rnd)
                 params = self.server_step(self.params, mean_update, number)
+                _require_finite(params, number)  # never checkpointed, never released
                 heads = {**self.heads, **self._step_heads(number, rnd)}
                 encoded = self.store.encode(number, params)  # hashed for the ledger, written
                 rows = self._privacy_rows(number, rnd, encoded)
@@ -850,7 +852,7 @@ class Coordinator:
         """Round 0: the untrained model, the baseline every later round is read against."""
         record: dict[str, Any] = {"round": 0}
         if self.evaluator is not None:
-            record["held_out"] = self.evaluator(self.params)
+            record["held_out"] = _finite_or_none(self.evaluator(self.params))
         if self.settings.final_evaluation:  # the clients score it on their own test images
             rnd = self._run_round(0, TaskKind.EVALUATE, 1)
             record["clients"] = {c: h.metrics for c, h in sorted(rnd.received.items())}
@@ -903,7 +905,7 @@ class Coordinator:
             record["privacy"] = self.privacy.preview(rows)
             record["epsilon"] = record["privacy"]["epsilon"]
         if self.evaluator is not None:
-            record["held_out"] = self.evaluator(params)
+            record["held_out"] = _finite_or_none(self.evaluator(params))
         self.run_dir.append_metrics(record)
         return record
 
@@ -923,6 +925,36 @@ def _version() -> str:
     from fl_secure import __version__
 
     return __version__
+
+
+def _finite_or_none(value: Any) -> Any:
+    """``value`` with NaN/Inf floats (at any depth) as None: metrics.jsonl is strict JSON.
+
+    A finite model can still evaluate to NaN (its embeddings overflow float32); the round's
+    record says so with a null instead of the write failing after the round was aggregated.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_or_none(v) for v in value]
+    return value
+
+
+def _require_finite(params: Tensors, number: int) -> None:
+    """Refuse a new global model with NaN/Inf values (finite updates can still overflow it).
+
+    Raises:
+        RoundAborted: Naming the tensors; the last checkpoint stays the run's model.
+    """
+    bad = [name for name, a in params.items() if a.dtype.kind in "fc" and not np.isfinite(a).all()]
+    if bad:
+        raise RoundAborted(
+            f"round {number}: the aggregate made the global model non-finite in {bad} (updates "
+            "too large: lower train.lr, or clip them with privacy.unit = 'client'); the model "
+            f"of round {number - 1} is kept"
+        )
 
 
 def _describe_shortfall(failed: dict[str, str], silent: list[str]) -> str:

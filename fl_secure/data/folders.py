@@ -25,6 +25,9 @@ from fl_secure.data.types import FaceDataset
 from fl_secure.errors import DataError
 
 IMAGE_SUFFIXES = frozenset({".pgm", ".ppm", ".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff"})
+#: What PIL raises on a file it cannot decode; a header claiming an absurd size (a
+#: decompression bomb) raises DecompressionBombError, which is neither OSError nor ValueError.
+_UNREADABLE = (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError)
 
 
 def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
@@ -65,7 +68,7 @@ def load_image(
             img = opened.copy()
     except FileNotFoundError as exc:
         raise DataError(f"image {path} does not exist") from exc
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
+    except _UNREADABLE as exc:
         raise DataError(f"cannot read image {path}: {exc}") from exc
     if img.mode in ("L", "I", "I;16", "F", "1", "LA"):
         if not grayscale_to_rgb:
@@ -170,7 +173,7 @@ def list_identity_folders(
             for path in files:
                 try:
                     Image.open(path).close()  # reads the header only
-                except (UnidentifiedImageError, OSError, ValueError) as exc:
+                except _UNREADABLE as exc:
                     raise DataError(f"cannot read image {path}: {exc}") from exc
     return chosen
 

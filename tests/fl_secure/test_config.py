@@ -160,7 +160,7 @@ def test_embedding_reg_is_refused_where_the_algorithm_would_ignore_it() -> None:
 
 def test_run_name_cannot_leave_the_out_folder() -> None:
     assert config_from_dict({}, ["run.name=site-a 2026.1"]).run.name == "site-a 2026.1"
-    for name in ("../escaped", "/abs", "a/b", "a\\b", ".hidden", ""):
+    for name in ("../escaped", "/abs", "a/b", "a\\b", ".hidden", "", "exp\nA", "a\x7fb"):
         with pytest.raises(ConfigError, match="run.name: invalid value; allowed: a plain folder"):
             config_from_dict({"run": {"name": name}})
 
@@ -180,3 +180,12 @@ def test_relative_paths_from_the_file_and_from_set(
     assert loaded.model.pretrained == str(tmp_path / "runs" / "a" / "backbone.safetensors")
     assert loaded.data.path == str(folder / "faces")
     assert load_config(folder / "c.toml", ["data.path=/abs/faces"]).data.path == "/abs/faces"
+
+
+def test_any_string_value_survives_the_config_toml_round_trip() -> None:
+    # control characters, DEL (which TOML bans raw), quotes, backslashes and non-ASCII
+    import tomllib
+
+    odd = 'faces\x07\tq"uo\\te\x7f\n\u00e9\u4e2d'
+    config = config_from_dict({"data": {"source": "folders", "path": odd}})
+    assert tomllib.loads(config_to_toml(config))["data"]["path"] == odd

@@ -125,6 +125,26 @@ def test_unreadable_image_is_named(tmp_path: Path) -> None:
         load_identity_folders(tmp_path)
 
 
+def test_an_image_header_claiming_a_huge_size_is_named(tmp_path: Path) -> None:
+    # A PNG whose header declares 20000 x 20000 pixels: PIL refuses it as a decompression
+    # bomb, an error that is neither OSError nor ValueError
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = struct.pack(">I", zlib.crc32(kind + data))
+        return struct.pack(">I", len(data)) + kind + data + crc
+
+    header = struct.pack(">IIBBBBB", 20000, 20000, 8, 2, 0, 0, 0)
+    bomb = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+    _write(tmp_path / "a" / "1.png", 5)
+    (tmp_path / "a" / "2.png").write_bytes(bomb)
+    with pytest.raises(DataError, match=r"cannot read image .*a/2\.png.*exceeds limit"):
+        list_identity_folders(tmp_path, check_headers=True)
+    with pytest.raises(DataError, match=r"cannot read image .*a/2\.png.*exceeds limit"):
+        load_image(tmp_path / "a" / "2.png", image_size=16)
+
+
 def test_grayscale_rejected_when_conversion_is_off(tmp_path: Path) -> None:
     _write(tmp_path / "a" / "1.png", 5, mode="L")
     with pytest.raises(DataError, match="grayscale"):

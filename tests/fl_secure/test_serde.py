@@ -142,3 +142,31 @@ def test_task_round_trip() -> None:
     assert serde.task_from_proto(serde.task_to_proto(task)) == task
     with pytest.raises(ProtocolError, match="unknown task kind"):
         serde.task_from_proto(pb.Task(kind=0))
+
+
+def test_too_many_or_too_long_metrics_rejected() -> None:
+    # Prepare: the limits, and one past each
+    many = {f"m{i}": 1.0 for i in range(serde.MAX_METRICS + 1)}
+    long = {"x" * (serde.MAX_METRIC_NAME + 1): 1.0}
+    at_limit = {f"m{i}": 1.0 for i in range(serde.MAX_METRICS - 1)}
+    at_limit["y" * serde.MAX_METRIC_NAME] = 2.0
+    # Execute / Assert
+    for metrics, match in ((many, "257 metrics exceed the limit of 256"), (long, "exceed 100")):
+        msg = pb.UpdateHeader(round=1, nonce=b"x", num_examples=1, metrics=metrics)
+        with pytest.raises(ProtocolError, match=match):
+            serde.update_header_from_proto(msg)
+    msg = pb.UpdateHeader(round=1, nonce=b"x", num_examples=1, metrics=at_limit)
+    assert serde.update_header_from_proto(msg).metrics == at_limit
+
+
+def test_a_declared_size_beyond_int64_is_refused_not_wrapped() -> None:
+    # (2^55, 512) float32 wraps to 0 bytes in int64 arithmetic: it must count as huge
+    reader = serde.TensorStreamReader(
+        [TensorSpec("head", np.dtype("<f4"), (-1, 512))], max_bytes=1 << 30
+    )
+    header = serde.tensor_header("head", np.zeros((1, 512), np.float32))
+    del header.shape[:]
+    header.shape.extend([2**55, 512])
+    header.num_bytes = 0
+    with pytest.raises(ProtocolError, match="declares 0 bytes, its shape and dtype need "):
+        reader.add_header(header)

@@ -53,3 +53,18 @@ def test_a_private_head_design_trains_on_the_folders(tmp_path: Path) -> None:
     assert trainer.strategy.name == "fedpe"
     assert trainer.data.train.identity_names == ("ann", "bob")
     assert trainer.model.head.weight.shape[0] == 2  # one private row per local identity
+
+
+def test_a_damaged_private_state_is_named_and_kept(tmp_path: Path) -> None:
+    # Prepare: the site's saved private layers were cut short (a full disk, say)
+    from fl_secure.errors import CheckpointError
+
+    state = tmp_path / "state"
+    state.mkdir()
+    damaged = b"\x10\x00\x00\x00\x00\x00\x00\x00{not json"
+    (state / "private.safetensors").write_bytes(damaged)
+    make = trainer_factory(ClientDataSource(data_path=_folders(tmp_path / "data")), state_dir=state)
+    # Execute / Assert: a named error, not a traceback, and the file is left for restoring
+    with pytest.raises(CheckpointError, match=r"private state .*private\.safetensors is damaged"):
+        make(_join(QUICKSTART))
+    assert (state / "private.safetensors").read_bytes() == damaged

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -99,6 +100,37 @@ def test_weighted_mean_over_rounds_and_metrics(tmp_path: Path) -> None:
     assert coord.store.latest().round == 2
 
 
+CLIENTS = ("c0", "c1", "c2")
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_finite_updates_that_overflow_the_model_are_never_checkpointed(tmp_path: Path) -> None:
+    # Prepare: every upload is finite (float32 max), but two rounds of them overflow w + u
+    big = float(np.finfo(np.float32).max)
+    coord = _coordinator(tmp_path, rounds=2)
+    for c in CLIENTS:
+        coord.join(c, 10)
+    driver = threading.Thread(target=coord.run)
+    driver.start()
+    for _ in range(2):
+        workers = [threading.Thread(target=_submit, args=(coord, c, big, 1)) for c in CLIENTS]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=30)
+    driver.join(timeout=30)
+    # Assert: round 2 aborts by name; round 1's finite model stays the run's last checkpoint
+    assert coord.status == "aborted"
+    assert "round 2: the aggregate made the global model non-finite in ['w', 'b']" in (
+        coord.stop_reason
+    )
+    assert coord.store.latest().round == 1
+    assert np.isfinite(coord.store.latest().parameters["w"]).all()
+    assert np.isfinite(coord.params["w"]).all()
+    # round 1's evaluation overflowed (a finite model, an infinite norm): recorded as null
+    assert RunDir(tmp_path).read_metrics()[1]["held_out"] == {"norm": None}
+
+
 def test_straggler_dropped_after_deadline(tmp_path: Path) -> None:
     clock = FakeClock()
     coord = _coordinator(tmp_path, clock=clock, rounds=1, min_clients=2, round_timeout=10.0)
@@ -189,6 +221,15 @@ def test_only_the_final_metrics_line_may_be_torn(tmp_path: Path) -> None:
     run.append_metrics({"round": 3})  # a damaged line is no longer the last one
     with pytest.raises(CheckpointError, match=r"metrics.jsonl:3 is not JSON"):
         run.read_metrics()
+
+
+def test_a_final_line_cut_right_after_a_nested_brace_is_torn_too(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    run.append_metrics({"round": 0})
+    line = json.dumps({"clients": {"c0": {"loss": 1.0}}, "round": 1}, sort_keys=True)
+    with run.metrics.open("a") as f:
+        f.write(line[: line.index("}") + 1])  # '{"clients": {"c0": {"loss": 1.0}'
+    assert [r["round"] for r in run.read_metrics()] == [0]
 
 
 def test_resume_refuses_a_config_edited_since_the_checkpoint(tmp_path: Path) -> None:

@@ -63,6 +63,38 @@ def test_rounds_complete_over_mtls(grpc_run_factory, small_params) -> None:
     np.testing.assert_allclose(run.coordinator.params["w"], expected, rtol=1e-6)
 
 
+def test_a_client_whose_round_closed_before_its_download_waits_for_the_next(
+    grpc_run_factory, small_params
+) -> None:
+    # Prepare: one client that takes its first task only after the attempt's deadline (a
+    # poll answered at the deadline, a slow link), so its download is refused
+    import time
+
+    from client.app import Connection, FlClient
+
+    run = grpc_run_factory(small_params, clients=1, min_clients=1, round_timeout=1.5)
+
+    class Late(FlClient):
+        late = True
+
+        def _do_task(self, stub, task):  # type: ignore[no-untyped-def]
+            if self.late:
+                self.late = False
+                time.sleep(2.0)
+            return super()._do_task(stub, task)
+
+    trainer = EchoTrainer()
+    client = Late(Connection(f"localhost:{run.port}", "client-0", cert_dir=run.certs),
+                  lambda reply: trainer, max_wait=20.0)  # fmt: skip
+    # Execute: the refused download must not end the client
+    message = client.run()
+    # Assert: it took the retried attempt's task and the round completed with its update
+    assert run.coordinator.status == "completed", message
+    assert client.rounds_done == 1 and len(trainer.seen) == 1
+    attempts = [e["attempt"] for e in run.coordinator.events if e["round"] == 1]
+    assert attempts == [0, 1]
+
+
 def _stub(run, client_id: str) -> pb_grpc.FlSecureStub:
     creds = channel_credentials(run.certs, client_id)
     channel = grpc.secure_channel(f"localhost:{run.port}", creds)

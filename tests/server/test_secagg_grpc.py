@@ -31,7 +31,7 @@ class ShiftTrainer:
         if self.fail:
             raise RuntimeError("site crashed while training")
         update = OrderedDict((k, np.full_like(v, self.shift)) for k, v in shared.items())
-        return update, self.num_examples, {"train_loss": 1.0}
+        return update, self.num_examples, {"train_loss": 1.0, "local_steps": 3.0}
 
     def evaluate(self, shared: Tensors):
         return self.num_examples, {}
@@ -180,6 +180,10 @@ def test_secure_sum_equals_the_plain_mean(tmp_path: Path) -> None:
         and sa["threshold"] == 2
         and sa["survivors"] == [f"client-{i}" for i in range(4)]
     )
+    # beside a masked upload, a client states its schedule, not its training loss
+    assert {c: sorted(m) for c, m in record["clients"].items()} == {
+        f"client-{i}": ["local_seconds", "local_steps"] for i in range(4)
+    }
 
 
 def test_a_client_dropping_after_sharing_keys_is_recovered(tmp_path: Path) -> None:
