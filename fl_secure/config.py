@@ -293,6 +293,9 @@ class ServerConfig:
     max_retries: int = 2  # a round with too few updates is retried this often, then aborted
     max_concurrent_uploads: int = 2  # uploads buffered at once (bounds server memory)
     max_upload_factor: float = 1.05  # an upload may be at most this times the model's size
+    # seconds an upload may send nothing before it is cancelled (a stalled client would
+    # otherwise hold one of the max_concurrent_uploads slots); uploads also end with the round
+    upload_idle_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         """Check ranges."""
@@ -303,6 +306,7 @@ class ServerConfig:
         _check(self.max_retries >= 0, "server.max_retries", "an integer >= 0")
         _check(self.max_concurrent_uploads >= 1, "server.max_concurrent_uploads", "an integer >= 1")
         _check(self.max_upload_factor >= 1, "server.max_upload_factor", "a number >= 1")
+        _check(self.upload_idle_timeout > 0, "server.upload_idle_timeout", "seconds > 0")
 
 
 @dataclass(frozen=True)

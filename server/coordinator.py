@@ -88,6 +88,7 @@ class CoordinatorSettings:
     max_retries: int = 2
     max_concurrent_uploads: int = 2
     max_upload_factor: float = 1.05
+    upload_idle_timeout: float = 60.0  # an upload silent this long is cancelled
     algorithm: str = "fedpe"
     training: LocalTraining = field(default_factory=LocalTraining)
     algorithm_params: dict[str, float] = field(default_factory=dict)
@@ -120,6 +121,8 @@ class _Round:
     received: dict[str, UpdateHeader] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     uploading: set[str] = field(default_factory=set)
+    # uploads holding a slot: client -> (cancel its call, when its last data arrived)
+    streaming: dict[str, tuple[Callable[[], None], float]] = field(default_factory=dict)
     # open attendance calls of a secure round: client -> the event that wakes its handler
     attending: dict[str, threading.Event] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
@@ -315,8 +318,15 @@ class Coordinator:
             raise ProtocolError(f"round {round_} is not securely aggregated")
         return rnd, rnd.secure
 
-    def open_upload(self, client_id: str, header: UpdateHeader) -> UploadTicket:
-        """Check an update header and take an upload slot (bounded server memory)."""
+    def open_upload(
+        self, client_id: str, header: UpdateHeader, cancel: Callable[[], None] | None = None
+    ) -> UploadTicket:
+        """Check an update header and take an upload slot (bounded server memory).
+
+        ``cancel`` ends the upload's call: the round calls it when the upload stalls for
+        ``upload_idle_timeout`` (see :meth:`upload_progress`) or the round ends first, so a
+        stalled client cannot hold a slot the others need.
+        """
         with self._cv:
             rnd = self._check_member(client_id, header.round, header.nonce)
             if client_id not in rnd.pending or client_id in rnd.uploading:
@@ -348,13 +358,41 @@ class Coordinator:
             with self._cv:
                 rnd.uploading.discard(client_id)
             raise ProtocolError("round deadline passed while waiting for an upload slot")
+        if cancel is not None:
+            with self._cv:
+                rnd.streaming[client_id] = (cancel, self.clock())
         return UploadTicket(client_id, header.round, header, expected, max_bytes)
+
+    def upload_progress(self, ticket: UploadTicket) -> None:
+        """Data of ``ticket``'s upload arrived (resets its idle time; no lock: one store)."""
+        rnd = self._round
+        entry = rnd.streaming.get(ticket.client_id) if rnd is not None else None
+        if rnd is not None and entry is not None and self._owns(rnd, ticket):
+            rnd.streaming[ticket.client_id] = (entry[0], self.clock())
+
+    @staticmethod
+    def _owns(rnd: _Round, ticket: UploadTicket) -> bool:
+        """Whether ``ticket`` was issued in this attempt of its round (same nonce)."""
+        return rnd.number == ticket.round and rnd.cohort.get(ticket.client_id) == (
+            ticket.header.nonce
+        )
+
+    def _cancel_idle_uploads(self, rnd: _Round) -> None:
+        """Cancel uploads that sent nothing for ``upload_idle_timeout`` (under the lock)."""
+        limit = self.settings.upload_idle_timeout
+        now = self.clock()
+        for client, (cancel, last) in list(rnd.streaming.items()):
+            if now - last > limit:
+                del rnd.streaming[client]
+                rnd.uploading.discard(client)
+                rnd.failed.setdefault(client, f"upload stalled: no data for {limit:g} s")
+                cancel()
 
     def commit_upload(self, ticket: UploadTicket, tensors: Mapping[str, np.ndarray]) -> None:
         """Fold a fully validated update into the round's aggregate."""
         with self._cv:
             rnd = self._round
-            if rnd is None or rnd.number != ticket.round or ticket.client_id not in rnd.pending:
+            if rnd is None or not self._owns(rnd, ticket) or ticket.client_id not in rnd.pending:
                 raise ProtocolError(f"round {ticket.round} closed before the upload completed")
             if rnd.secure is not None:
                 (vector,) = tensors.values()  # the upload spec names the one tensor
@@ -516,10 +554,11 @@ class Coordinator:
         self._uploads.release()
         with self._cv:
             rnd = self._round
-            if rnd is not None and rnd.number == ticket.round:
+            if rnd is not None and self._owns(rnd, ticket):
+                rnd.streaming.pop(ticket.client_id, None)
                 rnd.uploading.discard(ticket.client_id)
                 if error is not None and ticket.client_id not in rnd.received:
-                    rnd.failed[ticket.client_id] = error
+                    rnd.failed.setdefault(ticket.client_id, error)
             self._cv.notify_all()
 
     # ------------------------------------------------------------ the driver
@@ -614,12 +653,15 @@ class Coordinator:
                         except RoundAborted as exc:
                             secure_error = str(exc)
                             break
+                    self._cancel_idle_uploads(rnd)
                     self._cv.wait(timeout=0.25)
                 if rnd.secure is not None and not secure_error and not self._stop.is_set():
                     secure_error = self._unmask(rnd)
                 self._round = None
                 for wake in rnd.attending.values():  # their round is over: answer them
                     wake.set()
+                for cancel, _ in rnd.streaming.values():  # too late to count: free the slots
+                    cancel()
                 self._cv.notify_all()
             if self._stop.is_set():
                 raise RoundAborted(self.stop_reason or "stopped")

@@ -67,7 +67,7 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
             if first is None or first.WhichOneof("kind") != "header":
                 raise ProtocolError("an update stream must start with its header")
             header = serde.update_header_from_proto(first.header)
-            ticket = self.coordinator.open_upload(client_id, header)
+            ticket = self.coordinator.open_upload(client_id, header, cancel=context.cancel)
         except ProtocolError as exc:
             log.warning("update from %s refused: %s", client_id, exc)
             if first is not None and first.WhichOneof("kind") == "header":
@@ -78,10 +78,15 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
             reader = serde.TensorStreamReader(ticket.expected, max_bytes=ticket.max_bytes)
             for chunk in request_iterator:
                 reader.feed(chunk)
+                self.coordinator.upload_progress(ticket)
             tensors = reader.finish()
             self.coordinator.commit_upload(ticket, tensors)
-        except ProtocolError as exc:
+        except FlSecureError as exc:  # a bad upload, or its secure round aborted meanwhile
             error = str(exc)
+        except grpc.RpcError:  # cancelled: it stalled, or its round ended first
+            error = "upload cancelled before it completed (it stalled, or its round ended)"
+            log.warning("update from %s in round %d: %s", client_id, header.round, error)
+            raise
         finally:
             self.coordinator.release_upload(ticket, error)
         if error is not None:

@@ -134,6 +134,7 @@ def build_server(
         round_timeout=s.round_timeout,
         max_retries=s.max_retries,
         max_concurrent_uploads=s.max_concurrent_uploads,
+        upload_idle_timeout=s.upload_idle_timeout,
         max_upload_factor=s.max_upload_factor,
         algorithm=strategy.name,
         training=local_training(config.train),

@@ -82,6 +82,7 @@ def make_run(
     extra_ids: tuple[str, ...] = (),
     broadcast=None,
     on_round=None,
+    **settings,
 ) -> GrpcRun:
     certs = tmp_path / "certs"
     ids = [f"client-{i}" for i in range(clients)]
@@ -98,6 +99,7 @@ def make_run(
         final_evaluation=False,
         run_id="test",
         run_config_toml="",
+        **settings,
     )
     coord = Coordinator(
         settings,

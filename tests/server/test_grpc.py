@@ -164,6 +164,58 @@ def test_bad_upload_invalid_argument_and_round_goes_on(
     assert match in record["failed"]["client-2"]
 
 
+def test_a_stalled_upload_loses_its_slot_and_the_others_finish(
+    grpc_run_factory, small_params
+) -> None:
+    # Prepare: one upload slot; client-2 takes it with a header and then sends nothing
+    import threading
+    import time
+
+    run = grpc_run_factory(
+        small_params, clients=3, min_clients=2, round_timeout=30,
+        max_concurrent_uploads=1, upload_idle_timeout=0.5,
+    )  # fmt: skip
+    for i in range(2):  # online, so that the first cohort holds all three
+        _stub(run, f"client-{i}").Join(pb.JoinRequest(num_examples=5), timeout=10)
+    staller = _stub(run, "client-2")
+    task = _task(staller)
+    header = UpdateHeader(task.round, task.nonce, 5, num_tensors=2, total_bytes=28)
+    release = threading.Event()
+
+    def stalled():  # the header, then silence until the test ends
+        yield pb.UpdateChunk(header=serde.update_header_to_proto(header))
+        release.wait(30)
+
+    outcome: dict[str, object] = {}
+
+    def upload() -> None:
+        try:
+            staller.SubmitUpdate(stalled(), timeout=30)
+        except grpc.RpcError as exc:
+            outcome["code"] = exc.code()
+
+    thread = threading.Thread(target=upload, daemon=True)
+    thread.start()
+    for _ in range(100):  # until it holds the slot
+        rnd = run.coordinator._round
+        if rnd is not None and "client-2" in rnd.streaming:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the stalled upload never took the slot")
+    # Execute: two honest clients need the only slot
+    good = [run.start_client(f"client-{i}", EchoTrainer(shift=1.0)) for i in range(2)]
+    _join_all(good)
+    release.set()
+    thread.join(timeout=10)
+    # Assert: the stall was cancelled after 0.5 s, the others' updates made the round
+    assert run.coordinator.status == "completed", run.coordinator.stop_reason
+    record = run.coordinator.run_dir.read_metrics()[-1]
+    assert record["num_updates"] == 2
+    assert record["failed"] == {"client-2": "upload stalled: no data for 0.5 s"}
+    assert outcome["code"] == grpc.StatusCode.CANCELLED
+
+
 def test_refusals_and_the_others_finish(tmp_path: Path, grpc_run_factory, small_params) -> None:
     # Prepare: a server enrolling client-0/1; client-9 has a valid cert but is not enrolled;
     # a foreign CA issues its own client-0.
