@@ -208,13 +208,23 @@ class ServerPrivacy:
                     f"client {party} sent no example-level accounting ({', '.join(missing)}); "
                     "its update cannot be released under example-level DP"
                 )
+            steps = int(metrics["dp_steps"])
+            z, q = float(metrics["dp_noise_multiplier"]), float(metrics["dp_sample_rate"])
+            # The server composes the party's rows itself: a client whose accountant was
+            # reset (restarted without its --state-dir) reports one round's epsilon only.
+            history = list(self._example_history.get(party, []))
+            if steps > 0:
+                history.append({"noise_multiplier": z, "sample_rate": q, "num_steps": steps})
+            composed = self._epsilon_of(history) if history else 0.0
+            reported = float(metrics["dp_epsilon"])
             payload = {
-                "epsilon": float(metrics["dp_epsilon"]),
+                "epsilon": max(composed, reported),  # an upper bound whichever is larger
+                "client_reported_epsilon": reported,
                 "delta": self.cfg.delta,
                 "accountant": self.accountant_name,
-                "steps": int(metrics["dp_steps"]),
-                "noise_multiplier": float(metrics["dp_noise_multiplier"]),
-                "sample_rate": float(metrics["dp_sample_rate"]),
+                "steps": steps,
+                "noise_multiplier": z,
+                "sample_rate": q,
                 "clip_norm": self.cfg.clip_norm,
                 "adjacency": ADJACENCY["poisson"],
                 "privacy_unit": "example",
@@ -379,7 +389,8 @@ class ServerPrivacy:
                 f"on it: {'; '.join(check.problems[:3])}"
             )
         entries = self.ledger.entries()
-        later = sorted({e.round for e in entries if e.round > completed_round})
+        # a note (a budget stop) names the round that did not run: not a release
+        later = sorted({e.round for e in entries if e.round > completed_round and e.kind != "note"})
         if later:
             raise PrivacyError(
                 f"the ledger records rounds {later} after the last checkpoint (round "
@@ -399,6 +410,16 @@ class ServerPrivacy:
                     f"the ledger accounts {accounted} client-level rounds but the run completed "
                     f"{completed_round}; refusing to resume on a ledger that does not match "
                     "the checkpoints"
+                )
+        if self.unit == "example":  # every completed round released rows of its cohort
+            rounds = {e.round for e in entries if e.kind == "example_level"}
+            rounds |= {completed_round for r in missing if r["kind"] == "example_level"}
+            lost = sorted(set(range(1, completed_round + 1)) - rounds)
+            if lost:
+                raise PrivacyError(
+                    f"the ledger has no example-level rows of rounds {lost} although the run "
+                    f"completed {completed_round}; refusing to resume on a ledger that does not "
+                    "match the checkpoints"
                 )
         if missing:
             log.warning(

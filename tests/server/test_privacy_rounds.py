@@ -353,3 +353,94 @@ def test_a_resume_that_would_change_the_sampling_scheme_is_refused(tmp_path: Pat
         "the clients the run started with, or start a new run"
     )
     assert (tmp_path / "ledger.sqlite").read_bytes() == before
+
+
+def _example_session(path: Path, rounds: int = 3):
+    from privacy.noise import seeded_source
+
+    cfg = PrivacyConfig(unit="example", noise_multiplier=1.0, delta=1e-5)
+    return open_server_privacy(
+        cfg, path, "run1", rounds=rounds, population=1, clients_per_round=0, sample_rate=0.0,
+        source=seeded_source(0, "s"),
+    )  # fmt: skip
+
+
+def test_example_level_epsilon_is_composed_by_the_server_not_taken_from_the_client(
+    tmp_path: Path,
+) -> None:
+    # Prepare: a client whose accountant restarts every round (no --state-dir) reports one
+    # round's epsilon each time: 100 steps at z = 1, q = 0.1
+    from privacy.ledger import ledger_guarantee
+
+    one = epsilon_for(
+        accountant="prv", noise_multiplier=1.0, sample_rate=0.1, steps=100, delta=1e-5
+    )
+    three = epsilon_for(
+        accountant="prv", noise_multiplier=1.0, sample_rate=0.1, steps=300, delta=1e-5
+    )
+    session = _example_session(tmp_path / "ledger.sqlite")
+    session.resume(0, [])
+    metrics = {"dp_epsilon": one, "dp_steps": 100.0, "dp_noise_multiplier": 1.0,
+               "dp_sample_rate": 0.1}  # fmt: skip
+    # Execute
+    for r in (1, 2, 3):
+        session.commit(r, session.round_entries(r, 1, {"A": metrics}))
+    # Assert: the ledger states the composition of its own rows (300 steps), which the
+    # budget check and the report use; the client's figure is kept beside it
+    assert three > 1.5 * one
+    assert ledger_guarantee(session.ledger.entries())[0] == pytest.approx(three, rel=1e-6)
+    assert session.metrics()["epsilon"] == pytest.approx(three, rel=1e-6)
+    last = session.ledger.last("example_level")
+    assert last is not None and last.payload["client_reported_epsilon"] == one
+
+
+def test_example_level_resume_refuses_a_ledger_missing_earlier_rounds(tmp_path: Path) -> None:
+    # Prepare: three example-level rounds, then the rows of rounds 1-2 deleted and the chain
+    # of what remains still valid (here: nothing remains)
+    import sqlite3
+
+    path = tmp_path / "ledger.sqlite"
+    session = _example_session(path)
+    session.resume(0, [])
+    metrics = {"dp_epsilon": 1.0, "dp_steps": 100.0, "dp_noise_multiplier": 1.0,
+               "dp_sample_rate": 0.1}  # fmt: skip
+    rows = []
+    for r in (1, 2, 3):
+        rows = session.round_entries(r, 1, {"A": metrics})
+        session.commit(r, rows)
+    session.ledger.close()
+    with sqlite3.connect(path) as db:
+        db.execute("DELETE FROM entries")  # an empty ledger is a valid chain
+    # Execute / Assert: the checkpoint's round-3 rows alone do not make a 3-round record
+    with pytest.raises(PrivacyError, match=r"no example-level rows of rounds \[1, 2\]"):
+        _example_session(path).resume(3, rows)
+
+
+def test_a_run_stopped_by_its_budget_can_still_resume(tmp_path: Path) -> None:
+    # Prepare: client-level DP whose budget stops the run before some round; the stop is a
+    # note under the round that never ran; then the server dies before its summary
+    from privacy.noise import seeded_source
+
+    cfg = PrivacyConfig(unit="client", noise_multiplier=3.0, target_epsilon=3.0, delta=1e-5)
+
+    def session():
+        return open_server_privacy(
+            cfg, tmp_path / "ledger.sqlite", "run1", rounds=100, population=10,
+            clients_per_round=0, sample_rate=0.0, source=seeded_source(0, "s"),
+        )  # fmt: skip
+
+    first = session()
+    first.resume(0, [])
+    number, rows = 1, []
+    while (why := first.budget_stop(number)) is None:
+        rows = first.round_entries(number, 10, {f"c{i}": {} for i in range(10)})
+        first.commit(number, rows)
+        number += 1
+    first.note(number, why)
+    first.ledger.close()
+    # Execute: resume from the last checkpointed round
+    again = session()
+    again.resume(number - 1, rows)
+    # Assert: the note is not taken for a release; the budget still stops the same round
+    assert again.epsilon == pytest.approx(first.epsilon)
+    assert again.budget_stop(number) == why
