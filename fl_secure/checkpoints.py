@@ -8,6 +8,7 @@ latest class embeddings of each client) goes to ``clients-%06d.safetensors`` nex
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -75,7 +76,12 @@ class CheckpointStore:
         if encoded is None:
             encoded = self.encode(round_, parameters)
         atomic_write_bytes(path, encoded)
-        pointer: dict[str, Any] = {"round": round_, "file": path.name, **state}
+        pointer: dict[str, Any] = {
+            "round": round_,
+            "file": path.name,
+            "sha256": hashlib.sha256(encoded).hexdigest(),  # checked when it is read back
+            **state,
+        }
         if client_tensors:
             clients = self.folder / f"clients-{round_:06d}.safetensors"
             flat = {
@@ -84,8 +90,10 @@ class CheckpointStore:
                 for name, array in tensors.items()
             }
             meta = {"round": str(round_), "order": json.dumps(list(flat))}
-            atomic_write_bytes(clients, save(flat, metadata=meta))
+            raw_clients = save(flat, metadata=meta)
+            atomic_write_bytes(clients, raw_clients)
             pointer["clients_file"] = clients.name
+            pointer["clients_sha256"] = hashlib.sha256(raw_clients).hexdigest()
         atomic_write_json(self.folder / "latest.json", pointer)
         for pattern in ("round-*.safetensors", "clients-*.safetensors"):
             for old in sorted(self.folder.glob(pattern))[: -self.keep]:
@@ -139,7 +147,8 @@ class CheckpointStore:
             raw = path.read_bytes()
         except (OSError, KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"cannot read checkpoint in {self.folder}: {exc!r}") from exc
-        arrays, order = _read_tensors(path, raw)
+        arrays, order = _read_tensors(path, raw)  # names a truncated or garbled file first
+        _check_digest(path, raw, state.pop("sha256", None))
         clients: dict[str, Tensors] = {}
         if "clients_file" in state:
             clients_path = self.folder / str(state.pop("clients_file"))
@@ -148,6 +157,7 @@ class CheckpointStore:
             except OSError as exc:
                 raise CheckpointError(f"cannot read per-client state: {exc}") from exc
             flat, keys = _read_tensors(clients_path, raw_clients)
+            _check_digest(clients_path, raw_clients, state.pop("clients_sha256", None))
             for key in keys:
                 client, _, name = key.partition("/")
                 clients.setdefault(client, OrderedDict())[name] = flat[key]
@@ -156,6 +166,17 @@ class CheckpointStore:
             parameters=OrderedDict((k, arrays[k]) for k in order),
             state=state,
             client_tensors=clients,
+        )
+
+
+def _check_digest(path: Path, raw: bytes, expected: object) -> None:
+    """``raw`` against the SHA-256 ``latest.json`` recorded (older pointers record none)."""
+    if expected is None:
+        return
+    if hashlib.sha256(raw).hexdigest() != expected:
+        raise CheckpointError(
+            f"{path} is damaged or altered: its SHA-256 is not the one latest.json recorded "
+            "when it was written; restore it, or resume from an older round"
         )
 
 

@@ -58,6 +58,24 @@ def test_eval_errors_name_the_problem(tmp_path: Path) -> None:
         evaluate_run(tmp_path, round_=7)
 
 
+def test_a_checkpoint_altered_after_it_was_written_is_refused(tmp_path: Path) -> None:
+    # Prepare: one bit of a weight flipped: still valid safetensors, finite, right shapes
+    _, run, _ = _run(tmp_path)
+    path = run.checkpoints / "round-000003.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x01  # inside the last tensor's data
+    path.write_bytes(bytes(raw))
+    # Execute / Assert
+    with pytest.raises(CheckpointError, match="is damaged or altered: its SHA-256 is not"):
+        CheckpointStore(run.checkpoints).latest()
+    with pytest.raises(CheckpointError, match="round-000003.safetensors is damaged or altered"):
+        evaluate_run(run.path)
+    raw[-3] ^= 0x01  # restored: loads again
+    path.write_bytes(bytes(raw))
+    latest = CheckpointStore(run.checkpoints).latest()
+    assert latest is not None and latest.round == 3 and "sha256" not in latest.state
+
+
 def test_damaged_checkpoints_are_named_not_loaded(tmp_path: Path) -> None:
     config, run, model = _run(tmp_path)
     store = CheckpointStore(run.checkpoints)
