@@ -21,7 +21,7 @@ from fl_secure.tls import (
 )
 from fl_secure.v1 import transport_pb2_grpc as pb_grpc
 from server.coordinator import Coordinator
-from server.servicer import Authenticator, FlSecureServicer
+from server.servicer import MAX_CALLS_PER_CLIENT, Authenticator, FlSecureServicer
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +93,8 @@ def start_server(
     """Bind and start; return the server and the port actually bound (address port 0 = any)."""
     check_address(address)
     retain_freed_memory()  # the round's unmasking and aggregation reuse freed buffers
-    # a client holds at most 3 calls: a secure round's attendance, a stage, a transfer
-    workers = max_workers or 3 * max(len(coordinator.enrolled), 1) + 8
+    # each client may hold MAX_CALLS_PER_CLIENT calls; the rest is slack
+    workers = max_workers or MAX_CALLS_PER_CLIENT * max(len(coordinator.enrolled), 1) + 8
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fl-secure-rpc"),
         options=[

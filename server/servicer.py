@@ -23,13 +23,58 @@ log = logging.getLogger(__name__)
 #: Returns the authenticated, enrolled client id of a call, or aborts the call.
 Authenticator = Callable[[grpc.ServicerContext], str]
 
+#: Calls one client may have open at once. An honest client holds at most four (a secure
+#: round's attendance, a stage call, the masked-input call and its upload, or a download);
+#: one more for a call whose end the server has not yet seen. The server's thread pool
+#: has this many workers per enrolled client, so no client can starve the others.
+MAX_CALLS_PER_CLIENT = 5
+
+
+class CallLimiter:
+    """Counts each client's open calls and refuses one past :data:`MAX_CALLS_PER_CLIENT`."""
+
+    def __init__(self, authenticate: Authenticator, limit: int = MAX_CALLS_PER_CLIENT) -> None:
+        self._authenticate = authenticate
+        self._limit = limit
+        self._open: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, context: grpc.ServicerContext) -> str:
+        """Authenticate the call and count it until it ends (or abort it)."""
+        client_id = self._authenticate(context)
+        with self._lock:
+            count = self._open.get(client_id, 0)
+            if count < self._limit:
+                self._open[client_id] = count + 1
+        if count >= self._limit:
+            log.warning("client %s has %d calls open; refusing another", client_id, count)
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"client {client_id} already has {count} calls open (the limit)",
+            )
+        context.add_callback(lambda: self._closed(client_id))
+        return client_id
+
+    def _closed(self, client_id: str) -> None:
+        with self._lock:
+            left = self._open.get(client_id, 1) - 1
+            if left > 0:
+                self._open[client_id] = left
+            else:
+                self._open.pop(client_id, None)
+
+    def open_calls(self, client_id: str) -> int:
+        """How many calls ``client_id`` has open now."""
+        with self._lock:
+            return self._open.get(client_id, 0)
+
 
 class FlSecureServicer(pb_grpc.FlSecureServicer):
     """Moves messages between gRPC and the :class:`~server.coordinator.Coordinator`."""
 
     def __init__(self, coordinator: Coordinator, authenticate: Authenticator) -> None:
         self.coordinator = coordinator
-        self.authenticate = authenticate
+        self.authenticate = CallLimiter(authenticate)
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:  # noqa: N802
         """Register the calling client."""

@@ -216,6 +216,67 @@ def test_a_stalled_upload_loses_its_slot_and_the_others_finish(
     assert outcome["code"] == grpc.StatusCode.CANCELLED
 
 
+def test_one_client_cannot_hold_the_servers_workers(grpc_run_factory, small_params) -> None:
+    # Prepare: client-1 opens many uploads that never send a message; each would hold a
+    # worker thread of the server's fixed pool
+    import threading
+
+    from server.servicer import MAX_CALLS_PER_CLIENT
+
+    run = grpc_run_factory(small_params, clients=2, min_clients=2)
+    hog, other = _stub(run, "client-1"), _stub(run, "client-0")
+    hold = threading.Event()
+
+    def nothing():
+        hold.wait(30)
+        yield from ()
+
+    calls = [hog.SubmitUpdate.future(nothing(), timeout=30) for _ in range(3 * 2 + 8)]
+    refused = []
+    for call in calls:  # the calls past the limit are answered at once
+        try:
+            call.result(timeout=0.2)
+        except grpc.FutureTimeoutError:
+            continue
+        except grpc.RpcError as exc:
+            refused.append(exc)
+    # Execute / Assert: the other client is still served, and the hog was refused by name
+    reply = other.Join(pb.JoinRequest(num_examples=1), timeout=5)
+    assert reply.client_id == "client-0"
+    assert len(refused) == len(calls) - MAX_CALLS_PER_CLIENT
+    assert all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for e in refused)
+    assert "client client-1 already has 5 calls open" in refused[0].details()
+    hold.set()
+    for call in calls:
+        call.cancel()
+
+
+def test_the_call_limiter_counts_calls_until_they_end() -> None:
+    from server.servicer import CallLimiter
+
+    class Context:  # what the limiter uses of a grpc.ServicerContext
+        def __init__(self) -> None:
+            self.callbacks: list = []
+
+        def add_callback(self, fn) -> bool:  # type: ignore[no-untyped-def]
+            self.callbacks.append(fn)
+            return True
+
+        def abort(self, code, details):  # type: ignore[no-untyped-def]
+            raise RuntimeError(f"{code}: {details}")
+
+    limiter = CallLimiter(lambda ctx: "c0", limit=2)
+    first, second, third = Context(), Context(), Context()
+    assert limiter(first) == limiter(second) == "c0"
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED.*already has 2 calls open"):
+        limiter(third)
+    assert limiter.open_calls("c0") == 2 and third.callbacks == []  # a refusal is not counted
+    for fn in first.callbacks:  # the call ends: its place is free again
+        fn()
+    assert limiter.open_calls("c0") == 1
+    assert limiter(third) == "c0" and limiter.open_calls("c0") == 2
+
+
 def test_refusals_and_the_others_finish(tmp_path: Path, grpc_run_factory, small_params) -> None:
     # Prepare: a server enrolling client-0/1; client-9 has a valid cert but is not enrolled;
     # a foreign CA issues its own client-0.
