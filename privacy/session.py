@@ -165,9 +165,18 @@ class ServerPrivacy:
         )
 
     def round_entries(
-        self, round_: int, cohort_size: int, client_metrics: Mapping[str, Mapping[str, float]]
+        self,
+        round_: int,
+        cohort_size: int,
+        client_metrics: Mapping[str, Mapping[str, float]],
+        attempt: int = 0,
     ) -> list[LedgerRow]:
-        """The ledger rows of a completed round (not yet committed)."""
+        """The ledger rows of a completed round (not yet committed).
+
+        ``attempt``: how many attempts of the round failed before this one. A client-level
+        row records it: a cohort drawn again after a failed attempt is not exactly the draw
+        the accountant's amplification by sampling assumes (the report warns).
+        """
         if self.unit == "client":
             event = self._client_event()
             epsilon = self._epsilon_of([*self._client_history, event])
@@ -180,6 +189,7 @@ class ServerPrivacy:
                 "sampling": p.sampling,
                 "population": p.population,
                 "cohort_size": cohort_size,
+                "attempt": attempt,
                 "updates": len(client_metrics),
                 # noise the released sum carries (>= z): sqrt(m / t) z for distributed shares
                 "effective_noise_multiplier": effective_noise_multiplier(

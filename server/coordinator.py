@@ -581,10 +581,21 @@ class Coordinator:
                 for wake in self._round.attending.values():
                     wake.set()
 
-    def _sample_cohort(self, online: list[str]) -> list[str]:
+    def _sample_cohort(self, online: list[str], kind: TaskKind = TaskKind.TRAIN) -> list[str]:
+        """The attempt's cohort: Poisson over the online clients, or ``clients_per_round``.
+
+        Under client-level DP with fixed-size cohorts the accountant assumes a uniform draw
+        of ``k`` of the ``N`` enrolled clients (inclusion ``k / N``); drawing from the online
+        ones only would include each of ``m < N`` with ``k / m``. So that draw is from the
+        enrolled clients, and members offline then drop out of the attempt at once. (Poisson
+        sampling over the online clients includes each with at most ``q``.)
+        """
         s = self.settings
         if s.sample_rate > 0:
             return [c for c in online if self._rng.random() < s.sample_rate]
+        plan = self.privacy.plan if self.privacy is not None else None
+        if plan is not None and plan.sampling == "fixed_size" and kind is TaskKind.TRAIN:
+            return sorted(self._rng.sample(sorted(self.enrolled), s.clients_per_round))
         if 0 < s.clients_per_round < len(online):
             return sorted(self._rng.sample(online, s.clients_per_round))
         return online
@@ -619,7 +630,7 @@ class Coordinator:
         last_shortfall = ""
         for attempt in range(self.settings.max_retries + 1):
             online = self._wait_for_clients(needed)
-            cohort = self._sample_cohort(online)
+            cohort = self._sample_cohort(online, kind)
             if len(cohort) < needed:
                 log.warning("round %d: cohort of %d < %d, resampling", number, len(cohort), needed)
                 last_shortfall = f"the sampled cohort had {len(cohort)} clients"
@@ -641,6 +652,10 @@ class Coordinator:
                     aggregator=aggregator,
                     secure=secure,
                 )
+                for c in sorted(set(cohort) - set(online)):  # drawn from the enrolled (DP)
+                    rnd.failed[c] = "offline when the cohort was drawn"
+                    if rnd.secure is not None:
+                        rnd.secure.mark_gone(c)
                 self._round = rnd
                 self._cv.notify_all()
                 log.info("round %d (%s) started with cohort %s", number, kind.value, cohort)
@@ -919,7 +934,7 @@ class Coordinator:
         if self.privacy is None:
             return []
         metrics = {c: h.metrics for c, h in rnd.received.items()}
-        rows = self.privacy.round_entries(number, len(rnd.cohort), metrics)
+        rows = self.privacy.round_entries(number, len(rnd.cohort), metrics, rnd.attempt)
         digest = hashlib.sha256(encoded).hexdigest()  # sha256sum of the file checks it
         for row in rows:
             row["payload"]["model_sha256"] = digest

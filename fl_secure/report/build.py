@@ -511,6 +511,18 @@ def _warnings(
                 }
             )
         w += derived
+    redrawn = [m["round"] for m in metrics or [] if m.get("round") and m.get("attempt")]
+    rate = p.get("sample_rate")
+    if p["privacy_unit"] == "client" and rate is not None and rate < 1 and redrawn:
+        w.append(
+            {
+                "code": "cohort-redrawn",
+                "message": f"Rounds {redrawn} were released by a later attempt, after an "
+                "attempt with too few updates: the released cohort is a draw conditioned on "
+                "that failure, not exactly the sampling the accountant's amplification "
+                f"assumes ({p['sampling']} at rate {rate}); the stated epsilon may be low.",
+            }
+        )
     if report["run"]["status"] != "completed":
         w.append(
             {

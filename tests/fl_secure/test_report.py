@@ -449,6 +449,23 @@ def test_secure_aggregation_without_dp_is_not_presented_as_hiding_the_cohort(
     assert "no-secure-aggregation" in codes and "secure-sum-without-dp" not in codes
 
 
+def test_a_round_released_by_a_later_attempt_is_warned_of_under_sampling(
+    run_dir: Path,
+) -> None:
+    from fl_secure.report.build import _warnings
+
+    report = build_report(run_dir)  # every client in every round: no amplification claimed
+    metrics = [{"round": 1, "attempt": 0}, {"round": 2, "attempt": 1}, {"round": 3}]
+    assert report["privacy"]["sample_rate"] == 1.0
+    assert "cohort-redrawn" not in [w["code"] for w in _warnings(report, {}, metrics)]
+    report["privacy"].update(sample_rate=0.5, sampling="fixed_size")
+    warned = {w["code"]: w["message"] for w in _warnings(report, {}, metrics)}
+    assert warned["cohort-redrawn"].startswith("Rounds [2] were released by a later attempt")
+    assert "(fixed_size at rate 0.5)" in warned["cohort-redrawn"]
+    retried_none = [{"round": r, "attempt": 0} for r in (1, 2, 3)]
+    assert "cohort-redrawn" not in [w["code"] for w in _warnings(report, {}, retried_none)]
+
+
 def test_html_report_renders_in_headless_chromium(run_dir: Path, tmp_path: Path) -> None:
     chromium = _chromium_or_skip()
     from playwright.sync_api import sync_playwright

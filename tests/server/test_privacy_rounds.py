@@ -444,3 +444,101 @@ def test_a_run_stopped_by_its_budget_can_still_resume(tmp_path: Path) -> None:
     # Assert: the note is not taken for a release; the budget still stops the same round
     assert again.epsilon == pytest.approx(first.epsilon)
     assert again.budget_stop(number) == why
+
+
+def test_fixed_size_cohorts_under_dp_are_drawn_from_the_enrolled_clients(tmp_path: Path) -> None:
+    # Prepare: client-level DP, 2 of 4 enrolled per round (fixed size, inclusion 1/2 in the
+    # accountant); only c0 and c1 are online
+    from privacy.noise import seeded_source
+
+    cfg = PrivacyConfig(unit="client", noise_multiplier=1.0, delta=1e-5)
+    enrolled = {"c0", "c1", "c2", "c3"}
+    privacy = open_server_privacy(
+        cfg, tmp_path / "ledger.sqlite", "run", rounds=1, population=4, clients_per_round=2,
+        sample_rate=0.0, source=seeded_source(0, "s"),
+    )  # fmt: skip
+    assert privacy.plan is not None and privacy.plan.sampling == "fixed_size"
+    settings = CoordinatorSettings(rounds=1, min_clients=1, clients_per_round=2)
+    coord = Coordinator(
+        settings, OrderedDict([("w", np.zeros(2, np.float32))]), enrolled=enrolled,
+        run_dir=RunDir(tmp_path), server_step=lambda p, u, r: p, privacy=privacy,
+    )  # fmt: skip
+    # Execute: many draws with two clients online
+    draws = 4000
+    counts = dict.fromkeys(sorted(enrolled), 0)
+    for _ in range(draws):
+        for c in coord._sample_cohort(["c0", "c1"], TaskKind.TRAIN):
+            counts[c] += 1
+    # Assert: every enrolled client is in about half the cohorts (k / N), online or not;
+    # drawing from the online two would put each in every cohort
+    for c, n in counts.items():
+        assert abs(n / draws - 0.5) < 4 * np.sqrt(0.25 / draws), (c, n)
+    # without DP the cohort stays among the online clients
+    plain = Coordinator(
+        settings, OrderedDict([("w", np.zeros(2, np.float32))]), enrolled=enrolled,
+        run_dir=RunDir(tmp_path / "plain"), server_step=lambda p, u, r: p,
+    )  # fmt: skip
+    assert plain._sample_cohort(["c0", "c1"], TaskKind.TRAIN) == ["c0", "c1"]
+
+
+def test_an_offline_member_of_a_dp_cohort_drops_out_at_once(tmp_path: Path) -> None:
+    # Prepare: 2 of 4 enrolled per round under client-level DP; c2 and c3 never connect
+    from privacy.noise import seeded_source
+
+    cfg = PrivacyConfig(unit="client", noise_placement="central", noise_multiplier=1.0)
+    privacy = open_server_privacy(
+        cfg, tmp_path / "ledger.sqlite", "run", rounds=2, population=4, clients_per_round=2,
+        sample_rate=0.0, source=seeded_source(0, "s"),
+    )  # fmt: skip
+    settings = CoordinatorSettings(
+        rounds=2, min_clients=1, clients_per_round=2, round_timeout=1.0, max_retries=8,
+        poll_wait=0.05, final_evaluation=False,
+    )  # fmt: skip
+    coord = Coordinator(
+        settings, OrderedDict([("w", np.zeros((2, 2), np.float32))]),
+        enrolled={"c0", "c1", "c2", "c3"}, run_dir=RunDir(tmp_path),
+        server_step=lambda p, u, r: OrderedDict((k, p[k] + u[k]) for k in p), privacy=privacy,
+    )  # fmt: skip
+    for c in ("c0", "c1"):
+        coord.join(c, 10)
+    driver = threading.Thread(target=coord.run)
+    driver.start()
+    workers = [threading.Thread(target=_submit_all, args=(coord, c)) for c in ("c0", "c1")]
+    for w in workers:
+        w.start()
+    driver.join(timeout=60)
+    for w in workers:
+        w.join(timeout=10)
+    # Assert: cohorts drew offline clients too, and those were failed when drawn, not left
+    # pending until the round's deadline
+    assert coord.status == "completed", coord.stop_reason
+    offline = [(c, e["failed"][c]) for e in coord.events for c in e["cohort"] if c in ("c2", "c3")]
+    assert offline, "in 2+ rounds of 2-of-4 draws an offline client is almost surely drawn"
+    assert all(why == "offline when the cohort was drawn" for _, why in offline)
+    rows = [r for r in privacy.ledger.entries() if r.kind == "client_level"]
+    assert [r.payload["attempt"] for r in rows] == [
+        next(e["attempt"] for e in reversed(coord.events) if e["round"] == r.round) for r in rows
+    ]
+
+
+def _submit_all(coord: Coordinator, cid: str) -> None:
+    """Answer every TRAIN task of ``cid`` until the run finishes."""
+    while True:
+        task = coord.poll(cid, 0)
+        if task.kind is TaskKind.FINISHED:
+            return
+        if task.kind is not TaskKind.TRAIN:
+            continue
+        try:
+            _, params = coord.parameters(cid, task.round, task.nonce)
+        except Exception:  # noqa: BLE001 - the attempt closed meanwhile
+            continue
+        update = OrderedDict((k, np.full_like(v, 0.1)) for k, v in params.items())
+        try:
+            ticket = coord.open_upload(cid, UpdateHeader(task.round, task.nonce, 1, {}, 1, 16))
+        except Exception:  # noqa: BLE001
+            continue
+        try:
+            coord.commit_upload(ticket, update)
+        finally:
+            coord.release_upload(ticket)
