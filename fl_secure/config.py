@@ -43,6 +43,10 @@ NoisePlacement = Literal["local", "distributed", "central"]
 #: smallest privacy.noise_multiplier: privacy.accountants.accountant.MIN_ACCOUNTED_NOISE, kept
 #: here so that reading a config does not import the accountants (a test ties the two)
 MIN_NOISE_MULTIPLIER = 0.05
+#: The longest timeout a config may set (a week): larger ones overflow the waits' timers
+#: and the task's deadline field, and no round should wait that long.
+MAX_TIMEOUT = 7 * 24 * 3600.0
+_TIMEOUT_RANGE = "seconds in (0, 604800] (up to a week)"
 _RUN_NAME = re.compile(r"[^/\\\x00-\x1f\x7f.\s][^/\\\x00-\x1f\x7f]{0,99}")
 AccountantName = Literal["", "rdp", "prv", "pld"]
 ClippingEngine = Literal["auto", "book-keeping", "opacus"]
@@ -302,11 +306,15 @@ class ServerConfig:
         _check(self.min_clients >= 1, "server.min_clients", "an integer >= 1")
         _check(self.clients_per_round >= 0, "server.clients_per_round", "an integer >= 0")
         _check(0 <= self.sample_rate <= 1, "server.sample_rate", "a number in [0, 1]")
-        _check(self.round_timeout > 0, "server.round_timeout", "a number of seconds > 0")
+        _check(0 < self.round_timeout <= MAX_TIMEOUT, "server.round_timeout", _TIMEOUT_RANGE)
         _check(self.max_retries >= 0, "server.max_retries", "an integer >= 0")
         _check(self.max_concurrent_uploads >= 1, "server.max_concurrent_uploads", "an integer >= 1")
         _check(self.max_upload_factor >= 1, "server.max_upload_factor", "a number >= 1")
-        _check(self.upload_idle_timeout > 0, "server.upload_idle_timeout", "seconds > 0")
+        _check(
+            0 < self.upload_idle_timeout <= MAX_TIMEOUT,
+            "server.upload_idle_timeout",
+            _TIMEOUT_RANGE,
+        )
 
 
 @dataclass(frozen=True)
@@ -404,7 +412,11 @@ class SecureAggregationConfig:
         )
         _check(self.clip_range > 0, "secure_aggregation.clip_range", "a number > 0")
         _check(0 <= self.scale_bits <= 52, "secure_aggregation.scale_bits", "an integer in 0..52")
-        _check(self.stage_timeout > 0, "secure_aggregation.stage_timeout", "seconds > 0")
+        _check(
+            0 < self.stage_timeout <= MAX_TIMEOUT,
+            "secure_aggregation.stage_timeout",
+            _TIMEOUT_RANGE,
+        )
         _check(self.ckks_decryptors in (1, 2), "secure_aggregation.ckks_decryptors", "1 or 2")
         if self.scheme == "secagg+" and self.neighbours == 0:
             raise ConfigError(

@@ -189,3 +189,15 @@ def test_any_string_value_survives_the_config_toml_round_trip() -> None:
     odd = 'faces\x07\tq"uo\\te\x7f\n\u00e9\u4e2d'
     config = config_from_dict({"data": {"source": "folders", "path": odd}})
     assert tomllib.loads(config_to_toml(config))["data"]["path"] == odd
+
+
+def test_timeouts_are_bounded_by_a_week() -> None:
+    for key in ("server.round_timeout", "server.upload_idle_timeout",
+                "secure_aggregation.stage_timeout"):  # fmt: skip
+        assert config_from_dict({}, [f"{key}=604800"])  # a week is allowed
+        for bad in ("0", "1e10"):
+            with pytest.raises(ConfigError, match=f"{key}: invalid value.*up to a week"):
+                config_from_dict({}, [f"{key}={bad}"])
+        for bad in ("inf", "nan"):
+            with pytest.raises(ConfigError, match=f"{key} = {bad}: expected a finite number"):
+                config_from_dict({}, [f"{key}={bad}"])
