@@ -51,6 +51,7 @@ from privacy.ckks import (
 )
 from privacy.secagg_session import (
     MASKED,
+    SETUP_PARSE_ERRORS,
     STAGE_NAMES,
     UNMASK,
     Exchange,
@@ -167,14 +168,7 @@ class CkksSetup:
                 min_count=int(doc["min_count"]),
                 decryptors=int(doc["decryptors"]),
             )
-        except (
-            ValueError,
-            KeyError,
-            TypeError,
-            AttributeError,
-            OverflowError,
-            RecursionError,
-        ) as exc:
+        except SETUP_PARSE_ERRORS as exc:
             raise ProtocolError(f"invalid CKKS round setup: {exc}") from exc
         if setup.min_count < 1 or not 1 <= setup.decryptors <= 2:
             raise ProtocolError("invalid CKKS round setup: min_count or decryptors")

@@ -98,6 +98,14 @@ def unpack(data: bytes, what: str) -> list[bytes]:
     return items
 
 
+#: What reading an untrusted JSON setup into typed fields can raise: malformed JSON or hex
+#: (ValueError), missing keys, wrong types, ``int(Infinity)`` (OverflowError), nesting beyond
+#: the parser's limit (RecursionError). Each becomes a ProtocolError naming the setup.
+SETUP_PARSE_ERRORS = (
+    ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError,
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class RoundSetup:
     """What every cohort member must agree on before a secure round starts."""
@@ -173,14 +181,7 @@ class RoundSetup:
                 clip_norm=float(doc["clip_norm"]),
                 min_inputs=int(doc["min_inputs"]),
             )
-        except (
-            ValueError,
-            KeyError,
-            TypeError,
-            AttributeError,
-            OverflowError,
-            RecursionError,
-        ) as exc:
+        except SETUP_PARSE_ERRORS as exc:
             raise ProtocolError(f"invalid secure-aggregation setup: {exc}") from exc
         if setup.vector_length < 1:
             raise ProtocolError("invalid secure-aggregation setup: vector_length < 1")
@@ -283,13 +284,24 @@ def check_ddg(
             f"the discrete Gaussian with sigma {sigma:.3g} is not as private as z = {z:g} "
             "(KLS21 tau term); raise secure_aggregation.scale_bits"
         )
-    peak = n * (clip_norm / gamma + 1) + 10 * math.sqrt(n) * sigma
+    peak = ddg_peak(n, clip_norm / gamma, sigma)
     if 2 * peak >= 2.0**cfg.modulus_bits:
         raise PrivacyError(
             f"a cohort of {n} noisy sums could wrap mod 2^{cfg.modulus_bits} (peak {peak:.3g}); "
             "raise secure_aggregation.modulus_bits (up to 62) or lower scale_bits"
         )
     return sigma, clip_norm
+
+
+def ddg_peak(n: int, clip_units: float, sigma: float) -> float:
+    """The largest magnitude a coordinate of ``n`` clients' noisy integer sum may reach.
+
+    Each rounded clipped value is at most ``clip_units + 1`` (the clip norm in integer
+    units); the summed noise has std ``sqrt(n) sigma`` and 10 of those are the headroom (a
+    coordinate passes it with probability ~1e-23). The modulus is sized for it, and a
+    decoded sum beyond it is corrupted.
+    """
+    return n * (clip_units + 1) + 10 * math.sqrt(n) * sigma
 
 
 def wire_dtype(setup: RoundSetup) -> np.dtype:
@@ -520,7 +532,7 @@ class ServerSecureRound(StagedRound):
             return setup.config().decode(total, m)
         from privacy.discrete_gaussian import ddg_decode
 
-        peak = m * (setup.clip_norm * setup.scale + 1) + 10 * math.sqrt(m) * setup.ddg_sigma
+        peak = ddg_peak(m, setup.clip_norm * setup.scale, setup.ddg_sigma)
         return ddg_decode(
             total, gamma=1.0 / setup.scale, modulus_bits=setup.modulus_bits, bound=peak
         )

@@ -200,6 +200,11 @@ def preflight(config: Config, population: int) -> None:
         _check_plan_encoding(config, plan)
 
 
+def largest_cohort(config: Config, population: int) -> int:
+    """The most clients a round of the run can have (``clients_per_round``, or everyone)."""
+    return min(config.server.clients_per_round or population, population)
+
+
 def _check_secagg_cohort(config: Config, population: int) -> None:
     """The threshold and the fixed-point modulus against the largest cohort the run can have.
 
@@ -209,7 +214,7 @@ def _check_secagg_cohort(config: Config, population: int) -> None:
     sa = config.secure_aggregation
     if sa.scheme not in ("secagg", "secagg+"):
         return
-    n = min(config.server.clients_per_round or population, population)
+    n = largest_cohort(config, population)
     from privacy.secagg import check_modulus
     from privacy.secagg_session import neighbourhood
 
@@ -235,7 +240,7 @@ def _check_encoding_range(
     if p.placement == "distributed" and sa.scheme in ("secagg", "secagg+"):
         from privacy.secagg_session import check_ddg
 
-        n = min(config.server.clients_per_round or population, population)
+        n = largest_cohort(config, population)
         ddg = (p.noise_multiplier, p.clip_norm, config.server.min_clients)
         try:
             check_ddg(ddg, sa, n, vector_length)
