@@ -5,6 +5,14 @@ Every error says *what* is wrong and, where it can, *what to do* about it.
 
 from __future__ import annotations
 
+#: What reading an untrusted JSON document into typed fields can raise: malformed JSON or hex
+#: (ValueError), missing keys, wrong types, ``int(Infinity)`` (OverflowError), nesting beyond
+#: the parser's limit (RecursionError). Readers turn each into their own error naming the
+#: document.
+JSON_DOCUMENT_ERRORS = (
+    ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError,
+)  # fmt: skip
+
 
 class FlSecureError(Exception):
     """Base class of every error raised on purpose by fl-secure."""

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fl_secure.errors import PrivacyError, ProtocolError, RoundAborted
+from fl_secure.errors import JSON_DOCUMENT_ERRORS, PrivacyError, ProtocolError, RoundAborted
 from fl_secure.messages import Tensors, TensorSpec
 from privacy.ckks import (
     CkksAggregator,
@@ -51,7 +51,6 @@ from privacy.ckks import (
 )
 from privacy.secagg_session import (
     MASKED,
-    SETUP_PARSE_ERRORS,
     STAGE_NAMES,
     UNMASK,
     Exchange,
@@ -168,7 +167,7 @@ class CkksSetup:
                 min_count=int(doc["min_count"]),
                 decryptors=int(doc["decryptors"]),
             )
-        except SETUP_PARSE_ERRORS as exc:
+        except JSON_DOCUMENT_ERRORS as exc:
             raise ProtocolError(f"invalid CKKS round setup: {exc}") from exc
         if setup.min_count < 1 or not 1 <= setup.decryptors <= 2:
             raise ProtocolError("invalid CKKS round setup: min_count or decryptors")

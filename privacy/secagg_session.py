@@ -32,7 +32,13 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from fl_secure.config import SecureAggregationConfig
-from fl_secure.errors import PrivacyError, ProtocolError, RoundAborted, UpdateError
+from fl_secure.errors import (
+    JSON_DOCUMENT_ERRORS,
+    PrivacyError,
+    ProtocolError,
+    RoundAborted,
+    UpdateError,
+)
 from fl_secure.messages import Tensors, TensorSpec
 from privacy.secagg import (
     AdvertiseKeys,
@@ -96,14 +102,6 @@ def unpack(data: bytes, what: str) -> list[bytes]:
     if pos != len(data):
         raise ProtocolError(f"{what}: {len(data) - pos} trailing bytes")
     return items
-
-
-#: What reading an untrusted JSON setup into typed fields can raise: malformed JSON or hex
-#: (ValueError), missing keys, wrong types, ``int(Infinity)`` (OverflowError), nesting beyond
-#: the parser's limit (RecursionError). Each becomes a ProtocolError naming the setup.
-SETUP_PARSE_ERRORS = (
-    ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError,
-)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -181,7 +179,7 @@ class RoundSetup:
                 clip_norm=float(doc["clip_norm"]),
                 min_inputs=int(doc["min_inputs"]),
             )
-        except SETUP_PARSE_ERRORS as exc:
+        except JSON_DOCUMENT_ERRORS as exc:
             raise ProtocolError(f"invalid secure-aggregation setup: {exc}") from exc
         if setup.vector_length < 1:
             raise ProtocolError("invalid secure-aggregation setup: vector_length < 1")

@@ -10,7 +10,7 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 
-from fl_secure.errors import TlsError
+from fl_secure.errors import JSON_DOCUMENT_ERRORS, TlsError
 from fl_secure.tls.layout import read_bytes, validate_client_id, write_atomic
 
 
@@ -47,7 +47,7 @@ class EnrollmentList:
             entries = {str(c["id"]): c.get("sha256") for c in doc["clients"]}
             if not all(fp is None or isinstance(fp, str) for fp in entries.values()):
                 raise TypeError("sha256 must be a hex string or null")
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except JSON_DOCUMENT_ERRORS as exc:
             raise TlsError(
                 f"{path} is not a valid enrollment list ({exc!r}); expected "
                 '{"clients": [{"id": "...", "sha256": "..."}]}; regenerate it with '

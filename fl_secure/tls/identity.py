@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from fl_secure.errors import TlsError
+from fl_secure.errors import JSON_DOCUMENT_ERRORS, TlsError
 from fl_secure.tls.layout import (
     CLIENTS_DIR,
     CertificateSet,
@@ -84,7 +84,7 @@ def _read_registry_unverified(directory: Path) -> dict[str, str]:
     try:
         doc = json.loads(raw)
         keys = {str(k): str(v) for k, v in doc["keys"].items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except JSON_DOCUMENT_ERRORS as exc:
         raise TlsError(f"{directory / REGISTRY_FILE} is not a valid signing-key registry") from exc
     return keys
 

@@ -384,6 +384,9 @@ def test_malformed_enrollment_list_is_refused(tmp_path: Path) -> None:
 
     with pytest.raises(TlsError, match="not a valid enrollment list"):
         EnrollmentList.load(path)
+    path.write_text("[" * 100_000)  # nested past the JSON parser's recursion limit
+    with pytest.raises(TlsError, match="not a valid enrollment list"):
+        EnrollmentList.load(path)
 
 
 def test_enrollment_matching_rules(certs: CertificateSet) -> None:

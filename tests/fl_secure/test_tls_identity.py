@@ -43,3 +43,11 @@ def test_an_altered_registry_is_refused(tmp_path: Path) -> None:
     # Execute / Assert
     with pytest.raises(TlsError, match="not signed by the CA"):
         load_signing_registry(tmp_path)
+
+
+def test_a_registry_nested_past_the_parsers_limit_is_named(tmp_path: Path) -> None:
+    # `certs issue` reads the registry it re-signs: a damaged one is named, not a traceback
+    init_certificates(tmp_path, clients=1)
+    (tmp_path / REGISTRY_FILE).write_text("[" * 100_000)
+    with pytest.raises(TlsError, match="is not a valid signing-key registry"):
+        issue_client_certificate(tmp_path, "late-site")
