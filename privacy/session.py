@@ -218,28 +218,24 @@ class ServerPrivacy:
                     f"client {party} sent no example-level accounting ({', '.join(missing)}); "
                     "its update cannot be released under example-level DP"
                 )
-            steps = int(metrics["dp_steps"])
-            z, q = float(metrics["dp_noise_multiplier"]), float(metrics["dp_sample_rate"])
-            # The server composes the party's rows itself: a client whose accountant was
-            # reset (restarted without its --state-dir) reports one round's epsilon only.
-            history = list(self._example_history.get(party, []))
-            if steps > 0:
-                history.append({"noise_multiplier": z, "sample_rate": q, "num_steps": steps})
-            composed = self._epsilon_of(history) if history else 0.0
             reported = float(metrics["dp_epsilon"])
             payload = {
-                "epsilon": max(composed, reported),  # an upper bound whichever is larger
                 "client_reported_epsilon": reported,
                 "delta": self.cfg.delta,
                 "accountant": self.accountant_name,
-                "steps": steps,
-                "noise_multiplier": z,
-                "sample_rate": q,
+                "steps": int(metrics["dp_steps"]),
+                "noise_multiplier": float(metrics["dp_noise_multiplier"]),
+                "sample_rate": float(metrics["dp_sample_rate"]),
                 "clip_norm": self.cfg.clip_norm,
                 "adjacency": ADJACENCY["poisson"],
                 "privacy_unit": "example",
                 "noise_secure": bool(metrics.get("dp_noise_secure", 0.0) > 0),
             }
+            # The server composes the party's rows itself: a client whose accountant was
+            # reset (restarted without its --state-dir) reports one round's epsilon only.
+            history = [*self._example_history.get(party, []), *_example_event(payload)]
+            composed = self._epsilon_of(history) if history else 0.0
+            payload["epsilon"] = max(composed, reported)  # an upper bound whichever is larger
             rows.append({"kind": "example_level", "party": party, "payload": payload})
         return rows
 
@@ -270,16 +266,7 @@ class ServerPrivacy:
             )
             self.epsilon = float(payload["epsilon"])  # type: ignore[arg-type]
         elif entry.kind == "example_level":
-            steps = payload["steps"]
-            assert isinstance(steps, int)
-            if steps > 0:
-                self._example_history.setdefault(entry.party, []).append(
-                    {
-                        "noise_multiplier": payload["noise_multiplier"],
-                        "sample_rate": payload["sample_rate"],
-                        "num_steps": steps,
-                    }
-                )
+            self._example_history.setdefault(entry.party, []).extend(_example_event(payload))
             eps = float(payload["epsilon"])  # type: ignore[arg-type]
             self.epsilon = max(self.epsilon, eps)
 
@@ -443,6 +430,22 @@ class ServerPrivacy:
     def note(self, round_: int, message: str) -> None:
         """Record a free-text event (for example a budget stop)."""
         self.ledger.append("note", round=round_, party="server", payload={"message": message})
+
+
+def _example_event(payload: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """An example-level row's accountant event (none when the client took no step)."""
+    steps = payload["steps"]
+    if not isinstance(steps, int):  # pragma: no cover - validated by the ledger
+        raise PrivacyError(f"example-level row with steps {steps!r}")
+    if steps <= 0:
+        return []
+    return [
+        {
+            "noise_multiplier": payload["noise_multiplier"],
+            "sample_rate": payload["sample_rate"],
+            "num_steps": steps,
+        }
+    ]
 
 
 def client_level_plan(
