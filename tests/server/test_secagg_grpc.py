@@ -154,6 +154,18 @@ def _run(
     return coord
 
 
+def _distributed_dp(tmp_path: Path, *, population: int, min_survivors: int, z: float = 0.05):
+    """Client-level DP with distributed noise for a one-round run: any ``min_survivors``
+    clients' discrete Gaussian shares carry ``z C``."""
+    from privacy.session import open_server_privacy
+
+    cfg = PrivacyConfig(unit="client", noise_placement="distributed", noise_multiplier=z)
+    return open_server_privacy(
+        cfg, tmp_path / "ledger.sqlite", "secagg-test", rounds=1, population=population,
+        clients_per_round=0, sample_rate=0.0, min_survivors=min_survivors,
+    )  # fmt: skip
+
+
 def _frozen() -> float:
     return 0.0
 
@@ -269,14 +281,9 @@ def test_distributed_discrete_gaussian_noise_on_the_secure_sum(tmp_path: Path) -
     # Prepare: client-level DP, distributed placement: every client clips to C = 1 and adds
     # discrete Gaussian noise to its integer vector; any t = 3 shares carry z C
     from privacy.discrete_gaussian import ddg_client_sigma, integer_l2_bound
-    from privacy.session import open_server_privacy
 
     z, d = 0.05, 50 * 40 + 7
-    cfg = PrivacyConfig(unit="client", noise_placement="distributed", noise_multiplier=z)
-    privacy = open_server_privacy(
-        cfg, tmp_path / "ledger.sqlite", "secagg-test", rounds=1, population=4,
-        clients_per_round=0, sample_rate=0.0, min_survivors=3,
-    )  # fmt: skip
+    privacy = _distributed_dp(tmp_path, population=4, min_survivors=3, z=z)
     shifts = [0.5, 1.0, -0.25, 2.0]
     # Execute
     coord = _run(tmp_path, shifts, failing=set(), min_clients=3, privacy=privacy)
@@ -296,13 +303,7 @@ def test_a_sum_with_too_few_noise_shares_is_never_unmasked(tmp_path: Path) -> No
     # Prepare: distributed discrete Gaussian over 6 clients, noise split so that any 5
     # shares carry z C; two clients fail while training, so 4 masked inputs arrive: enough
     # for the protocol (t = 3, t + 1 = 4), too few noise shares for the accounting
-    from privacy.session import open_server_privacy
-
-    cfg = PrivacyConfig(unit="client", noise_placement="distributed", noise_multiplier=0.05)
-    privacy = open_server_privacy(
-        cfg, tmp_path / "ledger.sqlite", "secagg-test", rounds=1, population=6,
-        clients_per_round=0, sample_rate=0.0, min_survivors=5,
-    )  # fmt: skip
+    privacy = _distributed_dp(tmp_path, population=6, min_survivors=5)
     # Execute
     coord = _run(tmp_path, [0.5] * 6, failing={4, 5}, min_clients=5, privacy=privacy)
     # Assert: the attempt aborted when the masked inputs closed, before any share was asked
@@ -334,13 +335,7 @@ def test_a_masked_input_that_is_not_an_encoding_aborts_the_attempt(
     monkeypatch.setattr(session, "client_secure_update", garbage)
     privacy = None
     if distributed:
-        from privacy.session import open_server_privacy
-
-        cfg = PrivacyConfig(unit="client", noise_placement="distributed", noise_multiplier=0.05)
-        privacy = open_server_privacy(
-            cfg, tmp_path / "ledger.sqlite", "secagg-test", rounds=1, population=4,
-            clients_per_round=0, sample_rate=0.0, min_survivors=3,
-        )  # fmt: skip
+        privacy = _distributed_dp(tmp_path, population=4, min_survivors=3)
     # Execute
     coord = _run(tmp_path, [0.5, 1.0, -0.25, 2.0], failing=set(), min_clients=3, privacy=privacy)
     # Assert: the attempt aborts (and would be retried) instead of the error escaping the
