@@ -177,6 +177,7 @@ def _simulate(
             {c: (t.model, t.data) for c, t in trainers.items()},
             plan.held_out_clients,
             params,
+            tune_on={c: t.strategy.training_data(t.data) for c, t in trainers.items()},
         ),
         "bytes_per_client": bytes_per_client(params, broadcast),  # one round's payload
         "duration_s": round(time.time() - started, 1),

@@ -62,14 +62,18 @@ def tuned_metrics(
     task: LocalTraining,
     *,
     generator: torch.Generator,
+    tune_on: LocalData | None = None,
 ) -> dict[str, float]:
-    """Load ``shared`` into a copy of ``model``, fine-tune it on ``data.train``, score it.
+    """Load ``shared`` into a copy of ``model``, fine-tune it on ``tune_on``, score it on ``data``.
 
-    ``model`` itself is left untouched (its private head stays as training left it).
+    ``tune_on`` defaults to ``data``; FedFR's target clients tune on their pseudo labels
+    (:meth:`~fl_secure.algorithms.base.Strategy.training_data`) and are scored with their
+    images' identities, as during training. ``model`` itself is left untouched (its private
+    head stays as training left it).
     """
     tuned = copy.deepcopy(model)
     set_tensors(tuned, shared)
-    train_local(tuned, data, task, generator=generator)
+    train_local(tuned, data if tune_on is None else tune_on, task, generator=generator)
     return evaluate_local(tuned.backbone, data)
 
 
@@ -100,6 +104,8 @@ def evaluate_after_training(
     trained: Mapping[str, tuple[FaceModel, LocalData]],
     held_out_clients: list[ClientShare],
     shared: Tensors,
+    *,
+    tune_on: Mapping[str, LocalData] | None = None,
 ) -> dict[str, Any]:
     """Tuned scores of the training clients; untuned and tuned scores of held-out clients.
 
@@ -109,6 +115,8 @@ def evaluate_after_training(
             models are copied, not changed.
         held_out_clients: the plan's clients that join after training.
         shared: the final global shared parameters.
+        tune_on: training client id -> the data its fine-tuning trains on, where that is
+            not its own data (see :func:`tuned_metrics`).
 
     Returns:
         ``clients_tuned`` (+ ``_summary``), ``held_out_clients`` and
@@ -130,6 +138,7 @@ def evaluate_after_training(
                     type(shared)((k, v) for k, v in shared.items() if k in model.state_dict()),
                     task,
                     generator=_generator(seed, cid),
+                    tune_on=(tune_on or {}).get(cid),
                 )
                 for cid, (model, data) in trained.items()
             },

@@ -150,6 +150,15 @@ class Strategy(ABC):
         del config
         return None
 
+    def training_data(self, data: LocalData) -> LocalData:
+        """The labelled data a client's local training uses: ``data`` by default.
+
+        Fine-tuning after training (:func:`fl_secure.tuning.evaluate_after_training`) tunes
+        on it. FedFR's target clients return their pseudo-labelled images: their own targets
+        are ``-1`` (unlabelled) and their head has one row per cluster.
+        """
+        return data
+
     def personalized(self, model: FaceModel) -> nn.Module:
         """The embedding network a client evaluates on its own test images.
 

@@ -243,6 +243,12 @@ class FedFR(Strategy):
             train=train, test=data.test, train_targets=train.labels.clone(), class_mask=None
         )
 
+    def training_data(self, data: LocalData) -> LocalData:
+        """A target client's pseudo-labelled images once it has made them (else ``data``)."""
+        if is_target_domain(data.train) and self.pseudo is not None:
+            return self.pseudo
+        return data
+
     def client_update(
         self,
         model: FaceModel,

@@ -321,3 +321,34 @@ def test_source_pretraining_reads_the_source_client_only_and_seeds_the_fedfr_run
     load_pretrained(expected, weights)
     for name, value in expected.state_dict().items():
         torch.testing.assert_close(trainer.model.backbone.state_dict()[name], value)
+
+
+def test_a_simulated_fedfr_run_fine_tunes_target_clients_on_their_pseudo_labels() -> None:
+    # Prepare: fine-tuning after training is on (eval.tune_steps > 0)
+    from fl_secure.simulation import simulate
+
+    base = domain_config(cfinch_threshold=0.3)
+    config = dataclasses.replace(
+        base,
+        train=dataclasses.replace(base.train, rounds=1),
+        eval=dataclasses.replace(base.eval, tune_steps=2),
+    )
+    # Execute: a target client's own targets are -1, so tuning on them cannot run
+    result = simulate(config)
+    # Assert: every training client, target ones included, has its tuned figures
+    tuned = result.summary["clients_tuned"]
+    assert sorted(tuned) == ["client-0", "client-1", "client-2"]
+    assert all(0.0 <= m["rank1"] <= 1.0 for m in tuned.values())
+
+
+def test_training_data_is_the_pseudo_labelled_set_of_a_target_client() -> None:
+    torch.set_num_threads(1)
+    config = domain_config(cfinch_threshold=0.3)
+    share = plan_federation(config).clients[1]
+    trainer, _ = target_update(config, share.train, share.test)
+    strategy = trainer.strategy
+    assert isinstance(strategy, FedFR) and strategy.pseudo is not None
+    assert strategy.training_data(trainer.data) is strategy.pseudo
+    source = plan_federation(config).clients[0]
+    data = strategy.local_data(source.train, source.test, np.arange(16))
+    assert strategy.training_data(data) is data  # labelled source data: its own
