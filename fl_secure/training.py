@@ -6,6 +6,7 @@ backend, so every path trains with the same code.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -119,22 +120,50 @@ class LocalData:
 
 
 class AbsentRows:
-    """Keeps the head rows of classes a client does not hold exactly as the server sent them.
+    """Keeps the head entries of classes a client does not hold exactly as the server sent them.
 
-    Those rows get zero gradient (their logits are masked), but weight decay, optimizer state
-    or DP noise would still move them; :meth:`restore` after every step puts them back.
+    Those entries get zero gradient (their logits are masked), but weight decay, optimizer
+    state or DP noise would still move them; :meth:`restore` after every step puts them back.
+    Every head parameter indexed by class is kept: the class embeddings ``W`` and, for the
+    softmax head, the bias.
     """
 
     def __init__(self, model: FaceModel, class_mask: torch.Tensor | None) -> None:
-        self.model = model
         self.absent = None if class_mask is None else ~class_mask
-        self.rows = None if self.absent is None else model.head.weight.detach()[self.absent].clone()
+        self.saved: list[tuple[nn.Parameter, torch.Tensor]] = []
+        if self.absent is not None:
+            classes = len(self.absent)
+            self.saved = [
+                (p, p.detach()[self.absent].clone())
+                for p in model.head.parameters()
+                if p.dim() >= 1 and p.shape[0] == classes
+            ]
 
     def restore(self) -> None:
-        """Write the saved rows back (a no-op when every class is present)."""
-        if self.absent is not None and self.rows is not None:
-            with torch.no_grad():
-                self.model.head.weight[self.absent] = self.rows
+        """Write the saved entries back (a no-op when every class is present)."""
+        if self.absent is None:
+            return
+        with torch.no_grad():
+            for param, rows in self.saved:
+                param[self.absent] = rows
+
+
+def round_start_copy(backbone: nn.Module) -> nn.Module:
+    """A frozen copy of ``backbone`` that embeds as the local model does at the round's start.
+
+    For the reference embeddings of HF-MAML's Eq. 4 and AdaFedFR's ``f_g`` (Eq. 6): at the
+    round's first step they must equal the local model's own. The copy is in eval mode
+    except its batch-norm layers, which use the batch's statistics as the training model's
+    do; in eval mode they would use the running ones, and the two differ even at equal
+    weights (the statistics the copy's forwards add to its running ones are never read).
+    """
+    frozen = copy.deepcopy(backbone).eval()
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    for module in frozen.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            module.train()
+    return frozen
 
 
 def local_training(t: TrainConfig) -> LocalTraining:
@@ -204,17 +233,17 @@ def train_local(
         idx = order[cursor : cursor + batch]
         cursor += batch
         images, targets = data.train.images[idx], data.train_targets[idx]
-        logits = model(images, targets, data.class_mask)
-        loss = loss_fn(logits, targets)
+        emb = model.backbone(images)
+        loss = loss_fn(model.head(emb, targets, data.class_mask), targets)
+        with torch.no_grad():  # accuracy of this step's forward: no second pass (BatchNorm)
+            plain = model.head(emb.detach(), None, data.class_mask)
+            correct += int((plain.argmax(1) == targets).sum())
+            seen += len(targets)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         absent.restore()
         losses.append(float(loss.detach()))
-        with torch.no_grad():
-            plain = model.head(model.backbone(images).detach(), None, data.class_mask)
-            correct += int((plain.argmax(1) == targets).sum())
-            seen += len(targets)
     return {
         "train_loss": float(np.mean(losses)) if losses else 0.0,
         "train_accuracy": correct / max(seen, 1),

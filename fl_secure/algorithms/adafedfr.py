@@ -80,7 +80,6 @@ restarted client continues with them.
 
 from __future__ import annotations
 
-import copy
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -97,7 +96,14 @@ from fl_secure.config import Config
 from fl_secure.data.synthetic import SyntheticFaceConfig, generate_synthetic_faces
 from fl_secure.data.types import FaceDataset
 from fl_secure.messages import LocalTraining, Tensors
-from fl_secure.training import FaceModel, LocalData, build_model, make_optimizer, set_tensors
+from fl_secure.training import (
+    FaceModel,
+    LocalData,
+    build_model,
+    make_optimizer,
+    round_start_copy,
+    set_tensors,
+)
 
 #: The broadcast tensor carrying ``R`` (Eq. 4), ``[G, d]`` float32.
 REPRESENTATIONS = f"{BROADCAST_PREFIX}public_representations"
@@ -477,9 +483,7 @@ class AdaFedFR(Strategy):
                 f"with the parameters as {REPRESENTATIONS!r}; none arrived"
             )
         state = self.client_state(model, num_public=int(r.shape[0]))
-        reference = copy.deepcopy(model.backbone).eval()  # w^t, for f_g
-        for p in reference.parameters():
-            p.requires_grad_(False)
+        reference = round_start_copy(model.backbone)  # w^t, for f_g
         model.train()
         opt = make_optimizer(list(model.parameters()), training)  # w, z
         eta = training.learning_rate  # lines 20 and 22: plain gradient steps on theta and phi

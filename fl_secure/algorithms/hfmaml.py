@@ -33,7 +33,7 @@ from torch.nn import functional as F  # noqa: N812
 
 from fl_secure.algorithms.base import Exposure, Strategy
 from fl_secure.messages import LocalTraining
-from fl_secure.training import AbsentRows, FaceModel, LocalData
+from fl_secure.training import AbsentRows, FaceModel, LocalData, round_start_copy
 
 
 def _loss(
@@ -149,9 +149,7 @@ class HFMAML(Strategy):
         steps = training.local_steps or max(1, training.local_epochs * (n // (3 * batch)))
         frozen = None
         if self.reg > 0:  # the round's starting model, for Eq. 4
-            import copy
-
-            frozen = copy.deepcopy(model.backbone).eval()
+            frozen = round_start_copy(model.backbone)
         absent = AbsentRows(model, data.class_mask)
         losses = []
         for _ in range(steps):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from pathlib import Path
 
@@ -15,7 +16,14 @@ from fl_secure.data.types import FaceDataset
 from fl_secure.errors import CheckpointError, ConfigError
 from fl_secure.messages import LocalTraining
 from fl_secure.models import save_weights
-from fl_secure.training import build_model, get_tensors, round_learning_rate
+from fl_secure.training import (
+    LocalData,
+    build_model,
+    get_tensors,
+    round_learning_rate,
+    round_start_copy,
+    train_local,
+)
 
 CFG = ModelConfig(backbone="cnn-small", embedding_size=16, head="cosface", scale=16, margin=0.2)
 
@@ -125,7 +133,7 @@ def test_cosine_schedule() -> None:
 def test_a_single_identity_client_reports_rank1_only() -> None:
     # A skewed partition can leave a client with one identity: no impostor pairs to verify
     from fl_secure.data.types import FaceDataset
-    from fl_secure.training import LocalData, evaluate_local
+    from fl_secure.training import evaluate_local
 
     model = build_model(CFG, 1, 32, seed=0)
     images = torch.randn(6, 3, 32, 32, generator=torch.Generator().manual_seed(0))
@@ -138,7 +146,7 @@ def test_a_single_identity_client_reports_rank1_only() -> None:
 def test_a_client_without_test_images_reports_nothing() -> None:
     # An attribute partition can leave a client one image per identity: all for training
     from fl_secure.data.types import FaceDataset
-    from fl_secure.training import LocalData, evaluate_local
+    from fl_secure.training import evaluate_local
 
     model = build_model(CFG, 2, 32, seed=0)
     images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
@@ -146,3 +154,57 @@ def test_a_client_without_test_images_reports_nothing() -> None:
     empty = train.subset(np.array([], dtype=np.int64))
     local = LocalData(train=train, test=empty, train_targets=train.labels, class_mask=None)
     assert evaluate_local(model.backbone, local) == {}
+
+
+def test_absent_classes_keep_their_softmax_bias_as_well_as_their_row() -> None:
+    # Prepare: a softmax head (weight and bias per class); classes 0 and 2 are absent
+    config = ModelConfig(backbone="cnn-small", embedding_size=16, head="softmax")
+    model = build_model(config, 3, 32, seed=0)
+    data = FedAvg().local_data(_data([5, 5, 5, 5]), _data([5]), np.array([2, 5, 7]))
+    bias_before = model.head.classifier.bias.detach().clone()
+    weight_before = model.head.weight.detach().clone()
+    training = LocalTraining(
+        local_steps=3, batch_size=2, learning_rate=0.1, optimizer="adam", weight_decay=5e-4
+    )
+    # Execute
+    train_local(model, data, training, generator=torch.Generator().manual_seed(0))
+    # Assert: weight decay and Adam leave the absent classes' entries exactly as sent
+    bias = model.head.classifier.bias.detach()
+    for absent in (0, 2):
+        assert bias[absent] == bias_before[absent]
+        assert torch.equal(model.head.weight[absent], weight_before[absent])
+    assert bias[1] != bias_before[1]
+
+
+def test_a_round_start_copy_embeds_as_the_training_model_with_batch_norm() -> None:
+    # Prepare: a BatchNorm backbone, not yet trained (running statistics at their start)
+    model = build_model(
+        ModelConfig(backbone="resnet18-bn", embedding_size=16, head="cosface"), 3, 32, seed=0
+    )
+    images = torch.rand(8, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    model.train()
+    # Execute
+    reference = round_start_copy(model.backbone)
+    with torch.no_grad():
+        expected = model.backbone(images)
+        found = reference(images)
+        eval_mode = copy.deepcopy(model.backbone).eval()(images)
+    # Assert: the copy equals the training model at equal weights; eval mode would not
+    torch.testing.assert_close(found, expected, rtol=0, atol=1e-6)
+    assert (eval_mode - expected).abs().max() > 0.1
+    assert not any(p.requires_grad for p in reference.parameters())
+
+
+def test_train_local_updates_batch_norm_statistics_once_per_step() -> None:
+    model = build_model(
+        ModelConfig(backbone="resnet18-bn", embedding_size=16, head="cosface"), 2, 32, seed=0
+    )
+    data = FedPE().local_data(_data([1, 1, 2, 2]), _data([1, 2]), np.array([1, 2]))
+    training = LocalTraining(local_steps=3, batch_size=2, learning_rate=0.01, optimizer="sgd")
+    train_local(model, data, training, generator=torch.Generator().manual_seed(0))
+    tracked = [
+        int(m.num_batches_tracked)
+        for m in model.backbone.modules()
+        if isinstance(m, torch.nn.BatchNorm2d)
+    ]
+    assert tracked and set(tracked) == {3}
