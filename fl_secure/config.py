@@ -459,13 +459,22 @@ class Config:
                 raise ConfigError(
                     "privacy.noise_placement = 'distributed' uses the distributed discrete "
                     "Gaussian on integer updates, which needs secure_aggregation.scheme = "
-                    "'secagg' or 'secagg+'; with 'ckks' use noise_placement 'local' or 'central'"
+                    "'secagg' or 'secagg+'; with 'ckks' use noise_placement 'local'"
                 )
             if self.secure_aggregation.modulus_bits > 62:
                 raise ConfigError(
                     f"secure_aggregation.modulus_bits = {self.secure_aggregation.modulus_bits}: "
                     "privacy.noise_placement = 'distributed' does its integer arithmetic in "
                     "62 bits at most; use secure_aggregation.modulus_bits <= 62"
+                )
+        if p.unit == "client" and p.noise_placement == "central":
+            if self.secure_aggregation.scheme == "ckks":
+                raise ConfigError(
+                    "privacy.noise_placement = 'central' with secure_aggregation.scheme = "
+                    "'ckks': the server adds the noise after the sum is decrypted, and the "
+                    "decrypting clients (trusted for nothing) would see the un-noised sum of "
+                    "the cohort, minus their own update the others' sum; use noise_placement "
+                    "'local' with 'ckks'"
                 )
         if self.algorithm.name in ("fedgc", "fedcos"):
             _check_server_sees_heads(self)

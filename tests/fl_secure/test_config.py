@@ -128,6 +128,13 @@ def test_privacy_section_is_validated_with_clear_errors() -> None:
     wide = {"scheme": "secagg", "modulus_bits": 63}
     with pytest.raises(ConfigError, match="modulus_bits = 63: .*'distributed'.*<= 62"):
         config_from_dict({"privacy": distributed, "secure_aggregation": wide})
+    # CKKS decryptors are clients: central noise, added after decryption, is refused
+    central = {"unit": "client", "noise_placement": "central", "target_epsilon": 8}
+    with pytest.raises(ConfigError, match="'central' with .*'ckks'.*un-noised sum"):
+        config_from_dict({"privacy": central, "secure_aggregation": {"scheme": "ckks"}})
+    local = {**central, "noise_placement": "local"}
+    assert config_from_dict({"privacy": local, "secure_aggregation": {"scheme": "ckks"}})
+    assert config_from_dict({"privacy": central, "secure_aggregation": {"scheme": "secagg"}})
     with pytest.raises(ConfigError, match="privacy.delta"):
         config_from_dict({"privacy": {"delta": 1.5}})
     with pytest.raises(ConfigError, match="privacy.unit = 'user' is not allowed"):
