@@ -83,15 +83,20 @@ def load_checkpoint_into(
 ) -> None:
     """Load a checkpoint's ``prefix``-named arrays into ``module``, or say what does not fit.
 
-    Every key of ``module``'s state that starts with ``required`` must be in the checkpoint
-    (``""``: every key), and every array must match its parameter's shape.
+    Every floating-point key of ``module``'s state that starts with ``required`` must be in
+    the checkpoint (``""``: every key; integer buffers such as BatchNorm's step counters are
+    not shared), and every array must match its parameter's shape.
 
     Raises:
         CheckpointError: naming the missing, unknown or misshapen keys and ``source``.
     """
     picked = type(params)((k[len(prefix) :], v) for k, v in params.items() if k.startswith(prefix))
     state = module.state_dict()
-    missing = [prefix + k for k in state if k.startswith(required) and k not in picked]
+    missing = [
+        prefix + k
+        for k, v in state.items()
+        if k.startswith(required) and k not in picked and v.is_floating_point()
+    ]
     unknown = [prefix + k for k in picked if k not in state]
     shapes = [
         f"{prefix}{k} has shape {tuple(v.shape)}, the model expects {tuple(state[k].shape)}"

@@ -62,10 +62,20 @@ class Strategy(ABC):
     uploads_head: ClassVar[bool] = False
 
     def shared_names(self, model: FaceModel) -> list[str]:
-        """Names of the parameters the server aggregates (state-dict keys, in order)."""
-        names = [f"backbone.{k}" for k in model.backbone.state_dict()]
+        """Names of the tensors the server aggregates (state-dict keys, in order).
+
+        Floating-point tensors only: BatchNorm's ``num_batches_tracked`` counters stay on the
+        client. Averaging a step count means nothing; under client-level DP it entered the
+        update's norm (shrinking the weights' share of the clip) and its noise was truncated
+        to an integer, not the Gaussian the accountant models; CKKS cannot encrypt it.
+        """
+        names = [
+            f"backbone.{k}" for k, v in model.backbone.state_dict().items() if v.is_floating_point()
+        ]
         if self.shares_head:
-            names += [f"head.{k}" for k in model.head.state_dict()]
+            names += [
+                f"head.{k}" for k, v in model.head.state_dict().items() if v.is_floating_point()
+            ]
         return names
 
     def head_names(self, model: FaceModel) -> list[str]:

@@ -20,6 +20,7 @@ from fl_secure.training import (
     LocalData,
     build_model,
     get_tensors,
+    load_checkpoint_into,
     round_learning_rate,
     round_start_copy,
     train_local,
@@ -208,3 +209,21 @@ def test_train_local_updates_batch_norm_statistics_once_per_step() -> None:
         if isinstance(m, torch.nn.BatchNorm2d)
     ]
     assert tracked and set(tracked) == {3}
+
+
+def test_batch_norm_step_counters_are_not_shared() -> None:
+    # Prepare: resnet18-bn carries int64 num_batches_tracked buffers beside its floats
+    config = ModelConfig(backbone="resnet18-bn", embedding_size=16, head="cosface")
+    model = build_model(config, 3, 32, seed=0)
+    counters = [k for k, v in model.state_dict().items() if not v.is_floating_point()]
+    assert counters and all(k.endswith("num_batches_tracked") for k in counters)
+    # Execute
+    names = FedAvg().shared_names(model)
+    # Assert: every float tensor (running statistics included) is shared, no counter is
+    floats = [k for k, v in model.state_dict().items() if v.is_floating_point()]
+    assert names == floats
+    # and a checkpoint of the shared tensors loads into a fresh model of the run
+    fresh = build_model(config, 3, 32, seed=1)
+    load_checkpoint_into(fresh, get_tensors(model, names), source="global.safetensors")
+    for name in names:
+        assert torch.equal(fresh.state_dict()[name], model.state_dict()[name])
