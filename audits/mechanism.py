@@ -10,6 +10,9 @@ noise placement, client sampling rate and number of rounds (``summary.json``).
 A canary is a client whose update is chosen by the auditor in the worst case: a vector of
 norm ``2 C`` (so that clipping acts) along a coordinate no other update touches, while the
 honest clients send zero updates (plus their noise shares) so that nothing masks it. The
+release carries the noise shares of the fewest honest clients any released round has
+(:func:`noise_contributors`), not of every enrolled client: more noise than a real adversary
+faces would understate the bound. The
 attacker observes every round's released average and scores a canary by the sum over rounds
 of the released coordinate. This is the strongest membership test for the Gaussian mechanism
 (the likelihood ratio is monotone in that sum), so the bound is as tight as the number of
@@ -54,10 +57,11 @@ class Mechanism:
     placement: str  # central, local, distributed, or none
     rounds: int
     sample_rate: float  # q: probability that a client takes part in a round
-    honest_clients: int  # clients adding their noise shares (local/distributed)
+    honest_clients: int  # honest cohort members adding noise shares (see noise_contributors)
     min_survivors: int  # t of the distributed placement
     delta: float
-    accountant_epsilon: float | None  # None: the run claims no DP
+    accountant_epsilon: float | None  # None: the run claims no client-level DP
+    privacy_unit: str = "client"  # the run's: none, client or example (DP-SGD)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
@@ -73,12 +77,31 @@ class Mechanism:
         }
 
 
+def noise_contributors(placement: str, *, secure: bool, min_clients: int) -> int:
+    """Honest cohort members whose noise shares the audited release carries.
+
+    The fewest any released round has, so that the canaries face no more noise than a real
+    adversary does.
+
+    ``distributed``: the ``t = min_clients`` shares that together carry ``z C``. ``local``:
+    under secure aggregation the server sees a sum of at least ``min_clients`` updates, each
+    with its own ``z C``; without it, each client's update alone, so one share (the canary's
+    own). ``central`` (and no DP): honest clients add no noise.
+    """
+    if placement == "distributed":
+        return min_clients
+    if placement == "local":
+        return min_clients if secure else 1
+    return 0
+
+
 def mechanism_of_run(summary: dict[str, Any], *, num_clients: int, min_clients: int,
                      rounds: int) -> Mechanism:  # fmt: skip
-    """The mechanism a run's ``summary.json`` states (non-private: plain averaging)."""
+    """The mechanism a run's ``summary.json`` states (no client-level DP: plain averaging)."""
     privacy = summary.get("privacy") or {}
     unit = summary.get("privacy_unit") or "none"
     rounds_done = int(summary.get("rounds_completed") or rounds)
+    scheme = (summary.get("secure_aggregation") or {}).get("scheme") or "none"
     if unit != "client":
         return Mechanism(
             noise_multiplier=0.0,
@@ -91,15 +114,19 @@ def mechanism_of_run(summary: dict[str, Any], *, num_clients: int, min_clients: 
             min_survivors=min_clients,
             delta=NON_PRIVATE_DELTA,
             accountant_epsilon=None,
+            privacy_unit=str(unit),
         )
+    placement = str(summary.get("noise_placement") or privacy.get("noise_placement"))
     return Mechanism(
         noise_multiplier=float(privacy["noise_multiplier"]),
         clip_norm=float(privacy["clip_norm"]),
         denominator=float(privacy.get("aggregate_denominator") or num_clients),
-        placement=str(summary.get("noise_placement") or privacy.get("noise_placement")),
+        placement=placement,
         rounds=int(privacy.get("rounds_accounted") or rounds_done),
         sample_rate=float(privacy.get("client_sample_rate") or 1.0),
-        honest_clients=num_clients,
+        honest_clients=noise_contributors(
+            placement, secure=scheme != "none", min_clients=min_clients
+        ),
         min_survivors=min_clients,
         delta=float(summary.get("delta") or privacy.get("delta") or NON_PRIVATE_DELTA),
         accountant_epsilon=float(summary["epsilon"]),
@@ -163,6 +190,18 @@ def canary_scores(mech: Mechanism, included: np.ndarray, *, seed: int) -> tuple[
     return scores, expected
 
 
+def _accountant_text(mech: Mechanism) -> str:
+    if mech.accountant_epsilon is not None:
+        return "the run's accountant (summary.json epsilon)"
+    if mech.privacy_unit == "example":
+        return (
+            "none at the client level: the run's DP is example-level (DP-SGD on each client), "
+            "whose epsilon bounds one training image's influence, not a client's; the "
+            "aggregation audited here is the plain average it uses"
+        )
+    return "none: the run claims no differential privacy"
+
+
 def audit_mechanism(
     mech: Mechanism,
     *,
@@ -204,15 +243,14 @@ def audit_mechanism(
         "what": "the client-level aggregation as implemented (privacy.client_level: clipping, "
         "noise shares / central noise, denominator), run with the run's z, C, W, placement, "
         "sampling rate and rounds, on worst-case canary clients: an update of norm 2C on a "
-        "coordinate no other client touches, honest clients sending zero updates plus noise; "
+        "coordinate no other client touches; the fewest honest clients a released round "
+        "has (see mechanism.honest_clients) send zero updates plus their noise shares; "
         "the attacker sees every round's released average",
         "not_covered": "the training data and model (the canaries replace them); secure "
         "aggregation's integer encoding (the continuous Gaussian of the same variance is used)",
         "mechanism": mech.to_dict(),
         "accountant_epsilon": accountant,  # null: no DP claimed (no upper bound)
-        "accountant": "none: the run claims no differential privacy"
-        if accountant is None
-        else "the run's accountant (summary.json epsilon)",
+        "accountant": _accountant_text(mech),
         "delta": mech.delta,
         "one_run": {**one_run.to_dict(), "k_plus": k, "k_minus": k},
         "clopper_pearson": {**cp.to_dict(), "trials": trials, "threshold": threshold},

@@ -34,7 +34,7 @@ import torch
 from fl_secure.algorithms import Strategy, get_strategy
 from fl_secure.checkpoints import Checkpoint, CheckpointStore
 from fl_secure.config import Config, load_config
-from fl_secure.data.plan import FederatedData, plan_federation
+from fl_secure.data.plan import FederatedData, plan_client_id, plan_federation
 from fl_secure.errors import CheckpointError, ConfigError
 from fl_secure.runs import RunDir
 from fl_secure.training import FaceModel, build_model, load_checkpoint_into
@@ -137,7 +137,14 @@ def load_run(path: Path) -> RunContext:
         required="backbone.",
     )
     model.eval()
-    client_ids = [f"client-{i}" for i in range(len(plan.clients))]
+    client_ids = _plan_client_ids(summary, len(plan.clients), path)
+    unknown = sorted(set(checkpoint.client_tensors) - set(client_ids))
+    if unknown:
+        raise CheckpointError(
+            f"{path}: the checkpoint holds the heads of clients {unknown}, which the run's "
+            f"summary.json does not pair with a share of the plan ({client_ids}); the audit "
+            "cannot tell whose identities their rows are"
+        )
     return RunContext(
         path=Path(path),
         config=config,
@@ -148,6 +155,36 @@ def load_run(path: Path) -> RunContext:
         model=model,
         client_ids=client_ids,
     )
+
+
+def _plan_client_ids(summary: Mapping[str, Any], shares: int, path: Path) -> list[str]:
+    """Client id of each share of the plan: ``summary.json``'s ``client_plan``.
+
+    Runs written before it was recorded name their clients :func:`plan_client_id` when they
+    trained on the plan (they state ``client_train_sizes``).
+
+    Raises:
+        CheckpointError: the run does not say which client trained on which share (a
+            standalone ``fl-secure server``, whose sites name themselves and may hold their
+            own data), or the pairing does not cover the plan's shares.
+    """
+    pairing = summary.get("client_plan")
+    if pairing is None:
+        if summary.get("client_train_sizes") is None:
+            raise CheckpointError(
+                f"{path}: the run does not record which client trained on which share of the "
+                "config's data plan (a standalone fl-secure server: its sites name themselves "
+                "and may hold their own data), and the audit needs the targets' owners; audit "
+                "an embedded run (fl-secure train) or a simulation"
+            )
+        return [plan_client_id(k) for k in range(shares)]
+    if not isinstance(pairing, dict) or sorted(pairing.values()) != list(range(shares)):
+        raise CheckpointError(
+            f"{path}: summary.json's client_plan {pairing!r} does not pair one client with "
+            f"each of the plan's {shares} shares"
+        )
+    by_share = {int(k): str(c) for c, k in pairing.items()}
+    return [by_share[k] for k in range(shares)]
 
 
 @dataclass(frozen=True)
@@ -190,15 +227,44 @@ def _global_rows(run: RunContext, targets: list[int]) -> dict[int, torch.Tensor]
     return {t: weight[int(i)].clone() for t, i in zip(targets, index, strict=True)}
 
 
+def held_heads(run: RunContext) -> list[int]:
+    """Shares whose client's head the server holds at the final checkpoint (FedGC).
+
+    A client never sampled (Poisson cohorts) uploaded none.
+
+    Raises:
+        CheckpointError: a held head's rows do not match its client's identities.
+    """
+    held = []
+    for k, cid in enumerate(run.client_ids):
+        weight = head_weight(run.checkpoint.client_tensors.get(cid, {}))
+        if weight is None:
+            continue
+        own = len(run.client_identities(k))
+        if weight.shape[0] != own:
+            raise CheckpointError(
+                f"{run.path}: the server's copy of {cid}'s head has {weight.shape[0]} rows, "
+                f"but {cid} trained on share {k} of the plan, with {own} identities"
+            )
+        held.append(k)
+    return held
+
+
 def _server_held_rows(run: RunContext, targets: list[int]) -> dict[int, torch.Tensor]:
-    """FedGC: the server's copy of each target's owner's head row (local index of its class)."""
+    """FedGC: the server's copy of each target's owner's head row (local index of its class).
+
+    :func:`choose_targets` draws the targets from the clients whose heads the server holds.
+    """
     rows: dict[int, torch.Tensor] = {}
     heads = run.checkpoint.client_tensors
     for t in targets:
         k = run.owner(t)
         weight = head_weight(heads.get(run.client_ids[k], {}))
         if weight is None:
-            continue
+            raise CheckpointError(
+                f"{run.path}: target identity {t} belongs to {run.client_ids[k]}, whose head "
+                "the server does not hold"
+            )
         local = int(np.searchsorted(run.client_identities(k), t))
         rows[t] = torch.from_numpy(np.array(weight[local], copy=True))
     return rows
@@ -218,14 +284,37 @@ def threat_model(run: RunContext) -> dict[str, str]:
     }
 
 
+#: The layer the update-leakage attack reads (weight and bias of the embedding layer).
+LEAKAGE_LAYER = ("backbone.embedding.weight", "backbone.embedding.bias")
+
+
+def _clear_under_ckks(run: RunContext) -> list[str]:
+    """The attacked layer's tensors a CKKS run sent in the clear (``ckks_layers`` subset)."""
+    if run.secure_aggregation != "ckks":
+        return []
+    sa = run.summary.get("secure_aggregation") or {}
+    layers = sa.get("encrypted_layers", "all")
+    if layers == "all":
+        return []
+    return [n for n in LEAKAGE_LAYER if not any(n.startswith(str(p)) for p in layers)]
+
+
 def observations(run: RunContext, targets: list[int]) -> list[View]:
     """The server's and a curious client's view of ``targets`` under the run's design."""
     exposure = run.exposure
-    secagg = run.secure_aggregation != "none"
+    clear = _clear_under_ckks(run)
+    secagg = run.secure_aggregation != "none" and not clear
     rounds = f"the global model of each round (final: round {run.checkpoint.round})"
     updates: UpdateAccess = "only the sum" if secagg else "each client's update"
     if secagg:
         update_text = f"only the sum of the clients' updates ({run.secure_aggregation})"
+    elif clear:
+        update_text = (
+            f"each client's update of the layers CKKS left in the clear ({', '.join(clear)} "
+            "among them; secure_aggregation.ckks_layers encrypts a subset): seen, not "
+            "recorded in the run directory; the leakage attack runs on a rebuilt "
+            "single-client update"
+        )
     else:
         update_text = (
             "each client's update of the shared parameters: seen, not recorded in the run "
@@ -309,12 +398,17 @@ def choose_targets(run: RunContext, count: int) -> list[int]:
     """``count`` training identities of the clients other than the curious one, round-robin.
 
     Deterministic: client by client in turn, each client's identities in sorted order, so the
-    targets spread over the sites. Identities the curious client also holds are skipped.
+    targets spread over the sites. Identities the curious client also holds are skipped. In a
+    ``server-sees-heads`` run only the clients whose heads the server holds are drawn from
+    (:func:`held_heads`): every target then has its row in the server's view.
     """
     own = set(run.client_identities(CURIOUS_CLIENT).tolist())
+    sites = list(range(len(run.plan.clients)))
+    if run.exposure == "server-sees-heads":
+        sites = held_heads(run)
     pools = [
         [int(i) for i in run.client_identities(k) if int(i) not in own]
-        for k in range(len(run.plan.clients))
+        for k in sites
         if k != CURIOUS_CLIENT
     ]
     chosen: list[int] = []
@@ -325,7 +419,10 @@ def choose_targets(run: RunContext, count: int) -> list[int]:
                 chosen.append(pool[depth])
         depth += 1
     if len(chosen) < 2:
-        raise CheckpointError("the audit needs at least 2 target identities outside client 0")
+        held = "" if run.exposure != "server-sees-heads" else " whose heads the server holds"
+        raise CheckpointError(
+            f"the audit needs at least 2 target identities outside client 0{held}"
+        )
     return sorted(chosen)
 
 

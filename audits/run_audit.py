@@ -405,6 +405,12 @@ def _naming_entry(named: dict[str, float]) -> dict[str, Any]:
 def _leakage(run: RunContext, view: View, settings: AuditSettings) -> dict[str, Any]:
     if view.updates == "none":
         return {"applicable": False, "why": "this party receives no client's update"}
+    if run.privacy_unit == "example":
+        return {
+            "applicable": False,
+            "why": "example-level DP (DP-SGD): a rebuilt update would carry none of the run's "
+            "per-example clipping and noise, so it would measure another mechanism",
+        }
     backbone = run.model.backbone
     test = [c.test for c in run.plan.clients]
     gallery_images = torch.cat([t.images for t in test])

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from client.setup import build_local_trainer
 from fl_secure.algorithms import get_strategy
 from fl_secure.config import Config
-from fl_secure.data.plan import plan_federation
+from fl_secure.data.plan import plan_client_id, plan_federation
 from fl_secure.errors import ConfigError
 from fl_secure.evaluation import per_client_summary
 from fl_secure.messages import Tensors, TensorSpec
@@ -100,12 +100,12 @@ def _simulate(
     params = get_tensors(model, strategy.shared_names(model))
     specs = [TensorSpec.of(k, v) for k, v in params.items()]
     trainers = {
-        f"client-{i}": build_local_trainer(
+        plan_client_id(i): build_local_trainer(
             config,
             share.train,
             share.test,
             plan.train_identities,
-            client_id=f"client-{i}",
+            client_id=plan_client_id(i),
             image_size=size,
         )  # fmt: skip
         for i, share in enumerate(plan.clients)
@@ -165,6 +165,7 @@ def _simulate(
         "partition": config.partition.kind,
         "rounds_completed": rounds,
         "client_train_sizes": plan.client_sizes(),
+        "client_plan": {plan_client_id(k): k for k in range(len(plan.clients))},
         **{k: final[k] for k in HEADLINE if k in final},
         "held_out": final,
         "untrained": untrained.get("held_out", {}),

@@ -19,6 +19,7 @@ from typing import Any
 from tqdm import tqdm
 
 from fl_secure.config import Config, load_config
+from fl_secure.data.plan import plan_client_id
 from fl_secure.errors import CheckpointError
 from fl_secure.runs import RunDir, new_run_dir, removed_if_setup_fails
 from fl_secure.tls import init_certificates
@@ -70,7 +71,7 @@ def spawn_clients(
     procs = []
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for i in range(num_clients):
-        client_id = f"client-{i}"
+        client_id = plan_client_id(i)
         log_file = (run.path / "logs" / f"{client_id}.log").open("ab")
         procs.append(
             subprocess.Popen(  # noqa: S603 - our own interpreter and module

@@ -8,7 +8,7 @@ from typing import Any
 from fl_secure import __version__
 from fl_secure.algorithms import Strategy
 from fl_secure.config import Config
-from fl_secure.data.plan import FederatedData
+from fl_secure.data.plan import FederatedData, plan_client_id
 from fl_secure.evaluation import per_client_summary
 from fl_secure.training import HEADLINE
 from server.coordinator import Coordinator
@@ -52,6 +52,8 @@ def build_summary(
         **(
             {
                 "client_train_sizes": plan.client_sizes(),
+                # which client id trained on which share of the plan (the audit's ground truth)
+                "client_plan": {plan_client_id(k): k for k in range(len(plan.clients))},
                 "client_identities": [int(len(c.train.identities())) for c in plan.clients],
             }
             if clients_hold_the_plan
@@ -178,7 +180,13 @@ def _secure_aggregation(
         return {
             "scheme": "ckks",
             "server_sees": "CKKS ciphertexts of every update and the sum decrypted by clients "
-            "(any one client colluding with the server can decrypt every update)",
+            "(any one client colluding with the server can decrypt every update)"
+            + (
+                f"; the shared layers outside ckks_layers {list(sa.ckks_layers)} of every "
+                "update in the clear"
+                if sa.ckks_layers
+                else ""
+            ),
             "encrypted_layers": list(sa.ckks_layers) or "all",
             "decryptors": sa.ckks_decryptors,
             **per_round,

@@ -39,6 +39,15 @@ from fl_secure.data.types import FaceDataset
 from fl_secure.errors import DataError
 
 
+def plan_client_id(index: int) -> str:
+    """The id of the client that trains on share ``index`` of the plan.
+
+    Embedded runs spawn their clients under these ids and simulations name them so; a run's
+    ``summary.json`` records the pairing as ``client_plan`` (the audit reads it).
+    """
+    return f"client-{index}"
+
+
 @dataclass(frozen=True)
 class ClientShare:
     """One client's images, split per identity."""
@@ -75,7 +84,7 @@ class FederatedData:
             }
 
         return {
-            "clients": {f"client-{k}": share(c) for k, c in enumerate(self.clients)},
+            "clients": {plan_client_id(k): share(c) for k, c in enumerate(self.clients)},
             "held_out_clients": [share(c) for c in self.held_out_clients],
             "held_out_identities": [int(i) for i in self.held_out.identities()],
         }

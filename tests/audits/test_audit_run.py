@@ -9,11 +9,14 @@ same 10 targets with the same judge in every design.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,12 +24,15 @@ from typing import Any
 import pytest
 
 from audits.canary import clopper_pearson_interval
-from audits.mechanism import Mechanism, audit_mechanism
+from audits.mechanism import Mechanism, audit_mechanism, mechanism_of_run
+from audits.observations import choose_targets, held_heads, load_run, observations
 from audits.run_audit import AuditSettings, audit_run, findings, summary_lines, table_rows
 from audits.simulated import write_simulated_run
+from fl_secure.checkpoints import CheckpointStore
 from fl_secure.cli import main
 from fl_secure.config import config_from_dict
-from fl_secure.errors import ConfigError
+from fl_secure.errors import CheckpointError, ConfigError
+from fl_secure.runs import RunDir
 from privacy.calibration import calibrate_noise
 
 TINY = """
@@ -394,3 +400,172 @@ def test_a_fedaffect_run_is_refused_by_name_before_any_work(tmp_path: Path, caps
         assert "does not support algorithm.name = 'fedaffect'" in err
     assert not (tmp_path / "out").exists()
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.toml"]
+
+
+# ------------------------------------------------- whose heads the server holds (FedGC)
+
+
+@pytest.fixture(scope="module")
+def fedgc_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-round simulated FedGC run: the server holds every client's head."""
+    config = config_from_dict(tomllib.loads(TINY.format(algorithm="fedgc")))
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, rounds=1))
+    return write_simulated_run(config, tmp_path_factory.mktemp("fedgc"))
+
+
+def _copy_with_heads(
+    run: Path, dest: Path, heads: Callable[[dict[str, Any]], dict[str, Any]]
+) -> Path:
+    """``run`` copied to ``dest`` with its final checkpoint's client heads replaced."""
+    shutil.copytree(run, dest)
+    store = CheckpointStore(RunDir(dest).checkpoints)
+    last = store.latest()
+    assert last is not None and last.client_tensors
+    store.save(last.round, last.parameters, {"status": "completed"},
+               client_tensors=heads(last.client_tensors))  # fmt: skip
+    return dest
+
+
+def test_the_summary_pairs_each_client_id_with_its_share_of_the_plan(fedgc_run: Path) -> None:
+    run = load_run(fedgc_run)
+    assert run.summary["client_plan"] == {"client-0": 0, "client-1": 1, "client-2": 2}
+    assert run.client_ids == ["client-0", "client-1", "client-2"]
+    assert held_heads(run) == [0, 1, 2]
+
+
+def test_heads_of_clients_the_run_does_not_pair_with_a_share_are_refused(
+    fedgc_run: Path, tmp_path: Path
+) -> None:
+    renamed = _copy_with_heads(
+        fedgc_run, tmp_path / "renamed", lambda h: {f"site-{c}": t for c, t in h.items()}
+    )
+    with pytest.raises(CheckpointError, match=r"heads of clients \['site-client-0'.*cannot tell"):
+        load_run(renamed)
+
+
+def test_targets_come_from_the_clients_whose_heads_the_server_holds(
+    fedgc_run: Path, tmp_path: Path
+) -> None:
+    # Prepare: client-2 was never sampled, so the server holds no head of it
+    partial = _copy_with_heads(
+        fedgc_run, tmp_path / "partial", lambda h: {c: t for c, t in h.items() if c != "client-2"}
+    )
+    run = load_run(partial)
+    # Execute
+    targets = choose_targets(run, 10)
+    server = observations(run, targets)[0]
+    # Assert: every target is client-1's, and the server's view holds each one's row
+    assert held_heads(run) == [0, 1]
+    assert all(run.owner(t) == 1 for t in targets)
+    assert sorted(server.head_rows) == targets
+    full = load_run(fedgc_run)
+    assert {full.owner(t) for t in choose_targets(full, 10)} == {1, 2}
+
+
+def test_a_head_whose_rows_do_not_fit_its_clients_share_is_refused(
+    fedgc_run: Path, tmp_path: Path
+) -> None:
+    def one_row_short(heads: dict[str, Any]) -> dict[str, Any]:
+        return {
+            c: {n: (a[:-1] if c == "client-1" else a) for n, a in t.items()}
+            for c, t in heads.items()
+        }
+
+    short = _copy_with_heads(fedgc_run, tmp_path / "short", one_row_short)
+    with pytest.raises(CheckpointError, match=r"client-1's head has \d+ rows, .*share 1"):
+        held_heads(load_run(short))
+
+
+def test_a_run_that_does_not_pair_clients_with_shares_is_refused(
+    fedgc_run: Path, tmp_path: Path
+) -> None:
+    # a standalone fl-secure server: sites name themselves, may hold their own data
+    standalone = tmp_path / "standalone"
+    shutil.copytree(fedgc_run, standalone)
+    summary = json.loads((standalone / "summary.json").read_text())
+    del summary["client_plan"]
+    summary["client_train_sizes"] = None
+    (standalone / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(CheckpointError, match="does not record which client trained on which"):
+        load_run(standalone)
+    # written before client_plan was recorded, by an embedded run: the plan's ids
+    summary["client_train_sizes"] = [1, 1, 1]
+    (standalone / "summary.json").write_text(json.dumps(summary))
+    assert load_run(standalone).client_ids == ["client-0", "client-1", "client-2"]
+
+
+def _summary(placement: str, scheme: str, z: float, epsilon: float) -> dict[str, Any]:
+    return {
+        "privacy_unit": "client",
+        "noise_placement": placement,
+        "epsilon": epsilon,
+        "delta": 1e-5,
+        "rounds_completed": 8,
+        "privacy": {"noise_multiplier": z, "clip_norm": 1.0, "aggregate_denominator": 3.0},
+        "secure_aggregation": {"scheme": scheme},
+    }
+
+
+@pytest.mark.parametrize(
+    ("placement", "scheme", "contributors"),
+    [("local", "none", 1), ("local", "secagg", 3), ("distributed", "secagg+", 3),
+     ("central", "none", 0)],
+)  # fmt: skip
+def test_canaries_face_the_noise_of_the_fewest_honest_clients_a_round_has(
+    placement: str, scheme: str, contributors: int
+) -> None:
+    # Prepare: 10 enrolled clients, rounds of at least 3
+    z = calibrate_noise(target_epsilon=8.0, sample_rate=1.0, steps=8, delta=1e-5)
+    summary = _summary(placement, scheme, z, 8.0)
+    # Execute
+    mech = mechanism_of_run(summary, num_clients=10, min_clients=3, rounds=8)
+    found = audit_mechanism(mech, seed=1)
+    # Assert: noise shares of the fewest honest clients, not of all 10 enrolled ones
+    assert mech.honest_clients == contributors
+    assert found["epsilon_lower_bound"] <= 8.0
+    if contributors <= 1 or placement == "distributed":  # z C on the canary, as accounted
+        assert found["epsilon_lower_bound"] > 1.0  # not vacuous (10 shares gave 0.3)
+
+
+def test_an_example_level_run_is_not_called_a_run_without_dp() -> None:
+    summary = {"privacy_unit": "example", "epsilon": 2.0, "delta": 1e-5, "rounds_completed": 4}
+    mech = mechanism_of_run(summary, num_clients=3, min_clients=3, rounds=4)
+    found = audit_mechanism(mech, canaries=200, trials=200, seed=0)
+    assert found["accountant_epsilon"] is None  # no client-level claim to compare with
+    assert found["accountant"].startswith("none at the client level: the run's DP is example")
+
+
+def test_an_example_level_run_gets_no_leakage_figure_from_an_update_without_dp_sgd(
+    fedgc_run: Path, tmp_path: Path
+) -> None:
+    from audits.run_audit import _leakage
+
+    example = tmp_path / "example"
+    shutil.copytree(fedgc_run, example)
+    summary = json.loads((example / "summary.json").read_text())
+    (example / "summary.json").write_text(json.dumps({**summary, "privacy_unit": "example"}))
+    run = load_run(example)
+    server = observations(run, choose_targets(run, 4))[0]
+    assert server.updates == "each client's update"
+    found = _leakage(run, server, SETTINGS)
+    assert found["applicable"] is False and "DP-SGD" in found["why"]
+
+
+@pytest.mark.parametrize(
+    ("encrypted", "server_sees"),
+    [(["backbone.stages"], "each client's update"), (["backbone.embedding"], "only the sum"),
+     ("all", "only the sum")],
+)  # fmt: skip
+def test_layers_ckks_leaves_in_the_clear_are_each_clients_update_to_the_server(
+    fedgc_run: Path, tmp_path: Path, encrypted: Any, server_sees: str
+) -> None:
+    ckks = tmp_path / "ckks"
+    shutil.copytree(fedgc_run, ckks)
+    summary = json.loads((ckks / "summary.json").read_text())
+    summary["secure_aggregation"] = {"scheme": "ckks", "encrypted_layers": encrypted}
+    (ckks / "summary.json").write_text(json.dumps(summary))
+    run = load_run(ckks)
+    server = observations(run, choose_targets(run, 4))[0]
+    assert server.updates == server_sees
+    if server_sees != "only the sum":
+        assert "backbone.embedding.weight" in " ".join(server.sees)
