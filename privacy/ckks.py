@@ -28,10 +28,13 @@ Trust model
 * Do not hand the raw float64 output of CKKS decryption to a party that saw the ciphertexts:
   approximate decryptions leak the decryption noise and with it the key (Li & Micciancio,
   "On the security of homomorphic encryption on approximate numbers", EUROCRYPT 2021).
-  :func:`decrypt_sum` rounds to the layers' dtypes (a float32 keeps a 24-bit mantissa, while
-  the decryption error sits about 2**-30 below values of order 1 at the default scale, so
-  most of it is rounded away), which is a mitigation, not a proof; add noise (e.g. the DP
-  noise of :mod:`privacy.client_level`) before releasing a decrypted aggregate.
+  :func:`decrypt_sum` rounds to the layers' dtypes. That removes the error only where float32's
+  resolution is coarser than it: the absolute decryption error is ~1e-9 at the default scale,
+  so for sums of order 1 about 1% of the float32 outputs still differ from the float32 of the
+  exact sum, but for sums of order 1e-3 (typical updates) about 85% do, and for 1e-5 all of
+  them (measured with 10-50 clients). The rounding is therefore no protection for small
+  updates: add noise (the ``local`` DP placement of :mod:`privacy.client_level`) before a
+  decrypted aggregate is released.
 
 Packing
 -------
