@@ -484,6 +484,13 @@ class Config:
                 "couples the images of a minibatch, so DP-SGD's per-example clipping would not "
                 "bound one image's influence; use privacy.unit = 'client' (DP-FedAvg) or 'none'"
             )
+        if self.algorithm.name == "fedfr" and self.privacy.unit == "example":
+            raise ConfigError(
+                "algorithm.name = 'fedfr' cannot run with privacy.unit = 'example': a target "
+                "client's pseudo labels come from clustering all its images (C-FINCH), so one "
+                "image can change the labels of others and DP-SGD's per-example guarantee does "
+                "not cover it; use privacy.unit = 'client' (DP-FedAvg) or 'none'"
+            )
         if self.partition.kind == "domain" and self.data.source != "synthetic":
             raise ConfigError(
                 "partition.kind = 'domain' needs data.source = 'synthetic': the target domain "

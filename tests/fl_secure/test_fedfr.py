@@ -243,6 +243,12 @@ def test_fedfr_config_checks() -> None:
         config_from_dict(
             {"data": {"source": "folders", "path": "/nowhere"}, "partition": {"kind": "domain"}}
         )
+    # pseudo labels couple a target client's images: DP-SGD's per-example bound misses that
+    fedfr = {"algorithm": {"name": "fedfr"}, "partition": {"kind": "domain"}}
+    with pytest.raises(ConfigError, match="'fedfr' cannot run with privacy.unit = 'example'"):
+        config_from_dict({**fedfr, "privacy": {"unit": "example", "noise_multiplier": 1.0}})
+    client = {"unit": "client", "noise_multiplier": 1.0}
+    assert config_from_dict({**fedfr, "privacy": client}).privacy.unit == "client"
 
 
 def target_update(
