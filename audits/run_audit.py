@@ -107,6 +107,7 @@ class AuditSettings:
             ("restarts", self.restarts, 1),
             ("canaries", self.canaries, 1),
             ("trials", self.trials, 2),
+            ("--seed", self.seed, 0),
         ):
             if value < low:
                 raise ConfigError(f"{name} = {value}: need {name} >= {low}")
@@ -641,6 +642,7 @@ def _audit_held(
         "views": [v.to_dict() for v in views],
         "targets": {
             "count": len(identities),
+            "requested": cfg.targets,  # fewer when fewer identities are outside client 0
             "identities": identities,
             "chosen": "training identities of the clients other than the curious client, "
             "round-robin over the clients",

@@ -68,6 +68,7 @@ class RunConfig:
             "starting with '.' "
             f"or a space (got {self.name!r}; the run directory goes under --out)",
         )
+        _check(0 <= self.seed < 2**63, "run.seed", "an integer in [0, 2**63)")
 
 
 @dataclass(frozen=True)
@@ -501,6 +502,18 @@ class Config:
                 f"server.min_clients = {self.server.min_clients} exceeds "
                 f"partition.num_clients = {self.partition.num_clients}"
             )
+        s = self.server
+        if s.sample_rate == 0 and 0 < s.clients_per_round < s.min_clients:
+            raise ConfigError(
+                f"server.clients_per_round = {s.clients_per_round} is below server.min_clients "
+                f"= {s.min_clients}: no round could ever complete"
+            )
+        if s.sample_rate > 0 and s.clients_per_round > 0:
+            raise ConfigError(
+                "server.sample_rate and server.clients_per_round both set: a cohort is either "
+                "Poisson-sampled (sample_rate) or of fixed size (clients_per_round); set the "
+                "other to 0"
+            )
 
 
 def _check_server_sees_heads(config: Config) -> None:
@@ -567,7 +580,10 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
     if origin in (tuple, list):
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{key} = {value!r}: expected a list")
-        return tuple(value)
+        item = get_args(hint)[0] if get_args(hint) else Any
+        if item is Any:
+            return tuple(value)
+        return tuple(_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value))
     if origin is types.UnionType:
         return value
     if dataclasses.is_dataclass(hint) and isinstance(hint, type):
@@ -642,6 +658,10 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         table = tomllib.loads(p.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p} is not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p} is not a UTF-8 text file (TOML is UTF-8): {exc}") from exc
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {p}: {exc}") from exc
     # Relative data and weight paths: from the config file's folder when written in the file,
     # from the current directory when given with --set.
     base = p.resolve().parent

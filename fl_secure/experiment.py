@@ -107,6 +107,8 @@ def load_experiment(path: str | Path) -> Experiment:
         table = tomllib.loads(p.read_text(encoding="utf-8")).get("experiment")
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p} is not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p} is not a UTF-8 text file (TOML is UTF-8): {exc}") from exc
     if not isinstance(table, dict):
         raise ConfigError(f"{p} has no [experiment] table")
     allowed = {"name", "base", "algorithms", "partitions", "seeds", "set", "far"}
@@ -128,6 +130,9 @@ def load_experiment(path: str | Path) -> Experiment:
                 f"experiment.{key} holds {odd[0]!r}: expected "
                 + ("integers" if kind is int else "strings")
             )
+        repeated = sorted({repr(v) for v in value if value.count(v) > 1})
+        if repeated:  # a repeated cell would count as a second seed in the spread
+            raise ConfigError(f"experiment.{key} repeats {', '.join(repeated)}")
     overrides = table.get("set", [])
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         raise ConfigError('experiment.set must be a list of "section.key=value" strings')
@@ -158,7 +163,10 @@ def run_experiment(
         try:  # the config refuses settings an algorithm would ignore (algorithm.embedding_reg)
             config = load_config(experiment.base, overrides)
         except ConfigError as exc:
-            raise ConfigError(f"algorithm entry {algorithm!r}: {exc}") from exc
+            raise ConfigError(
+                f"cell algorithm {algorithm!r}, partition {partition!r}, seed {seed} "
+                f"(base {experiment.base}, set {list(overrides)}): {exc}"
+            ) from exc
         configs.append((algorithm, partition, seed, config))
     rows: list[dict[str, Any]] = []
     out.mkdir(parents=True, exist_ok=True)

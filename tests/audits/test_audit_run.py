@@ -298,6 +298,7 @@ def test_cli_audit_prints_every_attack_beside_chance(
     [
         (["--targets", "1"], "--targets = 1: need --targets >= 2"),
         (["--steps", "0"], "--steps = 0: need --steps >= 1"),
+        (["--seed", "-1"], "--seed = -1: need --seed >= 0"),
         (["--attack", ","], "--attack names no attack; allowed: inversion, templates, leakage"),
         (["--attack", "pixels,canary,gan"], "unknown attack gan, pixels; allowed: inversion"),
     ],

@@ -208,3 +208,37 @@ def test_timeouts_are_bounded_by_a_week() -> None:
         for bad in ("inf", "nan"):
             with pytest.raises(ConfigError, match=f"{key} = {bad}: expected a finite number"):
                 config_from_dict({}, [f"{key}={bad}"])
+
+
+def test_a_config_that_is_not_utf8_text_is_a_config_error(tmp_path: Path) -> None:
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes(b'[run]\nname = "\xff\xfe"\n')
+    with pytest.raises(ConfigError, match="not a UTF-8 text file"):
+        load_config(latin)
+
+
+def test_list_items_are_checked_by_type() -> None:
+    with pytest.raises(ConfigError, match=r"secure_aggregation.ckks_layers\[0\] = 1: expected a"):
+        config_from_dict({"secure_aggregation": {"scheme": "ckks", "ckks_layers": [1, 2]}})
+    layers = ["backbone.embedding"]
+    found = config_from_dict({"secure_aggregation": {"scheme": "ckks", "ckks_layers": layers}})
+    assert found.secure_aggregation.ckks_layers == ("backbone.embedding",)
+
+
+def test_cohort_settings_that_no_round_could_meet_are_refused() -> None:
+    with pytest.raises(ConfigError, match="clients_per_round = 2 is below server.min_clients = 3"):
+        config_from_dict({"partition": {"num_clients": 4},
+                          "server": {"min_clients": 3, "clients_per_round": 2}})  # fmt: skip
+    with pytest.raises(ConfigError, match="sample_rate and server.clients_per_round both set"):
+        config_from_dict({"partition": {"num_clients": 4},
+                          "server": {"min_clients": 1, "clients_per_round": 2,
+                                     "sample_rate": 0.5}})  # fmt: skip
+    fixed = config_from_dict(
+        {"partition": {"num_clients": 4}, "server": {"min_clients": 3, "clients_per_round": 3}}
+    )
+    assert fixed.server.clients_per_round == 3
+
+
+def test_a_negative_run_seed_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"run.seed: invalid value; allowed: an integer in \[0"):
+        config_from_dict({"run": {"seed": -1}})

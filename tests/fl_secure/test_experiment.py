@@ -99,7 +99,11 @@ def test_variants_are_checked(tmp_path: Path) -> None:
         '[experiment]\nbase = "base.toml"\nalgorithms = ["fedavg+embedding_reg=1"]\n'
         'partitions = ["equal"]\nseeds = [0]\n'
     )
-    with pytest.raises(ConfigError, match="embedding_reg .* hfmaml and hfmaml-global only"):
+    with pytest.raises(
+        ConfigError,
+        match="cell algorithm 'fedavg\\+embedding_reg=1', partition 'equal', seed 0 .*"
+        "embedding_reg .* hfmaml and hfmaml-global only",
+    ):
         run_experiment(load_experiment(tmp_path / "grid.toml"), tmp_path / "out")
     with pytest.raises(ConfigError, match="'alpha' is not key=value"):
         algorithm_overrides("hfmaml+alpha")
@@ -134,6 +138,7 @@ def test_bad_experiment_files_are_refused(tmp_path: Path) -> None:
         ("seeds = [1.5]", "experiment.seeds holds 1.5: expected integers"),
         ('seeds = [0]\nset = "train.rounds=2"', "experiment.set must be a list of"),
         ("seeds = [0]\nset = [3]", "experiment.set must be a list of"),
+        ("seeds = [0, 0]", "experiment.seeds repeats 0"),  # not a spread over two seeds
     ):
         (tmp_path / "d.toml").write_text(good + extra + "\n")
         with pytest.raises(ConfigError, match=message):
