@@ -10,6 +10,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -21,10 +22,11 @@ from fl_secure.algorithms.fedaffect import (
 )
 from fl_secure.checkpoints import CheckpointStore
 from fl_secure.config import Config, config_fingerprint, config_to_toml
+from fl_secure.data.manifest import data_manifest
 from fl_secure.data.plan import FederatedData, plan_federation
 from fl_secure.errors import ConfigError, PrivacyError
 from fl_secure.messages import Tensors, TensorSpec
-from fl_secure.runs import RunDir, atomic_write_bytes
+from fl_secure.runs import RunDir, atomic_write_bytes, read_json_object
 from fl_secure.tls.identity import load_signing_registry
 from fl_secure.training import (
     build_model,
@@ -73,6 +75,30 @@ def make_evaluator(config: Config, plan: FederatedData) -> Callable[[Tensors], d
     return evaluate
 
 
+def _first_data_manifest(run_dir: RunDir, config: Config) -> dict[str, Any]:
+    """The data manifest of the run's first start (a resume keeps it, and notes a change).
+
+    The report states it: the data the run trained on, hashed when it started, not what the
+    folder holds when the report is written.
+    """
+    now = data_manifest(dataclasses.asdict(config.data))
+    previous = run_dir.path / "partition.json"
+    if not previous.is_file():
+        return now
+    recorded = read_json_object(previous, "the run's partition record").get("data_manifest")
+    if not isinstance(recorded, dict):
+        return now
+    if recorded.get("sha256") != now.get("sha256"):
+        log.warning(
+            "the data differ from those the run started with (manifest %s, now %s)",
+            recorded.get("sha256"),
+            now.get("sha256"),
+        )
+        changes = list(recorded.get("changed_on_resume", []))
+        return {**recorded, "changed_on_resume": [*changes, now]}
+    return recorded
+
+
 def build_server(
     config: Config,
     run_dir: RunDir,
@@ -86,7 +112,11 @@ def build_server(
     """Initial shared parameters (same seed as the clients), evaluator and coordinator."""
     strategy = get_strategy(config.algorithm.name, config.algorithm)
     plan = plan or plan_federation(config)
-    manifest = {"kind": config.partition.kind, **plan.manifest()}  # sampled once, kept
+    manifest = {
+        "kind": config.partition.kind,
+        **plan.manifest(),
+        "data_manifest": _first_data_manifest(run_dir, config),
+    }
     atomic_write_bytes(
         run_dir.path / "partition.json", (json.dumps(manifest, indent=1) + "\n").encode()
     )

@@ -71,7 +71,34 @@ def write_report(
             raise ConfigError("PDF output needs Chromium (Debian: apt-get install chromium)")
         print_pdf(out / "report.html", out / "report.pdf", chromium)
         written["pdf"] = out / "report.pdf"
+    files = {p.name for p in written.values()} | set(svgs) | set(images)
+    for name in sorted(_previous_files(out) - files):  # stale: an old PDF, a rerun's grid
+        (out / name).unlink(missing_ok=True)
+    atomic_write_bytes(out / WRITTEN, (json.dumps(sorted(files), indent=1) + "\n").encode())
     return written
+
+
+#: The files the last report wrote into its folder (what the next one replaces or removes).
+WRITTEN = "report-files.json"
+
+
+def _previous_files(out: Path) -> set[str]:
+    """The files the previous report wrote into ``out`` (other files are never touched).
+
+    Once the new report is written, those it did not write again are removed: no stale file
+    (an old PDF, a grid of an audit since rerun) may sit beside a new report.
+    """
+    record = out / WRITTEN
+    names: list[str] = []
+    if record.is_file():
+        try:
+            loaded = json.loads(record.read_text(encoding="utf-8"))
+        except (ValueError, OSError):
+            loaded = []
+        names = [n for n in loaded if isinstance(n, str)] if isinstance(loaded, list) else []
+    else:  # a report folder written before the record existed: its own fixed names
+        names = [f"report.{f}" for f in FORMATS]
+    return {n for n in names if Path(n).name == n and not n.startswith(".") and n != WRITTEN}
 
 
 def _audit_images(run_dir: Path, report: dict[str, Any], include: bool) -> dict[str, bytes]:

@@ -18,6 +18,7 @@ import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fl_secure.data.manifest import data_manifest
 from fl_secure.errors import CheckpointError
 from fl_secure.runs import RunDir, read_json_object
 
@@ -38,12 +39,23 @@ TRUST = {
 HEADLINE = ("tar_at_far_1e-1", "tar_at_far_1e-2", "tar_at_far_1e-3", "rank1", "roc_auc", "eer")
 
 
+#: A final model whose TAR@FAR=1e-2 is not above the initial one's by more than this is
+#: warned about (``no-utility``): a difference this small is within the run-to-run spread of
+#: the small evaluation sets.
+NO_UTILITY_MARGIN = 0.02
+
+
 def build_report(run_dir: Path) -> dict[str, Any]:
     """The report of a run directory as a JSON-ready dict (deterministic for a given run)."""
     run = RunDir(Path(run_dir))
     if not run.config.exists():
         raise CheckpointError(f"{run_dir} is not a run directory (no config.toml)")
     summary = run.read_summary()
+    if summary.get("algorithm") == "centralized":
+        raise CheckpointError(
+            f"{run_dir} is a centralized baseline run (fl-secure train --centralized): no "
+            "federation, no privacy statement or secure aggregation to report"
+        )
     metrics = run.read_metrics()
     config_text = run.config.read_bytes()
     try:
@@ -141,13 +153,49 @@ def _ledger(path: Path, summary: dict[str, Any]) -> tuple[dict[str, Any], list[E
         "delta": delta,
         "noise_distribution": newest.get("noise_distribution"),
         "effective_noise_multiplier": newest.get("effective_noise_multiplier"),
-        "epsilon_by_round": [
-            {"round": e.round, "epsilon": e.payload.get("epsilon"), "at": e.created_at}
-            for e in client_rows
-        ],
+        "epsilon_by_round": _epsilon_by_round(entries),
         "example_level": [example_rows[k] for k in sorted(example_rows)],
         "source": "ledger.sqlite",
     }, entries
+
+
+def _epsilon_by_round(entries: list[Entry]) -> list[dict[str, Any]]:
+    """Epsilon after each round (client level), or the largest client's (example level).
+
+    Example-level rows are each client's running total; a round's is the largest of them.
+    """
+    rows = [
+        {"round": e.round, "epsilon": e.payload.get("epsilon"), "at": e.created_at}
+        for e in entries
+        if e.kind == "client_level"
+    ]
+    if rows:
+        return rows
+    by_round: dict[int, dict[str, Any]] = {}
+    for e in entries:
+        eps = e.payload.get("epsilon")
+        if e.kind != "example_level" or not isinstance(eps, (int, float)):
+            continue
+        best = by_round.get(e.round)
+        if best is None or eps > best["epsilon"]:
+            by_round[e.round] = {"round": e.round, "epsilon": eps, "at": e.created_at}
+    return [by_round[r] for r in sorted(by_round)]
+
+
+def _shared_value(values: list[Any]) -> Any:
+    """The value every client used; None if they differ (the ledger table lists each)."""
+    distinct = {v for v in values if v is not None}
+    return distinct.pop() if len(distinct) == 1 else None
+
+
+def _example_population(summary: dict[str, Any]) -> int | None:
+    """Training images of the smallest client (each client's DP-SGD covers its own)."""
+    sizes = summary.get("client_train_sizes")
+    if not sizes:
+        reported = summary.get("client_reported_examples")
+        sizes = list(reported.values()) if isinstance(reported, dict) else reported
+    counts = [int(n) for n in sizes or [] if isinstance(n, (int, float)) and n > 0]
+    return min(counts) if counts else None
 
 
 def _privacy(
@@ -157,6 +205,19 @@ def _privacy(
     unit = summary.get("privacy_unit", "none")
     placement = summary.get("noise_placement")
     population = summary.get("num_clients")
+    population_of = "clients (enrolled): the unit is a whole client"
+    z, rate = p.get("noise_multiplier"), p.get("client_sample_rate")
+    rounds = p.get("rounds_accounted")
+    if unit == "example":  # each client runs DP-SGD on its own images, and accounts them
+        rows = ledger.get("example_level") or []
+        population = _example_population(summary)
+        population_of = (
+            "training images of the smallest client: the unit is one image, and each "
+            "client's guarantee covers its own images"
+        )
+        z = _shared_value([r.get("noise_multiplier") for r in rows])
+        rate = _shared_value([r.get("sample_rate") for r in rows])
+        rounds = max((r["round"] for r in rows), default=None)
     delta = summary.get("delta")
     kept = ledger.get("epsilon")
     out: dict[str, Any] = {
@@ -168,12 +229,12 @@ def _privacy(
         "noise_placement": placement,
         "noise_placement_trusts": TRUST.get(placement or "", None),
         "clip_norm": p.get("clip_norm"),
-        "noise_multiplier": p.get("noise_multiplier"),
+        "noise_multiplier": z,
         "target_epsilon": p.get("target_epsilon"),
         "sampling": p.get("client_sampling"),
-        "sample_rate": p.get("client_sample_rate"),
+        "sample_rate": rate,
         "sampling_assumption": _sampling_note(p),
-        "rounds_accounted": p.get("rounds_accounted"),
+        "rounds_accounted": rounds,
         "accountant": summary.get("accountant"),
         # the ledger is the record; summary.json's copy is kept beside it (a warning if apart)
         "epsilon": summary.get("epsilon") if kept is None else kept,
@@ -181,6 +242,7 @@ def _privacy(
         "epsilon_source": "summary.json" if kept is None else "ledger.sqlite",
         "delta": delta,
         "population": population,
+        "population_of": population_of,
         "delta_below_one_over_population": (
             None if delta is None or not population else bool(delta < 1.0 / population)
         ),
@@ -309,13 +371,17 @@ def _utility(summary: dict[str, Any], metrics: list[dict[str, Any]]) -> dict[str
         "clients": {
             c: {k: v for k, v in m.items() if k in HEADLINE} for c, m in sorted(clients.items())
         },
-        "clients_spread": {
-            k: v
-            for k, v in (summary.get("clients_summary") or {}).items()
-            if k.rsplit("_", 1)[0] in HEADLINE
-        },
+        "clients_spread": _spread(summary.get("clients_summary")),
+        # the initial model on the same clients' test images (runs without held-out
+        # identities are judged by these two)
+        "untrained_clients_spread": _spread(summary.get("untrained_clients_summary")),
         "source": "summary.json, metrics.jsonl",
     }
+
+
+def _spread(summary: dict[str, Any] | None) -> dict[str, Any]:
+    """The headline figures' across-client mean/std/min/max of a ``*_summary`` block."""
+    return {k: v for k, v in (summary or {}).items() if k.rsplit("_", 1)[0] in HEADLINE}
 
 
 def _provenance(
@@ -329,33 +395,25 @@ def _provenance(
         "started_at": prov.get("started_at"),
         "ended_at": prov.get("ended_at"),
         "config_sha256": hashlib.sha256(config_text).hexdigest(),
-        "data_manifest": _data_manifest(config.get("data", {})),
-        "source": "summary.json (provenance), config.toml",
+        "data_manifest": _recorded_manifest(path, config.get("data", {})),
+        "source": "summary.json (provenance), config.toml, partition.json (data manifest)",
     }
 
 
-def _data_manifest(data: dict[str, Any]) -> dict[str, Any]:
-    """A hash of what the data was, never the images: generator parameters or a file list."""
-    source = data.get("source", "synthetic")
-    if source == "synthetic":
-        text = json.dumps(data, sort_keys=True).encode()
-        return {
-            "kind": "synthetic generator parameters",
-            "sha256": hashlib.sha256(text).hexdigest(),
-        }
-    root = Path(str(data.get("root") or data.get("path") or ""))
-    if not root.is_dir():
-        return {"kind": "files", "sha256": None, "note": f"data folder {root} not readable here"}
-    digest = hashlib.sha256()
-    count = 0
-    for f in sorted(p for p in root.rglob("*") if p.is_file()):
-        digest.update(f.relative_to(root).as_posix().encode() + b"\0")
-        digest.update(hashlib.sha256(f.read_bytes()).digest())
-        count += 1
+def _recorded_manifest(path: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """The data manifest ``partition.json`` recorded when the run started.
+
+    Runs written before it was recorded get one computed now, said as such.
+    """
+    partition = path / "partition.json"
+    if partition.is_file():
+        recorded = read_json_object(partition, "the run's partition record")
+        manifest = recorded.get("data_manifest")
+        if isinstance(manifest, dict):  # with "changed_on_resume" when a resume saw other data
+            return manifest
     return {
-        "kind": "files (relative path + SHA-256 of each)",
-        "files": count,
-        "sha256": digest.hexdigest(),
+        **data_manifest(data),
+        "note": "computed when this report was written: the run recorded no data manifest",
     }
 
 
@@ -384,8 +442,10 @@ def _warnings(
         w.append(
             {
                 "code": "delta-not-below-1-over-n",
-                "message": "delta is not below 1/N for "
-                "the N clients: a mechanism could release one client's data outright.",
+                "message": f"delta = {p['delta']:.3g} is not below 1/N for N = "
+                f"{p['population']} {p.get('population_of', 'clients')}: a mechanism could "
+                f"release one {'image' if p['privacy_unit'] == 'example' else 'client'}'s "
+                "data outright.",
             }
         )
     if report["secure_aggregation"]["scheme"] == "none":
@@ -482,16 +542,21 @@ def _warnings(
                 f"{model.get('checkpoint')} by the ledger.",
             }
         )
-    final = report["utility"]["final"].get("tar_at_far_1e-2")
-    untrained = report["utility"]["untrained"].get("tar_at_far_1e-2")
-    if final is not None and untrained is not None and final <= untrained + 0.02:
+    u = report["utility"]
+    final, untrained = u["final"].get("tar_at_far_1e-2"), u["untrained"].get("tar_at_far_1e-2")
+    where = "held-out identities"
+    if final is None:  # no held-out identities: the clients' own test images
+        final = u["clients_spread"].get("tar_at_far_1e-2_mean")
+        untrained = u.get("untrained_clients_spread", {}).get("tar_at_far_1e-2_mean")
+        where = "the clients' own test images (mean over clients; the run held out no identity)"
+    if final is not None and untrained is not None and final <= untrained + NO_UTILITY_MARGIN:
         w.append(
             {
                 "code": "no-utility",
-                "message": f"The final model is no better than the "
-                f"initial one, {report['utility']['initial_model']}, on held-out identities "
-                f"(TAR@FAR=1e-2 {final:.3f} vs "
-                f"{untrained:.3f}): the privacy noise or the training budget left it unusable.",
+                "message": f"The final model is no better than the initial one, "
+                f"{u['initial_model']}, on {where}: TAR@FAR=1e-2 {final:.3f} vs "
+                f"{untrained:.3f} (within {NO_UTILITY_MARGIN} or below); the privacy noise or "
+                "the training budget left it unusable.",
             }
         )
     audit = report["threat_model"].get("audit")
@@ -534,20 +599,33 @@ def _warnings(
     return w
 
 
+def round_up(value: float, digits: int = 3) -> str:
+    """``value`` to ``digits`` significant digits, rounded up: a stated bound is never lower."""
+    if not (math.isfinite(value) and value > 0):
+        return f"{value:.{digits}g}"
+    step = 10.0 ** (math.floor(math.log10(value)) - digits + 1)
+    return f"{math.ceil(value / step - 1e-9) * step:.{digits}g}"
+
+
 def _plain_summary(report: dict[str, Any]) -> list[str]:
     p, sa, u = report["privacy"], report["secure_aggregation"], report["utility"]
     lines = []
     if p["differential_privacy"] and p["epsilon"] is None:
         lines.append("Differential privacy was configured, but no round was accounted.")
     elif p["differential_privacy"]:
+        unit = "institution" if p["privacy_unit"] == "client" else "face image"
+        change = (
+            f"whether any one {unit} is replaced by another"
+            if p["adjacency"] == "replace-one"
+            else f"whether or not any one {unit} took part"
+        )
         lines.append(
-            f"Training was differentially private at the level of a whole "
-            f"{'institution' if p['privacy_unit'] == 'client' else 'face image'}: with "
-            f"epsilon = {p['epsilon']:.3g} and delta = {p['delta']:.3g} ({p['adjacency']} "
-            f"adjacency, {p['accountant']} accountant), the probability of any outcome of "
-            f"the released models changes by at most a factor e^epsilon = "
-            f"{math.exp(min(p['epsilon'], 700)):.3g} (plus delta) whether or not any one of "
-            "them took part" + (" (a weak bound: epsilon is above 5)." if p["epsilon"] > 5 else ".")
+            f"Training was differentially private at the level of a whole {unit}: with "
+            f"epsilon = {round_up(p['epsilon'])} and delta = {round_up(p['delta'])} "
+            f"({p['adjacency']} adjacency, {p['accountant']} accountant), the probability of "
+            "any outcome of the released models changes by at most a factor e^epsilon = "
+            f"{round_up(math.exp(min(p['epsilon'], 700)))} (plus delta) {change}"
+            + (" (a weak bound: epsilon is above 5)." if p["epsilon"] > 5 else ".")
         )
     else:
         lines.append("Training was not differentially private.")

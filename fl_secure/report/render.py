@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fl_secure.report.build import round_up
+
 #: Where Debian's Chromium lives; PDF output needs it.
 CHROMIUM_CANDIDATES = ("chromium", "chromium-browser", "google-chrome")
 CHROMIUM_FLAGS = (
@@ -156,6 +158,17 @@ def fmt(value: Any) -> str:
     return str(value)
 
 
+def fmt_bound(value: Any) -> str:
+    """An upper bound (epsilon, delta) to 4 significant digits, rounded up, never down."""
+    if isinstance(value, float):
+        return round_up(value, 4)
+    return fmt(value)
+
+
+#: Rows shown with :func:`fmt_bound`: a statement must not round a bound down.
+BOUNDS = frozenset({"epsilon", "delta", "target_epsilon"})
+
+
 PRIVACY_ROWS = (
     ("setting", "Setting"),
     ("privacy_unit", "Privacy unit"),
@@ -180,7 +193,8 @@ PRIVACY_ROWS = (
     ("accountant", "Accountant"),
     ("epsilon", "Epsilon"),
     ("delta", "Delta"),
-    ("population", "Clients N"),
+    ("population", "Population N"),
+    ("population_of", "N counts"),
     ("delta_below_one_over_population", "delta < 1/N"),
     ("released", "What is released"),
     ("hyperparameter_tuning_accounted", "Hyper-parameter tuning accounted"),
@@ -335,6 +349,13 @@ def _client_rows(u: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return ["client", *keys], [[c, *(fmt(m.get(k)) for k in keys)] for c, m in u["clients"].items()]
 
 
+def _spread_rows(u: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The across-client spread of the final model beside the initial model's."""
+    initial = u.get("untrained_clients_spread") or {}
+    rows = [[k, fmt(v), fmt(initial.get(k))] for k, v in sorted(u["clients_spread"].items())]
+    return ["measure", "final model", "initial model"], rows
+
+
 # ------------------------------------------------------------------ HTML
 def render_html(
     report: dict[str, Any], images: dict[str, bytes], svgs: dict[str, str] | None = None
@@ -390,7 +411,8 @@ def render_html(
     parts.append(table(["item", "value"], _run_rows(report["run"])))
 
     def value(name: str, v: Any) -> str:  # shown rounded, exact in data-value
-        return f"<span id='{name}' data-value='{e(json.dumps(v))}'>{e(fmt(v))}</span>"
+        shown = fmt_bound(v) if name in BOUNDS else fmt(v)
+        return f"<span id='{name}' data-value='{e(json.dumps(v))}'>{e(shown)}</span>"
 
     parts.append(
         f"<p class='num'>epsilon = {value('epsilon', p['epsilon'])}, delta = "
@@ -398,7 +420,12 @@ def render_html(
         f"{value('tar', u['final'].get('tar_at_far_1e-2'))}</p>"
     )
     parts.append("<h2>Privacy statement</h2>")
-    parts.append(table(["item", "value"], [[label, fmt(p.get(k))] for k, label in PRIVACY_ROWS]))
+    parts.append(
+        table(
+            ["item", "value"],
+            [[label, (fmt_bound if k in BOUNDS else fmt)(p.get(k))] for k, label in PRIVACY_ROWS],
+        )
+    )
     parts.append("<h2>Privacy ledger</h2>")
     if led.get("present"):
         status = "verified" if led["verified"] else "FAILED: " + "; ".join(led["problems"])
@@ -416,13 +443,23 @@ def render_html(
             parts.append("<h3>Example-level epsilon per client</h3>")
             parts.append(
                 table(
-                    ["client", "round", "epsilon", "delta", "accountant"],
+                    [
+                        "client",
+                        "round",
+                        "epsilon",
+                        "delta",
+                        "noise multiplier z",
+                        "sampling rate q",
+                        "accountant",
+                    ],
                     [
                         [
                             r["client"],
                             fmt(r["round"]),
-                            fmt(r["epsilon"]),
-                            fmt(r["delta"]),
+                            fmt_bound(r["epsilon"]),
+                            fmt_bound(r["delta"]),
+                            fmt(r.get("noise_multiplier")),
+                            fmt(r.get("sample_rate")),
                             fmt(r["accountant"]),
                         ]
                         for r in led["example_level"]
@@ -503,11 +540,7 @@ def render_html(
     if u["clients"]:
         parts.append("<h3>Per-client scores (own test images) and their spread</h3>")
         parts.append(table(*_client_rows(u)))
-        parts.append(
-            table(
-                ["measure", "value"], [[k, fmt(v)] for k, v in sorted(u["clients_spread"].items())]
-            )
-        )
+        parts.append(table(*_spread_rows(u)))
     parts.append("<h2>Provenance</h2>")
     rows = [
         [k, fmt(prov.get(k))]
@@ -548,7 +581,10 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
         "",
         "## Privacy statement",
         "",
-        table(["item", "value"], [[label, fmt(p.get(k))] for k, label in PRIVACY_ROWS]),
+        table(
+            ["item", "value"],
+            [[label, (fmt_bound if k in BOUNDS else fmt)(p.get(k))] for k, label in PRIVACY_ROWS],
+        ),
     ]
     out += ["", "## Privacy ledger", ""]
     if led.get("present"):
@@ -561,9 +597,16 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
             out += [
                 "",
                 table(
-                    ["client", "round", "epsilon", "delta"],
+                    ["client", "round", "epsilon", "delta", "z", "q"],
                     [
-                        [r["client"], fmt(r["round"]), fmt(r["epsilon"]), fmt(r["delta"])]
+                        [
+                            r["client"],
+                            fmt(r["round"]),
+                            fmt_bound(r["epsilon"]),
+                            fmt_bound(r["delta"]),
+                            fmt(r.get("noise_multiplier")),
+                            fmt(r.get("sample_rate")),
+                        ]
                         for r in led["example_level"]
                     ],
                 ),
@@ -624,11 +667,7 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
     if u["clients"]:
         out += ["", "### Per-client scores (own test images) and their spread", ""]
         out += [table(*_client_rows(u)), ""]
-        out += [
-            table(
-                ["measure", "value"], [[k, fmt(v)] for k, v in sorted(u["clients_spread"].items())]
-            )
-        ]
+        out += [table(*_spread_rows(u))]
     prov = report["provenance"]
     out += [
         "",

@@ -535,3 +535,146 @@ def test_pdf_report_is_private_and_replaces_the_old_one_only_when_printed(
         print_pdf(out / "report.html", pdf, str(silent))
     assert pdf.read_bytes() == data  # the earlier PDF is untouched
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+
+
+def _copy_run(run_dir: Path, dest: Path) -> Path:
+    import shutil
+
+    shutil.copytree(run_dir, dest, ignore=shutil.ignore_patterns("report"))
+    return dest
+
+
+def _edit_json(path: Path, change: Any) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def test_the_report_states_the_data_manifest_the_run_recorded_at_its_start(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    partition = json.loads((run_dir / "partition.json").read_text())
+    recorded = partition["data_manifest"]
+    assert recorded["kind"] == "synthetic generator parameters" and len(recorded["sha256"]) == 64
+    assert build_report(run_dir)["provenance"]["data_manifest"] == recorded
+    # the report copies the record; it does not hash whatever is there when it is written
+    copy = _copy_run(run_dir, tmp_path / "run")
+    _edit_json(copy / "partition.json", lambda p: p["data_manifest"].update(sha256="0" * 64))
+    assert build_report(copy)["provenance"]["data_manifest"]["sha256"] == "0" * 64
+    # a run from before the record: computed now, and said so
+    _edit_json(copy / "partition.json", lambda p: p.pop("data_manifest"))
+    now = build_report(copy)["provenance"]["data_manifest"]
+    assert now["note"].startswith("computed when this report was written")
+
+
+def test_a_folder_manifest_hashes_the_images_only_and_a_resume_keeps_the_first(
+    tmp_path: Path,
+) -> None:
+    import dataclasses
+
+    from fl_secure.config import config_from_dict
+    from fl_secure.data.manifest import data_manifest
+    from fl_secure.runs import RunDir
+    from server.setup import _first_data_manifest
+
+    faces = tmp_path / "faces"
+    for who in ("a", "b"):
+        (faces / who).mkdir(parents=True)
+        for k in range(2):
+            (faces / who / f"{k}.pgm").write_bytes(f"P5 1 1 255 {who}{k}".encode())
+    data = {"source": "folders", "path": str(faces)}
+    first = data_manifest(data)
+    assert first["files"] == 4
+    (faces / "README").write_text("not an image")
+    assert data_manifest(data) == first  # other files are not data
+    config = config_from_dict({"data": {**data, "min_images_per_identity": 1}})
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    manifest = _first_data_manifest(run, config)
+    assert manifest == data_manifest(dataclasses.asdict(config.data))
+    (run.path / "partition.json").write_text(json.dumps({"data_manifest": manifest}))
+    (faces / "b" / "2.pgm").write_bytes(b"P5 1 1 255 new")
+    resumed = _first_data_manifest(run, config)
+    assert resumed["sha256"] == manifest["sha256"]  # the run started on these
+    assert resumed["changed_on_resume"][0]["files"] == 5
+
+
+def test_an_example_level_statement_counts_images_and_states_z_and_q(run_dir: Path) -> None:
+    from fl_secure.report.build import _privacy, _warnings
+
+    summary = {
+        "privacy_unit": "example", "noise_placement": "local", "num_clients": 3,
+        "delta": 0.05, "epsilon": 7.9, "client_train_sizes": [72, 90, 80],
+        "privacy": {"adjacency": "add/remove", "clip_norm": 1.0, "target_epsilon": 8.0},
+    }  # fmt: skip
+    rows = [
+        {"client": c, "round": 2, "epsilon": 7.9, "delta": 0.05, "noise_multiplier": 0.35,
+         "sample_rate": 0.22, "accountant": "prv"} for c in ("client-0", "client-1", "client-2")
+    ]  # fmt: skip
+    p = _privacy(summary, {}, {"example_level": rows, "epsilon": 7.9})
+    assert p["population"] == 72 and p["population_of"].startswith("training images")
+    assert p["delta_below_one_over_population"] is False  # 0.05 > 1/72, though > 1/3 too
+    assert (p["noise_multiplier"], p["sample_rate"], p["rounds_accounted"]) == (0.35, 0.22, 2)
+    rows[1]["noise_multiplier"] = 0.4  # clients differ: no single z stated
+    assert _privacy(summary, {}, {"example_level": rows})["noise_multiplier"] is None
+    report = build_report(run_dir)
+    report["privacy"] = p
+    (warning,) = [w for w in _warnings(report, {}) if w["code"] == "delta-not-below-1-over-n"]
+    assert "N = 72 training images of the smallest client" in warning["message"]
+    assert "one image's data" in warning["message"]
+
+
+def test_the_plain_summary_states_the_adjacency_and_rounds_bounds_up(run_dir: Path) -> None:
+    from fl_secure.report.build import _plain_summary
+    from fl_secure.report.render import fmt_bound
+
+    report = build_report(run_dir)
+    report["privacy"].update(epsilon=7.9641, adjacency="add/remove")
+    (line,) = [x for x in _plain_summary(report) if x.startswith("Training was")]
+    assert "epsilon = 7.97 " in line and "whether or not any one institution took part" in line
+    report["privacy"]["adjacency"] = "replace-one"
+    (line,) = [x for x in _plain_summary(report) if x.startswith("Training was")]
+    assert "whether any one institution is replaced by another" in line
+    assert "took part" not in line
+    assert fmt_bound(7.96875) == "7.969" and fmt_bound(7.9641) == "7.965"
+    assert fmt_bound(1e-5) == "1e-05"
+
+
+def test_a_run_without_held_out_identities_is_judged_on_the_clients_test_images(
+    run_dir: Path,
+) -> None:
+    from fl_secure.report.build import _warnings
+
+    report = build_report(run_dir)
+    u = report["utility"]
+    u["final"], u["untrained"] = {}, {}
+    u["clients_spread"] = {"tar_at_far_1e-2_mean": 0.175}
+    u["untrained_clients_spread"] = {"tar_at_far_1e-2_mean": 0.175}
+    warned = {w["code"]: w["message"] for w in _warnings(report, {})}
+    assert "the clients' own test images" in warned["no-utility"]
+    u["clients_spread"]["tar_at_far_1e-2_mean"] = 0.5
+    assert "no-utility" not in {w["code"] for w in _warnings(report, {})}
+
+
+def test_a_centralized_baseline_gets_no_compliance_report(run_dir: Path, tmp_path: Path) -> None:
+    copy = _copy_run(run_dir, tmp_path / "run")
+    _edit_json(copy / "summary.json", lambda s: s.update(algorithm="centralized"))
+    with pytest.raises(FlSecureError, match="centralized baseline run"):
+        build_report(copy)
+
+
+def test_a_new_report_removes_the_files_the_previous_one_wrote_only(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "report"
+    write_report(run_dir, ["html", "md", "json"], out=out)
+    (out / "notes.txt").write_text("the regulator's notes")
+    assert {"report.html", "report.md", "report.json"} <= {p.name for p in out.iterdir()}
+    # Execute: a JSON-only report
+    write_report(run_dir, ["json"], out=out)
+    # Assert: no page of the earlier report is left beside it; other files are kept
+    names = {p.name for p in out.iterdir()}
+    assert "report.html" not in names and "report.md" not in names
+    assert {"report.json", "notes.txt", "report-files.json"} <= names
+    listed = json.loads((out / "report-files.json").read_text())
+    assert "report.json" in listed and "notes.txt" not in listed
