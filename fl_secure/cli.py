@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -112,6 +113,15 @@ def cmd_train(args: argparse.Namespace) -> int:
             "--centralized trains the pooled baseline, which has no parties to attack and no "
             "privacy statement to report"
         )
+    if config is not None and not args.centralized:
+        p = config.privacy
+        if p.unit == "client" and p.delta >= 1.0 / config.partition.num_clients:
+            log.warning(
+                "privacy.delta = %g is not below 1/N for the N = %d clients: a mechanism with "
+                "this delta could release one client's data outright (the report will warn)",
+                p.delta,
+                config.partition.num_clients,
+            )
     _torch_threads(config.train.threads if config is not None else 1)
     if args.centralized:
         from fl_secure.centralized import run_centralized
@@ -194,16 +204,32 @@ def _report(summary: dict[str, Any], run_dir: Path, as_json: bool) -> int:
                 f"(mean ± std across clients, own test images){extra}"
             )
     if summary.get("privacy_unit") not in (None, "none"):
+        eps = summary["epsilon"]
+        shown = "none accounted" if eps is None else f"{math.ceil(eps * 1e4 - 1e-9) / 1e4:.4f}"
         print(
-            f"privacy: ({summary['epsilon']:.4f}, {summary['delta']:g})-DP at the "
+            f"privacy: ({shown}, {summary['delta']:g})-DP at the "
             f"{summary['privacy_unit']} level, {summary.get('privacy', {}).get('adjacency', '')} "
             f"adjacency, {summary['accountant']} accountant, noise placement "
             f"{summary['noise_placement']}; ledger: {run_dir / 'ledger.sqlite'}"
         )
+        n, what = _delta_population(summary)
+        if n and summary["delta"] >= 1.0 / n:
+            print(
+                f"  warning: delta = {summary['delta']:g} is not below 1/N for N = {n} {what}: "
+                "the guarantee allows one of them to be released outright"
+            )
     else:
         print("privacy: none (no differential privacy in this run)")
     print(f"run directory: {run_dir}")
     return 0
+
+
+def _delta_population(summary: dict[str, Any]) -> tuple[int | None, str]:
+    """N of the delta < 1/N rule: clients, or the smallest client's images (example level)."""
+    if summary.get("privacy_unit") == "example":
+        sizes = [n for n in summary.get("client_train_sizes") or [] if n]
+        return (min(sizes) if sizes else None), "training images (smallest client)"
+    return summary.get("num_clients"), "clients"
 
 
 def cmd_server(args: argparse.Namespace) -> int:

@@ -37,3 +37,48 @@ def test_fedaffect_prints_expression_accuracy_beside_the_majority_class(
     out = capsys.readouterr().out
     assert "expression accuracy: 0.3536   (always the most frequent expression: 0.3536)" in out
     assert "(untrained: 0.2000)" in out and "no better than always answering" in out
+
+
+def _private(**extra: object) -> dict[str, object]:
+    return {
+        "status": "completed", "privacy_unit": "client", "epsilon": 7.96871, "delta": 1e-5,
+        "accountant": "pld", "noise_placement": "central", "num_clients": 3,
+        "privacy": {"adjacency": "add/remove"}, **extra,
+    }  # fmt: skip
+
+
+def test_the_stated_epsilon_is_rounded_up(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _report(_private(), Path("run"), as_json=False) == 0
+    out = capsys.readouterr().out
+    assert "privacy: (7.9688, 1e-05)-DP at the client level" in out  # 7.96871, never 7.9687
+    assert "warning: delta" not in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [({"delta": 0.5}, "delta = 0.5 is not below 1/N for N = 3 clients"),
+     ({"delta": 0.05, "privacy_unit": "example", "client_train_sizes": [72, 90]},
+      "delta = 0.05 is not below 1/N for N = 72 training images (smallest client)")],
+)  # fmt: skip
+def test_a_delta_not_below_one_over_n_is_warned_of(
+    extra: dict[str, object], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _report(_private(**extra), Path("run"), as_json=False) == 0
+    assert f"warning: {expected}" in capsys.readouterr().out
+
+
+def test_training_warns_of_such_a_delta_before_it_starts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from fl_secure.cli import main
+
+    config = tmp_path / "c.toml"
+    config.write_text(
+        "[partition]\nnum_clients = 3\n[server]\nmin_clients = 3\n"
+        '[privacy]\nunit = "client"\nnoise_multiplier = 1.0\ndelta = 0.5\n'
+    )
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")  # --out cannot be made: the run stops right after the checks
+    with caplog.at_level("WARNING"):
+        main(["train", "--config", str(config), "--out", str(blocker / "runs"), "--quiet"])
+    assert "privacy.delta = 0.5 is not below 1/N for the N = 3 clients" in caplog.text
