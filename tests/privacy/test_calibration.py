@@ -144,3 +144,31 @@ def test_cli_validation_names_the_flag(
     with pytest.raises(SystemExit):
         _parser().parse_args(argv)
     assert f"{flag} must be" in capsys.readouterr().err
+
+
+def test_a_schedule_with_no_guarantee_is_refused_before_pld_builds_its_grid(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # z = 1 on every example for 10^8 steps: RDP bounds epsilon by 5.5e7; PLD would take
+    # hundreds of GB to say so exactly
+    argv = [
+        "privacy",
+        "epsilon",
+        "--noise-multiplier",
+        "1",
+        "--sample-rate",
+        "1",
+        "--delta",
+        "1e-5",
+    ]
+    args = _parser().parse_args([*argv, "--steps", "100000000", "--accountant", "pld"])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert "epsilon > 1000 (RDP bound 5.5e+07): no guarantee at all" in err
+    rdp = epsilon_for(accountant="rdp", noise_multiplier=1.0, sample_rate=1.0,
+                      steps=100_000_000, delta=DELTA)  # fmt: skip
+    assert rdp == pytest.approx(5.5e7, rel=1e-3)
+    # calibration still finds the noise such schedules need
+    z = calibrate_noise(target_epsilon=8.0, sample_rate=1.0, steps=100_000, delta=DELTA)
+    assert epsilon_for(accountant="pld", noise_multiplier=z, sample_rate=1.0,
+                       steps=100_000, delta=DELTA) <= 8.0  # fmt: skip
