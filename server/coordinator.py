@@ -331,9 +331,14 @@ class Coordinator:
             rnd = self._check_member(client_id, header.round, header.nonce)
             if client_id not in rnd.pending or client_id in rnd.uploading:
                 raise ProtocolError(f"client {client_id} already submitted in round {rnd.number}")
-            if header.num_examples <= 0:
-                raise ProtocolError("num_examples must be positive")
             train = rnd.kind is TaskKind.TRAIN
+            # an evaluation by a client without test images (every identity had a single
+            # image) scores nothing: 0 is its honest count; a training update needs examples
+            if header.num_examples < 0 or (train and header.num_examples == 0):
+                raise ProtocolError(
+                    f"num_examples must be {'positive' if train else '>= 0'}, got "
+                    f"{header.num_examples}"
+                )
             expected = self.specs if train else []
             if train and rnd.secure is not None:
                 expected = rnd.secure.upload_specs

@@ -191,7 +191,7 @@ def test_upload_checks(tmp_path: Path) -> None:
         coord.open_upload("c0", UpdateHeader(task.round, task.nonce, 1, {}, 2, 10**9))
     with pytest.raises(ProtocolError, match="announces 5 tensors"):
         coord.open_upload("c0", UpdateHeader(task.round, task.nonce, 1, {}, 5, 28))
-    with pytest.raises(ProtocolError, match="num_examples"):
+    with pytest.raises(ProtocolError, match="num_examples must be positive, got 0"):
         coord.open_upload("c0", UpdateHeader(task.round, task.nonce, 0, {}, 2, 28))
     coord.stop("test over")
     driver.join(timeout=30)
@@ -338,3 +338,25 @@ def test_abort_after_too_small_cohorts_says_so(tmp_path: Path) -> None:
         "round 1 aborted: fewer than 2 updates after 2 attempts; "
         "in the last attempt the sampled cohort had 0 clients"
     )
+
+
+def test_a_client_without_test_images_may_report_an_empty_evaluation(tmp_path: Path) -> None:
+    # Prepare: round 0 asks the clients to score the initial model on their test images
+    coord = _coordinator(tmp_path, rounds=1, min_clients=2, final_evaluation=True)
+    for c in ("c0", "c1", "c2"):
+        coord.join(c, 10)
+    driver = threading.Thread(target=coord.run)
+    driver.start()
+    task = coord.poll("c0", 0)
+    while task.kind is not TaskKind.EVALUATE:
+        task = coord.poll("c0", 0)
+    # Execute / Assert: 0 test images is an honest count for an evaluation, -1 is not
+    with pytest.raises(ProtocolError, match="num_examples must be >= 0, got -1"):
+        coord.open_upload("c0", UpdateHeader(task.round, task.nonce, -1, {}, 0, 0))
+    ticket = coord.open_upload("c0", UpdateHeader(task.round, task.nonce, 0, {}, 0, 0))
+    try:
+        coord.commit_upload(ticket, OrderedDict())
+    finally:
+        coord.release_upload(ticket)
+    coord.stop("test over")
+    driver.join(timeout=30)
