@@ -156,6 +156,16 @@ class ServerPrivacy:
             return self._stop_message(round_, worst, f"client {who}")
         return None
 
+    def first_round_over_budget(self) -> float | None:
+        """On a fresh client-level ledger: round 1's epsilon if it passes the budget, else None.
+
+        A fixed ``noise_multiplier`` too small for ``target_epsilon`` would otherwise start a
+        run that stops before its first round with the untrained model.
+        """
+        if self.unit != "client" or self._client_history or self.budget_stop(1) is None:
+            return None
+        return self._epsilon_of([self._client_event()])
+
     def _stop_message(self, round_: int, after: float, whose: str) -> str:
         return (
             f"privacy budget reached: round {round_} would bring {whose}'s epsilon to "

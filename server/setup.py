@@ -152,6 +152,14 @@ def build_server(
         source=noise or _noise_source(config, "server"),
         min_survivors=s.min_clients,
     )
+    over = privacy.first_round_over_budget() if privacy is not None else None
+    if over is not None:
+        raise ConfigError(
+            f"privacy.noise_multiplier = {config.privacy.noise_multiplier:g} cannot pay for a "
+            f"single round within privacy.target_epsilon = {config.privacy.target_epsilon:g}: "
+            f"round 1 alone spends epsilon {over:.4g} (delta {config.privacy.delta:g}); raise "
+            "the noise multiplier, or leave it at 0 to calibrate it to the target"
+        )
     _check_encoding_range(config, privacy, sum(a.size for a in initial.values()), len(enrolled))
     sent = _config_for_clients(config, privacy)
     registry = _signing_registry(config, cert_dir, enrolled)

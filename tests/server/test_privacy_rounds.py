@@ -230,6 +230,24 @@ def test_example_level_dp_refuses_a_batchnorm_backbone_before_training(tmp_path:
         build_server(config, RunDir(tmp_path), enrolled={"client-0", "client-1"})
 
 
+def test_a_fixed_noise_that_cannot_pay_for_one_round_is_refused_before_the_run(
+    tmp_path: Path,
+) -> None:
+    from fl_secure.errors import ConfigError
+    from privacy.calibration import epsilon_for
+    from server.setup import build_server
+
+    privacy = {"unit": "client", "noise_multiplier": 0.5, "target_epsilon": 1.0}
+    config = _two_client_config("cnn-small", privacy)
+    one_round = epsilon_for(accountant="pld", noise_multiplier=0.5, sample_rate=1.0, steps=1,
+                            delta=1e-5)  # fmt: skip
+    assert one_round > 1.0
+    with pytest.raises(ConfigError, match=f"round 1 alone spends epsilon {one_round:.4g}"):
+        build_server(config, RunDir(tmp_path), enrolled={"client-0", "client-1"})
+    enough = _two_client_config("cnn-small", {**privacy, "noise_multiplier": 8.0})
+    assert build_server(enough, RunDir(tmp_path / "ok"), enrolled={"client-0", "client-1"})
+
+
 def test_a_bad_private_config_leaves_no_run_directory(tmp_path: Path) -> None:
     # local noise under secure aggregation with a fixed-point range too small for it
     from fl_secure.config import load_config
