@@ -362,6 +362,12 @@ class PrivacyConfig:
             "privacy.max_physical_batch_size",
             "an integer >= 1",
         )
+        if self.unit == "example" and self.noise_placement != "local":
+            raise ConfigError(
+                f"privacy.noise_placement = {self.noise_placement!r} with privacy.unit = "
+                "'example': DP-SGD adds its noise on each client, in every step; the "
+                "placements 'distributed' and 'central' are for client-level DP"
+            )
         if self.unit != "none" and self.noise_multiplier == 0 and self.target_epsilon == 0:
             raise ConfigError(
                 f"privacy.unit = {self.unit!r} needs privacy.noise_multiplier > 0 or "

@@ -128,6 +128,10 @@ def test_privacy_section_is_validated_with_clear_errors() -> None:
     wide = {"scheme": "secagg", "modulus_bits": 63}
     with pytest.raises(ConfigError, match="modulus_bits = 63: .*'distributed'.*<= 62"):
         config_from_dict({"privacy": distributed, "secure_aggregation": wide})
+    # DP-SGD noises on the client: a placement for client-level DP is not silently ignored
+    example = {"unit": "example", "noise_multiplier": 1.0, "noise_placement": "central"}
+    with pytest.raises(ConfigError, match="'central' with privacy.unit = 'example': DP-SGD"):
+        config_from_dict({"privacy": example})
     # CKKS decryptors are clients: central noise, added after decryption, is refused
     central = {"unit": "client", "noise_placement": "central", "target_epsilon": 8}
     with pytest.raises(ConfigError, match="'central' with .*'ckks'.*un-noised sum"):
