@@ -145,6 +145,11 @@ class HFMAML(Strategy):
         """``local_steps`` (or epochs x batches / 3) HF-MAML steps on disjoint batch triples."""
         model.train()
         n = len(data.train)
+        if n < 3:
+            raise ValueError(
+                f"HF-MAML needs at least 3 training images on a client (three disjoint batches "
+                f"D, D', D'' per step, Eq. 2-3); this client has {n}"
+            )
         batch = max(1, min(training.batch_size, n // 3))
         steps = training.local_steps or max(1, training.local_epochs * (n // (3 * batch)))
         frozen = None

@@ -122,3 +122,20 @@ def test_registry_and_absent_classes_stay_frozen() -> None:
     assert torch.equal(after[~mask], before[~mask])
     assert not torch.equal(after[mask], before[mask])
     assert metrics["local_steps"] == 3.0 and np.isfinite(metrics["train_loss"])
+
+
+def test_a_client_with_fewer_than_three_images_is_named() -> None:
+    import pytest
+
+    from fl_secure.data.types import FaceDataset
+    from fl_secure.messages import LocalTraining
+    from fl_secure.training import LocalData
+
+    strategy = get_strategy("hfmaml", AlgorithmConfig(name="hfmaml"))
+    model = build_model(CFG, 2, 32, seed=0)
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    data = FaceDataset(images=images, labels=torch.tensor([0, 1]), identity_names=["a", "b"])
+    local = LocalData(train=data, test=data, train_targets=data.labels, class_mask=None)
+    with pytest.raises(ValueError, match="at least 3 training images .* this client has 2"):
+        strategy.local_train(model, local, LocalTraining(local_steps=1, batch_size=4),
+                             generator=torch.Generator().manual_seed(0))  # fmt: skip
