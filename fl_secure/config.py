@@ -180,6 +180,8 @@ class AlgorithmConfig:
     """Federated algorithm."""
 
     name: AlgorithmName = "fedpe"
+    # hfmaml: its step sizes are these two (plain SGD steps, Eq. 1-2), constant over the
+    # rounds; train.lr, train.optimizer and train.lr_schedule do not apply to HF-MAML
     alpha: float = 0.01  # hfmaml: inner step (Eq. 2)
     beta: float = 0.1  # hfmaml: outer step (Eq. 1)
     delta: float = 0.001  # hfmaml: finite-difference width (Eq. 3)
