@@ -349,6 +349,23 @@ def _client_rows(u: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return ["client", *keys], [[c, *(fmt(m.get(k)) for k in keys)] for c, m in u["clients"].items()]
 
 
+def _privacy_rows(p: dict[str, Any]) -> list[list[str]]:
+    """The privacy statement's rows; bounds (epsilon, delta) rounded up."""
+    return [[label, (fmt_bound if k in BOUNDS else fmt)(p.get(k))] for k, label in PRIVACY_ROWS]
+
+
+def _example_rows(led: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Each client's example-level epsilon (running total) with its DP-SGD settings."""
+    header = ["client", "round", "epsilon", "delta", "noise multiplier z", "sampling rate q",
+              "accountant"]  # fmt: skip
+    rows = [
+        [r["client"], fmt(r["round"]), fmt_bound(r["epsilon"]), fmt_bound(r["delta"]),
+         fmt(r.get("noise_multiplier")), fmt(r.get("sample_rate")), fmt(r.get("accountant"))]
+        for r in led["example_level"]
+    ]  # fmt: skip
+    return header, rows
+
+
 def _spread_rows(u: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """The across-client spread of the final model beside the initial model's."""
     initial = u.get("untrained_clients_spread") or {}
@@ -423,7 +440,7 @@ def render_html(
     parts.append(
         table(
             ["item", "value"],
-            [[label, (fmt_bound if k in BOUNDS else fmt)(p.get(k))] for k, label in PRIVACY_ROWS],
+            _privacy_rows(p),
         )
     )
     parts.append("<h2>Privacy ledger</h2>")
@@ -441,31 +458,7 @@ def render_html(
         )
         if led["example_level"]:
             parts.append("<h3>Example-level epsilon per client</h3>")
-            parts.append(
-                table(
-                    [
-                        "client",
-                        "round",
-                        "epsilon",
-                        "delta",
-                        "noise multiplier z",
-                        "sampling rate q",
-                        "accountant",
-                    ],
-                    [
-                        [
-                            r["client"],
-                            fmt(r["round"]),
-                            fmt_bound(r["epsilon"]),
-                            fmt_bound(r["delta"]),
-                            fmt(r.get("noise_multiplier")),
-                            fmt(r.get("sample_rate")),
-                            fmt(r["accountant"]),
-                        ]
-                        for r in led["example_level"]
-                    ],
-                )
-            )
+            parts.append(table(*_example_rows(led)))
     else:
         parts.append(f"<p>{e(_no_ledger(led))}</p>")
     parts.append("<h2>Secure aggregation</h2>")
@@ -583,7 +576,7 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
         "",
         table(
             ["item", "value"],
-            [[label, (fmt_bound if k in BOUNDS else fmt)(p.get(k))] for k, label in PRIVACY_ROWS],
+            _privacy_rows(p),
         ),
     ]
     out += ["", "## Privacy ledger", ""]
@@ -596,20 +589,7 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
         if led["example_level"]:
             out += [
                 "",
-                table(
-                    ["client", "round", "epsilon", "delta", "z", "q"],
-                    [
-                        [
-                            r["client"],
-                            fmt(r["round"]),
-                            fmt_bound(r["epsilon"]),
-                            fmt_bound(r["delta"]),
-                            fmt(r.get("noise_multiplier")),
-                            fmt(r.get("sample_rate")),
-                        ]
-                        for r in led["example_level"]
-                    ],
-                ),
+                table(*_example_rows(led)),
             ]
     else:
         out.append(_no_ledger(led))

@@ -433,6 +433,19 @@ def _copy_with_heads(
     return dest
 
 
+def _copy_with_summary(run: Path, dest: Path, **changes: Any) -> Path:
+    """``run`` copied to ``dest`` with keys of its summary.json set (``None``: removed)."""
+    shutil.copytree(run, dest)
+    summary = json.loads((dest / "summary.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            summary.pop(key, None)
+        else:
+            summary[key] = value
+    (dest / "summary.json").write_text(json.dumps(summary))
+    return dest
+
+
 def test_the_summary_pairs_each_client_id_with_its_share_of_the_plan(fedgc_run: Path) -> None:
     run = load_run(fedgc_run)
     assert run.summary["client_plan"] == {"client-0": 0, "client-1": 1, "client-2": 2}
@@ -487,18 +500,14 @@ def test_a_run_that_does_not_pair_clients_with_shares_is_refused(
     fedgc_run: Path, tmp_path: Path
 ) -> None:
     # a standalone fl-secure server: sites name themselves, may hold their own data
-    standalone = tmp_path / "standalone"
-    shutil.copytree(fedgc_run, standalone)
-    summary = json.loads((standalone / "summary.json").read_text())
-    del summary["client_plan"]
-    summary["client_train_sizes"] = None
-    (standalone / "summary.json").write_text(json.dumps(summary))
+    standalone = _copy_with_summary(
+        fedgc_run, tmp_path / "standalone", client_plan=None, client_train_sizes=None
+    )
     with pytest.raises(CheckpointError, match="does not record which client trained on which"):
         load_run(standalone)
     # written before client_plan was recorded, by an embedded run: the plan's ids
-    summary["client_train_sizes"] = [1, 1, 1]
-    (standalone / "summary.json").write_text(json.dumps(summary))
-    assert load_run(standalone).client_ids == ["client-0", "client-1", "client-2"]
+    older = _copy_with_summary(fedgc_run, tmp_path / "older", client_plan=None)
+    assert load_run(older).client_ids == ["client-0", "client-1", "client-2"]
 
 
 def _summary(placement: str, scheme: str, z: float, epsilon: float) -> dict[str, Any]:
@@ -547,11 +556,7 @@ def test_an_example_level_run_gets_no_leakage_figure_from_an_update_without_dp_s
 ) -> None:
     from audits.run_audit import _leakage
 
-    example = tmp_path / "example"
-    shutil.copytree(fedgc_run, example)
-    summary = json.loads((example / "summary.json").read_text())
-    (example / "summary.json").write_text(json.dumps({**summary, "privacy_unit": "example"}))
-    run = load_run(example)
+    run = load_run(_copy_with_summary(fedgc_run, tmp_path / "example", privacy_unit="example"))
     server = observations(run, choose_targets(run, 4))[0]
     assert server.updates == "each client's update"
     found = _leakage(run, server, SETTINGS)
@@ -566,12 +571,8 @@ def test_an_example_level_run_gets_no_leakage_figure_from_an_update_without_dp_s
 def test_layers_ckks_leaves_in_the_clear_are_each_clients_update_to_the_server(
     fedgc_run: Path, tmp_path: Path, encrypted: Any, server_sees: str
 ) -> None:
-    ckks = tmp_path / "ckks"
-    shutil.copytree(fedgc_run, ckks)
-    summary = json.loads((ckks / "summary.json").read_text())
-    summary["secure_aggregation"] = {"scheme": "ckks", "encrypted_layers": encrypted}
-    (ckks / "summary.json").write_text(json.dumps(summary))
-    run = load_run(ckks)
+    sa = {"scheme": "ckks", "encrypted_layers": encrypted}
+    run = load_run(_copy_with_summary(fedgc_run, tmp_path / "ckks", secure_aggregation=sa))
     server = observations(run, choose_targets(run, 4))[0]
     assert server.updates == server_sees
     if server_sees != "only the sum":
