@@ -23,7 +23,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from client.trainer import LocalTrainer
 from fl_secure import __version__, serde
+from fl_secure.config import Config
 from fl_secure.errors import (
+    ConfigError,
     FlSecureError,
     PrivacyError,
     ProtocolError,
@@ -122,13 +124,16 @@ class FlClient:
         self._attend: Any = None  # the open attendance call of the current secure round
         self.last_round = 0
         self.rounds_done = 0
+        #: The run config of the first join: every later round's protection is held to it.
+        self._run_config: Config | None = None
+        self._run_config_toml: str | None = None
+        self._unreachable_since: float | None = None  # start of the current outage
         self._metadata = ((INSECURE_ID_HEADER, conn.client_id),) if conn.insecure else ()
 
     def run(self) -> str:
         """Loop until FINISHED; return the server's closing message."""
         retain_freed_memory()  # reuse each round's buffers (fl_secure/memory.py)
         backoff = Backoff()
-        unreachable_since: float | None = None
         while True:
             channel = open_channel(self.conn)
             try:
@@ -140,9 +145,10 @@ class FlClient:
                 if code not in _RETRYABLE:
                     raise
                 now = time.monotonic()
-                first = unreachable_since is None
-                unreachable_since = unreachable_since or now
-                if now - unreachable_since > self.max_wait:
+                first = self._unreachable_since is None
+                if self._unreachable_since is None:
+                    self._unreachable_since = now
+                if now - self._unreachable_since > self.max_wait:
                     raise
                 delay = backoff.next_delay()
                 log.log(
@@ -170,6 +176,8 @@ class FlClient:
             raise TlsError(
                 f"server knows this client as {reply.client_id!r}, not {self.conn.client_id!r}"
             )
+        self._hold_run_config(reply.run_config_toml)
+        self._unreachable_since = None  # reached: a later outage gets max_wait of its own
         self._load_signing_keys(reply.run_config_toml)
         if self.trainer is None:
             self.trainer = self.trainer_factory(reply)
@@ -194,6 +202,35 @@ class FlClient:
             if task.kind is TaskKind.WAIT:
                 continue  # the server long-polls; ask again at once
             self._do_task(stub, task)
+
+    def _hold_run_config(self, run_config_toml: str) -> None:
+        """Keep the run config of the first join; refuse another one on a later join.
+
+        Each round's secure-aggregation setup is then checked against it
+        (:func:`privacy.secagg_session.check_setup`), so a later message cannot weaken the
+        protection this client joined under (drop the masking or the noise, lower the
+        threshold).
+
+        Raises:
+            ConfigError: the config is not valid.
+            ProtocolError: the server sends another config than at the first join.
+        """
+        import tomllib
+
+        from fl_secure.config import config_from_dict
+
+        if self._run_config_toml is not None:
+            if run_config_toml != self._run_config_toml:
+                raise ProtocolError(
+                    "the server's run config differs from the one this client joined under; "
+                    "restart the client to join the new run"
+                )
+            return
+        try:
+            config = config_from_dict(tomllib.loads(run_config_toml))
+        except (tomllib.TOMLDecodeError, FlSecureError) as exc:
+            raise ConfigError(f"the server sent an invalid run config: {exc}") from exc
+        self._run_config, self._run_config_toml = config, run_config_toml
 
     def _load_signing_keys(self, run_config_toml: str) -> None:
         """Load this site's signing key at join when the run masks updates (SecAgg/SecAgg+).
@@ -236,6 +273,16 @@ class FlClient:
             # The key stages (which wait for the whole cohort) come before training; the
             # download runs alongside them, so no stage waits for a client's download.
             self._secure_round(stub, task, fetch, time.monotonic())
+            return
+        scheme = self._run_config.secure_aggregation.scheme if self._run_config else "none"
+        if task.kind is TaskKind.TRAIN and scheme != "none":
+            log.error(
+                "round %d: refused: a training task without a secure-aggregation setup, in a "
+                "run that joined with secure_aggregation.scheme = %r (the update would leave "
+                "this site unmasked)",
+                task.round,
+                scheme,
+            )
             return
         try:
             shared = fetch()
@@ -282,6 +329,7 @@ class FlClient:
         from privacy.ckks_session import (
             CKKS_TENSOR,
             CkksSetup,
+            check_ckks_setup,
             client_ckks_update,
             is_ckks_setup,
             load_secret_context,
@@ -290,12 +338,14 @@ class FlClient:
             MASKED,
             MASKED_TENSOR,
             RoundSetup,
+            check_setup,
             client_secure_update,
             wire_dtype,
         )
 
         trainer = self.trainer
-        assert trainer is not None
+        run_config = self._run_config
+        assert trainer is not None and run_config is not None
         if self.conn.cert_dir is None:
             raise TlsError("secure aggregation needs the certificate folder (signing keys)")
         ckks = is_ckks_setup(task.secagg_setup)
@@ -396,11 +446,13 @@ class FlClient:
                 if self._ckks_secret is None:
                     self._ckks_secret = load_secret_context(self.conn.cert_dir)
                 ckks_setup = CkksSetup.from_bytes(task.secagg_setup)
+                check_ckks_setup(ckks_setup, run_config, trainer.shared_names)
                 client_ckks_update(ckks_setup, self._ckks_secret, exchange, compute, upload)
             else:
                 assert self._signing is not None
                 identity, registry = self._signing
                 setup = RoundSetup.from_bytes(task.secagg_setup)
+                check_setup(setup, run_config)
                 client_secure_update(
                     setup, self.conn.client_id, identity, registry, exchange, compute, upload
                 )

@@ -135,7 +135,7 @@ class LocalTrainer:
             )
             self._save_private()
             return self._with_head(result.update), result.num_examples, result.metrics
-        if not self.privacy.may_train():  # budget spent: a data-independent (empty) update
+        if not self.privacy.may_train(training):  # budget spent: a data-independent update
             update, examples, metrics = self.privacy.release(
                 zeros_like(shared), self.num_examples, {}, trained=False
             )

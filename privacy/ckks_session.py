@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fl_secure.config import Config
 from fl_secure.errors import JSON_DOCUMENT_ERRORS, PrivacyError, ProtocolError, RoundAborted
 from fl_secure.messages import Tensors, TensorSpec
 from privacy.ckks import (
@@ -356,6 +357,32 @@ def client_ckks_update(
         )
     plain = decrypt_sum(total, secret_ctx, specs=encrypted.layout.specs)
     exchange(UNMASK, flatten(plain).astype("<f8").tobytes())
+
+
+def check_ckks_setup(setup: CkksSetup, config: Config, shared_names: Sequence[str]) -> None:
+    """Refuse a CKKS round setup weaker than the run config this client joined under.
+
+    The encrypted layers must be those ``secure_aggregation.ckks_layers`` selects (a setup
+    naming fewer would send the others in the clear), and a decryptor must refuse sums of
+    fewer than ``server.min_clients`` updates.
+
+    Raises:
+        ProtocolError: naming what differs.
+    """
+    expected = shared_layers(shared_names, config.secure_aggregation.ckks_layers)
+    problems = []
+    if setup.layers != expected:
+        problems.append(
+            f"encrypted layers {'all' if setup.layers is None else list(setup.layers)} (the "
+            f"run config gives {'all' if expected is None else list(expected)})"
+        )
+    if setup.min_count < config.server.min_clients:
+        problems.append(f"min_count {setup.min_count} < server.min_clients "
+                        f"{config.server.min_clients}")  # fmt: skip
+    if problems:
+        raise ProtocolError(
+            "refusing a CKKS setup weaker than the run this client joined: " + "; ".join(problems)
+        )
 
 
 def shared_layers(names: Sequence[str], prefixes: Sequence[str]) -> tuple[str, ...] | None:

@@ -58,6 +58,7 @@ class ClientPrivacy:
         self.noise_multiplier = self.cfg.noise_multiplier
         self.sample_rate = 0.0
         self.steps_per_round = 0
+        self.num_examples = 0  # example level: this client's training images
         if self.cfg.unit == "example":
             self._plan_example_level(config, num_examples)
             self._load()
@@ -72,6 +73,7 @@ class ClientPrivacy:
             raise PrivacyError("a client without training images cannot run DP-SGD")
         q = self.cfg.sample_rate or min(1.0, config.train.batch_size / n)
         self.sample_rate = q
+        self.num_examples = n
         self.steps_per_round = dpsgd_steps(n, local_training(config.train), q)
         if self.noise_multiplier == 0:
             self.noise_multiplier = calibrate_noise(
@@ -110,13 +112,13 @@ class ClientPrivacy:
         """This client's example-level epsilon so far."""
         return self.accountant.get_epsilon(self.cfg.delta)
 
-    def _epsilon_after_round(self) -> float:
+    def _epsilon_after_round(self, steps: int) -> float:
         trial = create_accountant(self.accountant_name)
         trial.load_state_dict(self.accountant.state_dict())
         trial.step(
             noise_multiplier=self.noise_multiplier,
             sample_rate=self.sample_rate,
-            num_steps=self.steps_per_round,
+            num_steps=steps,
         )
         return trial.get_epsilon(self.cfg.delta)
 
@@ -139,12 +141,22 @@ class ClientPrivacy:
 
         return train
 
-    def may_train(self) -> bool:
-        """Example level: whether another round stays within the budget."""
+    def may_train(self, training: LocalTraining | None = None) -> bool:
+        """Example level: whether another round, of the task's steps, stays within the budget.
+
+        The steps are those DP-SGD will take for ``training`` (the round's task: its
+        ``local_steps`` or epochs), not the ones planned from the config at join, so a task
+        asking for more steps is charged what it would spend.
+        """
         target = self.cfg.target_epsilon
         if self.cfg.unit != "example" or target <= 0:
             return True
-        after = self._epsilon_after_round()
+        steps = self.steps_per_round
+        if training is not None:
+            from privacy.dpsgd import dpsgd_steps
+
+            steps = dpsgd_steps(self.num_examples, training, self.sample_rate)
+        after = self._epsilon_after_round(steps)
         if after > target * (1 + 1e-9):
             log.warning(
                 "example-level budget: another round would bring epsilon to %.4f > %g; "

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from fl_secure.config import SecureAggregationConfig
+from fl_secure.config import Config, SecureAggregationConfig
 from fl_secure.errors import (
     JSON_DOCUMENT_ERRORS,
     PrivacyError,
@@ -251,6 +251,53 @@ def make_setup(
         clip_norm=clip_norm,
         min_inputs=min_inputs,
     )
+
+
+def check_setup(setup: RoundSetup, config: Config) -> None:
+    """Refuse a round setup weaker than the run config this client joined under.
+
+    The server builds each round's setup with :func:`make_setup` from the same config, so a
+    client can rebuild it: the encoding parameters, threshold and neighbourhood must match,
+    the distributed noise's sigma and the fewest inputs may only be larger. A setup that
+    drops the noise (``fixed_point`` under distributed DP), lowers the threshold or lets a
+    sum of fewer than ``server.min_clients`` inputs be unmasked is refused.
+
+    Raises:
+        ProtocolError: naming every field that is weaker than the config gives.
+    """
+    p = config.privacy
+    ddg = None
+    if p.unit == "client" and p.noise_placement == "distributed":
+        ddg = (p.noise_multiplier, p.clip_norm, config.server.min_clients)
+    try:
+        expected = make_setup(
+            config.secure_aggregation, run_id="", round_=0, attempt=0, cohort=setup.cohort,
+            vector_length=setup.vector_length, ddg=ddg, min_inputs=config.server.min_clients,
+        )  # fmt: skip
+    except (PrivacyError, ValueError) as exc:
+        raise ProtocolError(f"the round's setup cannot be the run config's: {exc}") from exc
+    problems = [
+        f"{name} {getattr(setup, name)!r} (the run config gives {getattr(expected, name)!r})"
+        for name in (
+            "threshold",
+            "neighbours",
+            "modulus_bits",
+            "clip_range",
+            "scale",
+            "encoding",
+            "clip_norm",
+        )  # fmt: skip
+        if getattr(setup, name) != getattr(expected, name)
+    ]
+    if setup.ddg_sigma < expected.ddg_sigma:
+        problems.append(f"noise sigma {setup.ddg_sigma:g} < {expected.ddg_sigma:g}")
+    if setup.min_inputs < expected.min_inputs:
+        problems.append(f"min_inputs {setup.min_inputs} < {expected.min_inputs}")
+    if problems:
+        raise ProtocolError(
+            "refusing a secure-aggregation setup weaker than the run this client joined: "
+            + "; ".join(problems)
+        )
 
 
 def check_ddg(

@@ -103,3 +103,24 @@ def test_client_level_dp_keeps_the_example_count_home(unit: str) -> None:
     # client-level DP, whose guarantee does not cover it
     assert len(share.train) == 16
     assert trainer.num_examples == (1 if unit == "client" else 16)
+
+
+def test_the_budget_check_charges_the_steps_the_task_asks_for() -> None:
+    # Prepare: planned 20 steps per round (1 epoch of 640 at q = 0.05) fit a 2.2 budget
+    from fl_secure.messages import LocalTraining
+    from privacy.dpsgd import dpsgd_steps
+
+    table = {
+        "train": {"rounds": 10, "local_epochs": 1, "batch_size": 32},
+        "privacy": {"unit": "example", "noise_multiplier": 1.0, "target_epsilon": 2.2},
+    }
+    privacy = ClientPrivacy(config_from_dict(table), num_examples=640, source=SeededGaussian(0))
+    planned = LocalTraining(local_epochs=1, batch_size=32)
+    greedy = LocalTraining(local_steps=80, batch_size=32)
+    assert dpsgd_steps(640, greedy, 0.05) == 80
+    eighty = epsilon_for(accountant="prv", noise_multiplier=1.0, sample_rate=0.05,
+                         steps=80, delta=1e-5)  # fmt: skip
+    assert eighty > 2.2
+    # Execute / Assert: the planned task fits; a task of 80 steps does not
+    assert privacy.may_train(planned)
+    assert not privacy.may_train(greedy)

@@ -799,3 +799,64 @@ def test_round_setups_round_trip_and_malformed_ones_are_protocol_errors() -> Non
         with pytest.raises(ProtocolError, match="invalid CKKS round setup"):
             CkksSetup.from_bytes(data)
     assert not is_ckks_setup(b"[" * 100_000)
+
+
+# ------------------------------------------- a client holds each setup to its joined config
+
+
+def _joined(placement: str = "distributed") -> object:
+    from fl_secure.config import config_from_dict
+
+    return config_from_dict(
+        {
+            "partition": {"num_clients": 5},
+            "server": {"min_clients": 3},
+            "privacy": {"unit": "client", "noise_placement": placement,
+                        "noise_multiplier": 1.2, "clip_norm": 1.0},
+            "secure_aggregation": {"scheme": "secagg+", "neighbours": 4, "clip_range": 8.0},
+        }
+    )  # fmt: skip
+
+
+def test_a_client_accepts_the_setup_its_config_gives_and_refuses_a_weaker_one() -> None:
+    from privacy.secagg_session import check_setup, make_setup
+
+    config = _joined()
+    cohort = [f"client-{i}" for i in range(5)]
+    honest = make_setup(
+        config.secure_aggregation, run_id="run", round_=4, attempt=1, cohort=cohort,
+        vector_length=1000, ddg=(1.2, 1.0, 3), min_inputs=3,
+    )  # fmt: skip
+    check_setup(honest, config)  # what the coordinator sends: accepted
+    assert honest.encoding == "ddg" and honest.ddg_sigma > 0
+    weaker = {
+        "encoding": dataclasses.replace(honest, encoding="fixed_point", ddg_sigma=0.0),
+        "noise sigma": dataclasses.replace(honest, ddg_sigma=honest.ddg_sigma / 2),
+        "threshold": dataclasses.replace(honest, threshold=1),
+        "min_inputs": dataclasses.replace(honest, min_inputs=0),
+        "clip_norm": dataclasses.replace(honest, clip_norm=100.0),
+    }
+    for name, setup in weaker.items():
+        with pytest.raises(
+            ProtocolError, match=f"weaker than the run this client joined: .*{name}"
+        ):
+            check_setup(setup, config)
+    # more noise or a larger floor is not weaker
+    check_setup(dataclasses.replace(honest, ddg_sigma=2 * honest.ddg_sigma, min_inputs=5), config)
+
+
+def test_a_ckks_client_refuses_a_setup_that_leaves_layers_in_the_clear() -> None:
+    from fl_secure.config import config_from_dict
+    from privacy.ckks_session import CkksSetup, check_ckks_setup
+
+    config = config_from_dict(
+        {"partition": {"num_clients": 4}, "server": {"min_clients": 3},
+         "secure_aggregation": {"scheme": "ckks"}}
+    )  # fmt: skip
+    names = ["w", "b"]
+    honest = CkksSetup(round_id=b"r" * 16, cohort=("a", "b", "c"), layers=None, min_count=3)
+    check_ckks_setup(honest, config, names)
+    with pytest.raises(ProtocolError, match=r"encrypted layers \['b'\] \(the run config gives all"):
+        check_ckks_setup(dataclasses.replace(honest, layers=("b",)), config, names)
+    with pytest.raises(ProtocolError, match="min_count 1 < server.min_clients 3"):
+        check_ckks_setup(dataclasses.replace(honest, min_count=1), config, names)
