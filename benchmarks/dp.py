@@ -273,6 +273,9 @@ def curve(args: argparse.Namespace) -> dict[str, Any]:
                         *args.set,
                         f"privacy.unit={unit}",
                         f"privacy.target_epsilon={eps}",
+                        # DP-SGD noises on each client; the config's client-level placement
+                        # (the quickstart's is distributed) does not apply to it
+                        *(["privacy.noise_placement=local"] if unit == "example" else []),
                     ]
                     row[f"{unit}_eps_{eps:g}"] = _figures(_train(config, overrides, Path(tmp)))
                     print(
