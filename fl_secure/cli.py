@@ -661,7 +661,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--round", type=int, help="checkpoint round (default: latest)")
     p.add_argument("--lfw-pairs", type=Path, help="pairs file (pairs.txt or pairsDevTest.txt)")
     p.add_argument("--lfw-root", type=Path, help="LFW image root for --lfw-pairs")
-    p.add_argument("--center-crop", type=int, help="centre crop before resizing (LFW: 150)")
+    p.add_argument(
+        "--center-crop",
+        type=int,
+        help="centre crop of the LFW images before resizing (default: the run's "
+        "data.center_crop, the crop it trained on; 0: none)",
+    )
     common(p)
     p.set_defaults(func=cmd_eval)
 

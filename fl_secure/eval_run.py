@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 
 from fl_secure.checkpoints import CheckpointStore
-from fl_secure.config import load_config
+from fl_secure.config import Config, load_config
 from fl_secure.data.lfw import load_pair_images, read_pairs
 from fl_secure.data.plan import plan_federation
-from fl_secure.errors import CheckpointError
+from fl_secure.errors import CheckpointError, DataError
 from fl_secure.evaluation import VERIFICATION_FARS, eer, kfold_accuracy, roc_auc, tar_at_far
 from fl_secure.runs import RunDir
 from fl_secure.training import build_model, embed, evaluate_verification, load_checkpoint_into
@@ -29,7 +29,18 @@ def evaluate_run(
     lfw_root: Path | None = None,
     center_crop: int | None = None,
 ) -> dict[str, Any]:
-    """Metrics of the run's backbone at ``round_`` (default: the latest checkpoint)."""
+    """Metrics of the run's backbone at ``round_`` (default: the latest checkpoint).
+
+    ``center_crop``: the LFW images' centre crop before resizing; default the run's
+    ``data.center_crop`` (the crop the model trained on), ``0`` for none. With an LFW pairs
+    file the result counts the pairs that involve an identity the run's clients trained on
+    and, when there are any, scores the pairs without them too.
+
+    Raises:
+        CheckpointError: not a run, or no checkpoint.
+        DataError: no held-out identities to score (use an LFW pairs file), or an image
+            missing or unreadable.
+    """
     run = RunDir(run_path)
     if not run.config.exists():
         raise CheckpointError(f"{run_path} is not a run directory (no config.toml)")
@@ -48,23 +59,57 @@ def evaluate_run(
     result: dict[str, Any] = {"run": str(run_path), "round": checkpoint.round}
     if lfw_pairs is None:
         plan = plan_federation(config)
+        if len(plan.held_out) == 0:
+            raise DataError(
+                f"{run_path} holds out no identity (data.held_out_identities = 0): there is "
+                "nothing of its own to score; use --lfw-pairs FILE --lfw-root DIR"
+            )
         result["data"] = "held-out identities of the run"
         result.update(evaluate_verification(backbone, plan.held_out))
         return result
     if lfw_root is None:
         raise CheckpointError("--lfw-pairs needs --lfw-root (the folder of LFW images)")
+    if center_crop is not None and center_crop < 0:
+        raise DataError(f"--center-crop {center_crop}: give a side >= 1, or 0 for no crop")
+    crop = (config.data.center_crop or None) if center_crop is None else (center_crop or None)
     protocol = read_pairs(lfw_pairs)
-    images = load_pair_images(
-        protocol, lfw_root, image_size=config.data.image_size, center_crop=center_crop
-    )
+    images = load_pair_images(protocol, lfw_root, image_size=config.data.image_size,
+                              center_crop=crop)  # fmt: skip
     emb = embed(backbone, images.dataset.images)
     scores = np.sum(emb[images.left] * emb[images.right], axis=1)
     same = images.same.astype(bool)
     result["data"] = f"LFW pairs {lfw_pairs.name} ({len(protocol)} pairs)"
-    if protocol.num_folds > 1:
-        mean, std = kfold_accuracy(scores, same, images.fold)
-        result["lfw_accuracy_mean"], result["lfw_accuracy_std"] = mean, std
-    for name, far in VERIFICATION_FARS.items():
-        result[f"tar_at_far_{name}"] = tar_at_far(scores, same, far)
-    result["roc_auc"], result["eer"] = roc_auc(scores, same), eer(scores, same)
+    result["center_crop"] = crop
+    result.update(_pair_metrics(scores, same, images.fold if protocol.num_folds > 1 else None))
+    trained = _trained_names(config)
+    seen = np.array([p.name1 in trained or p.name2 in trained for p in protocol.pairs])
+    result["pairs_with_training_identities"] = int(seen.sum())
+    if seen.any() and (~seen & same).any() and (~seen & ~same).any():
+        # the pairs of identities no client trained on: the figures without that advantage
+        folds = images.fold[~seen] if protocol.num_folds > 1 else None
+        disjoint = _pair_metrics(scores[~seen], same[~seen], folds)
+        result.update({f"disjoint_{k}": v for k, v in disjoint.items()})
     return result
+
+
+def _pair_metrics(
+    scores: np.ndarray, same: np.ndarray, folds: np.ndarray | None
+) -> dict[str, float]:
+    """10-fold accuracy (when the file has folds), TAR at each FAR, AUC and EER."""
+    out: dict[str, float] = {}
+    if folds is not None:
+        out["lfw_accuracy_mean"], out["lfw_accuracy_std"] = kfold_accuracy(scores, same, folds)
+    for name, far in VERIFICATION_FARS.items():
+        out[f"tar_at_far_{name}"] = tar_at_far(scores, same, far)
+    out["roc_auc"], out["eer"] = roc_auc(scores, same), eer(scores, same)
+    return out
+
+
+def _trained_names(config: Config) -> set[str]:
+    """Names of the identities the run's clients trained on (its data plan's)."""
+    plan = plan_federation(config)
+    return {
+        share.train.identity_names[int(i)]
+        for share in plan.clients
+        for i in share.train.identities()
+    }

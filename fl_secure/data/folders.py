@@ -70,13 +70,15 @@ def load_image(
         raise DataError(f"image {path} does not exist") from exc
     except _UNREADABLE as exc:
         raise DataError(f"cannot read image {path}: {exc}") from exc
-    if img.mode in ("L", "I", "I;16", "F", "1", "LA"):
+    if center_crop is not None and center_crop < 1:
+        raise DataError(f"center_crop={center_crop}: give a side >= 1 (None: no crop)")
+    if img.mode in ("L", "I", "F", "1", "LA") or img.mode.startswith("I;16"):
         if not grayscale_to_rgb:
             raise DataError(
                 f"image {path} is grayscale ({img.mode}); pass grayscale_to_rgb=True to "
                 "replicate it to three channels"
             )
-        img = img.convert("L")
+        img = _to_8_bit(img, path)
     img = img.convert("RGB")
     if center_crop is not None:
         w, h = img.size
@@ -93,6 +95,20 @@ def load_image(
         img = img.resize((image_size, image_size), Image.Resampling.BICUBIC)
     arr = np.asarray(img, dtype=np.float32).transpose(2, 0, 1)
     return np.ascontiguousarray(arr / 127.5 - 1.0, dtype=np.float32)
+
+
+def _to_8_bit(img: Image.Image, path: str | Path) -> Image.Image:
+    """A grayscale image as 8-bit ``L``: 16-bit values scaled by 255/65535, not clipped.
+
+    PIL's ``convert("L")`` clips ``I;16`` and ``I`` values above 255, which turns most of a
+    16-bit image white.
+    """
+    if img.mode.startswith("I;16") or img.mode == "I":
+        arr = np.asarray(img, dtype=np.float64) * (255.0 / 65535.0)
+        return Image.fromarray(np.clip(np.rint(arr), 0, 255).astype(np.uint8))
+    if img.mode == "F":
+        raise DataError(f"image {path} holds floating-point pixels (mode F); save it as 8 bits")
+    return img.convert("L")
 
 
 K = TypeVar("K")

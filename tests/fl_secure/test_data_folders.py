@@ -189,3 +189,27 @@ def test_a_client_refuses_bad_data_before_it_dials(tmp_path: Path, capsys) -> No
         main([*base, "--data", str(tmp_path / "faces"), "--threads", "0"])
     assert exited.value.code == 2
     assert "--threads must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suffix", [".png", ".tif", ".pgm"])
+def test_16_bit_grayscale_is_scaled_not_clipped(tmp_path: Path, suffix: str) -> None:
+    # Prepare: the same gradient at 16 and at 8 bits
+    ramp = np.tile(np.linspace(0, 65535, 32).round().astype(np.uint16), (32, 1))
+    deep = tmp_path / f"deep{suffix}"
+    Image.fromarray(ramp).save(deep)  # uint16: mode I;16
+    shallow = tmp_path / "shallow.png"
+    Image.fromarray((ramp // 257).astype(np.uint8)).save(shallow)
+    # Execute
+    found = load_image(deep, image_size=32)
+    expected = load_image(shallow, image_size=32)
+    # Assert: within one 8-bit level of the 8-bit image (a clipped image would be white)
+    assert np.abs(found - expected).max() <= 1.0 / 127.5 + 1e-6
+    assert found.mean() == pytest.approx(0.0, abs=0.02)
+
+
+def test_a_crop_below_one_pixel_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "face.png"
+    Image.fromarray(np.full((8, 8), 100, np.uint8)).save(path)
+    for crop in (0, -10):
+        with pytest.raises(DataError, match=f"center_crop={crop}: give a side >= 1"):
+            load_image(path, image_size=8, center_crop=crop)

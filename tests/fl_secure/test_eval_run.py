@@ -122,3 +122,54 @@ def test_eval_on_lfw_dev_test_pairs(tmp_path: Path) -> None:
     assert len(scores) == 1000 and images.same.sum() == 500
     assert result["roc_auc"] == pytest.approx(roc_auc_score(images.same, scores), abs=1e-9)
     assert 0.0 <= result["tar_at_far_1e-2"] <= 1.0
+
+
+def test_a_run_without_held_out_identities_is_told_to_use_lfw_pairs(tmp_path: Path) -> None:
+    from fl_secure.errors import DataError
+
+    config = config_from_dict({**TINY, "data": {**TINY["data"], "held_out_identities": 0}})
+    run = RunDir(tmp_path)
+    run.config.write_text(config_to_toml(config))
+    model = build_model(config.model, 1, 32, seed=11)
+    CheckpointStore(run.checkpoints).save(1, get_tensors(model, FedPE().shared_names(model)), {})
+    with pytest.raises(DataError, match="holds out no identity .* use --lfw-pairs"):
+        evaluate_run(run.path)
+
+
+@pytest.mark.skipif(not (DATA / "lfw_min10_cap20").is_dir(), reason="LFW subset not available")
+def test_lfw_pairs_use_the_runs_crop_and_count_the_identities_it_trained_on(
+    tmp_path: Path,
+) -> None:
+    from fl_secure.errors import DataError
+
+    # Prepare: a run on the LFW subset (crop 150), scored on the dev-test pairs
+    lfw = {"source": "folders", "path": str(DATA / "lfw_min10_cap20"), "center_crop": 150,
+           "image_size": 32, "held_out_identities": 38, "test_fraction": 0.3}  # fmt: skip
+    config = config_from_dict({**TINY, "data": lfw, "partition": {"num_clients": 4}})
+    run = RunDir(tmp_path)
+    run.config.write_text(config_to_toml(config))
+    model = build_model(config.model, 1, 32, seed=11)
+    CheckpointStore(run.checkpoints).save(1, get_tensors(model, FedPE().shared_names(model)), {})
+    pairs = DATA / "lfw_protocol" / "pairsDevTest.txt"
+    root = DATA / "lfw_devtest"
+    # Execute
+    found = evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root)
+    uncropped = evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root, center_crop=0)
+    # Assert: the run's crop by default, 0 for none
+    assert found["center_crop"] == 150 and uncropped["center_crop"] is None
+    cropped = load_pair_images(read_pairs(pairs), root, image_size=32, center_crop=150)
+    emb = embed(model.backbone, cropped.dataset.images)
+    scores = np.sum(emb[cropped.left] * emb[cropped.right], axis=1)
+    assert found["roc_auc"] == pytest.approx(roc_auc_score(cropped.same, scores), abs=1e-9)
+    # the pairs naming an identity some client trained on, counted independently
+    plan = plan_federation(config)
+    trained = {plan.clients[0].train.identity_names[int(i)]
+               for c in plan.clients for i in c.train.identities()}  # fmt: skip
+    involved = sum(p.name1 in trained or p.name2 in trained for p in read_pairs(pairs).pairs)
+    assert found["pairs_with_training_identities"] == involved > 0
+    keep = np.array([not (p.name1 in trained or p.name2 in trained)
+                     for p in read_pairs(pairs).pairs])  # fmt: skip
+    expected = roc_auc_score(cropped.same[keep], scores[keep])
+    assert found["disjoint_roc_auc"] == pytest.approx(expected, abs=1e-9)
+    with pytest.raises(DataError, match="--center-crop -5: give a side >= 1, or 0"):
+        evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root, center_crop=-5)
