@@ -75,7 +75,14 @@ def trainer_factory(
                     "clients: use the embedded mode, or a private-head algorithm such as fedpe"
                 )
             image_size = run_config.data.image_size
-            data = load_identity_folders(source.data_path, image_size=image_size)
+            # the run's preprocessing (the model was built for it) and its floor of images
+            # per identity; its caps describe the server's own data set, not this site's
+            data = load_identity_folders(
+                source.data_path,
+                image_size=image_size,
+                center_crop=run_config.data.center_crop or None,
+                min_images_per_identity=run_config.data.min_images_per_identity,
+            )
             fractions = (1.0 - source.test_fraction, source.test_fraction)
             tr, te = stratified_split(data, fractions=fractions, seed=run_config.run.seed)
             train, test = data.subset(tr), data.subset(te)

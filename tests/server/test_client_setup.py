@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from client.setup import ClientDataSource, trainer_factory
@@ -68,3 +69,16 @@ def test_a_damaged_private_state_is_named_and_kept(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"private state .*private\.safetensors is damaged"):
         make(_join(QUICKSTART))
     assert (state / "private.safetensors").read_bytes() == damaged
+
+
+def test_a_folder_client_reads_its_images_with_the_runs_crop(tmp_path: Path) -> None:
+    from fl_secure.data.folders import load_identity_folders
+
+    folders = _folders(tmp_path / "data")
+    config = QUICKSTART.replace("[data]\n", "[data]\ncenter_crop = 20\n", 1)
+    trainer = trainer_factory(ClientDataSource(data_path=folders), state_dir=None)(_join(config))
+    cropped = load_identity_folders(folders, image_size=64, center_crop=20)
+    assert "center_crop=20" in trainer.data.train.source
+    first = trainer.data.train
+    expected = cropped.images[(cropped.labels == first.labels[0]).nonzero()[:, 0]]
+    assert any(torch.equal(first.images[0], image) for image in expected)
