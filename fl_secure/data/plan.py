@@ -60,7 +60,9 @@ class ClientShare:
 class FederatedData:
     """Everything the embedded mode derives from the config."""
 
-    train_identities: np.ndarray  # sorted global identity ids held by the clients
+    # sorted global identity ids not held out: the label space of a shared head. Under an
+    # attribute partition some may match no client's predicate (see unassigned_identities)
+    train_identities: np.ndarray
     held_out: FaceDataset  # identities of no client (server-side evaluation)
     clients: list[ClientShare]
     held_out_clients: list[ClientShare] = field(default_factory=list)  # join after training
@@ -87,7 +89,18 @@ class FederatedData:
             "clients": {plan_client_id(k): share(c) for k, c in enumerate(self.clients)},
             "held_out_clients": [share(c) for c in self.held_out_clients],
             "held_out_identities": [int(i) for i in self.held_out.identities()],
+            "unassigned_identities": [int(i) for i in self.unassigned_identities()],
         }
+
+    def unassigned_identities(self) -> np.ndarray:
+        """Training identities no client holds (neither trained on nor evaluated).
+
+        Empty except under an attribute partition whose predicates miss some images.
+        """
+        held = [c.train.identities() for c in self.clients] + [
+            c.test.identities() for c in self.clients
+        ]
+        return np.setdiff1d(self.train_identities, np.concatenate([np.array([], int), *held]))
 
 
 def load_dataset(cfg: DataConfig, seed: int, domain: Domain | None = None) -> FaceDataset:

@@ -116,3 +116,22 @@ def test_manifest_lists_each_clients_identities_as_sampled() -> None:
     everyone += [i for e in m["held_out_clients"] for i in e["identities"]]  # type: ignore[attr-defined]
     assert len(everyone) == len(set(everyone))  # disjoint
     assert set(m["held_out_identities"]).isdisjoint(everyone)  # type: ignore[arg-type]
+
+
+def test_identities_no_attribute_predicate_matches_are_named_in_the_manifest() -> None:
+    # Prepare: two clients whose predicates leave out every identity of age 3
+    config = config_from_dict({
+        "data": {"image_size": 32, "num_identities": 40, "images_per_identity": 4,
+                 "held_out_identities": 5},
+        "partition": {"kind": "attribute", "num_clients": 2,
+                      "clients": ["male=1 & age!=3", "male=0 & age!=3"]},
+        "server": {"min_clients": 2},
+    })  # fmt: skip
+    # Execute
+    plan = plan_federation(config)
+    # Assert: exactly the training identities of no client, recorded with the partition
+    held = set().union(*(_ids(s) for s in plan.clients))
+    missing = sorted(set(plan.train_identities.tolist()) - held)
+    assert missing and plan.unassigned_identities().tolist() == missing
+    assert plan.manifest()["unassigned_identities"] == missing
+    assert plan_federation(_config("equal", 0)).manifest()["unassigned_identities"] == []
