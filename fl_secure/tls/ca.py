@@ -86,7 +86,8 @@ def init_certificates(
         cert.write(paths.client_cert(client_id), paths.client_key(client_id))
         enrollment = enrollment.with_client(client_id, certificate_fingerprint(cert.certificate))
     enrollment.save(paths.enrollment)
-    write_signing_keys(paths, ids)  # Ed25519 identities for secure aggregation, CA-signed list
+    # Ed25519 identities for secure aggregation, a CA-signed list of exactly these clients
+    write_signing_keys(paths, ids, replace=True, fresh=True)
     logger.info("wrote a CA, a server and %d client certificates to %s", len(ids), out_dir)
     logger.warning("move %s OFFLINE: whoever holds it can mint client identities", paths.ca_key)
     return paths
@@ -144,7 +145,9 @@ def issue_client_certificate(
     cert.write(cert_path, paths.client_key(client_id))
     fingerprint = certificate_fingerprint(cert.certificate)
     enrollment.with_client(client_id, fingerprint).save(paths.enrollment)
-    write_signing_keys(paths, [client_id], ca_key=Path(ca_key) if ca_key else None)
+    write_signing_keys(
+        paths, [client_id], ca_key=Path(ca_key) if ca_key else None, replace=overwrite
+    )
     return cert
 
 

@@ -45,17 +45,27 @@ def signing_key_path(directory: Path, client_id: str) -> Path:
 
 
 def write_signing_keys(
-    paths: CertificateSet, client_ids: Sequence[str], *, ca_key: Path | None = None
+    paths: CertificateSet,
+    client_ids: Sequence[str],
+    *,
+    ca_key: Path | None = None,
+    replace: bool = False,
+    fresh: bool = False,
 ) -> dict[str, str]:
     """Create an Ed25519 key per client and the CA-signed registry; return id -> hex public.
 
-    Clients already in the registry keep their key; the registry is re-signed with ``ca.key``.
+    Clients already in the registry keep their key unless ``replace`` (a re-issued client:
+    a key that may have leaked with the old certificate must not outlive it); ``fresh``
+    starts the registry over (a new CA: no earlier entry is carried into its signature).
+    The registry is signed with ``ca.key``.
     """
     directory = paths.directory
-    registry = _read_registry_unverified(directory) if (directory / REGISTRY_FILE).exists() else {}
+    registry: dict[str, str] = {}
+    if not fresh and (directory / REGISTRY_FILE).exists():
+        registry = _read_registry_unverified(directory)
     for client_id in client_ids:
         key_path = signing_key_path(directory, client_id)
-        if client_id in registry and key_path.exists():
+        if client_id in registry and key_path.exists() and not replace:
             continue
         key = Ed25519PrivateKey.generate()
         pem = key.private_bytes(

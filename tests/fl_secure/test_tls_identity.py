@@ -51,3 +51,24 @@ def test_a_registry_nested_past_the_parsers_limit_is_named(tmp_path: Path) -> No
     (tmp_path / REGISTRY_FILE).write_text("[" * 100_000)
     with pytest.raises(TlsError, match="is not a valid signing-key registry"):
         issue_client_certificate(tmp_path, "late-site")
+
+
+def test_a_re_issued_client_gets_a_new_signing_key(tmp_path: Path) -> None:
+    init_certificates(tmp_path, clients=2)
+    before = load_signing_registry(tmp_path)
+    issue_client_certificate(tmp_path, "client-1", overwrite=True)
+    after = load_signing_registry(tmp_path)
+    # the old key may have leaked with the old certificate: it must not outlive it
+    assert after["client-1"].public_bytes_raw() != before["client-1"].public_bytes_raw()
+    assert after["client-0"].public_bytes_raw() == before["client-0"].public_bytes_raw()
+    key = load_signing_key(tmp_path, "client-1")
+    assert key.public_key().public_bytes_raw() == after["client-1"].public_bytes_raw()
+
+
+def test_a_new_ca_signs_only_its_own_clients(tmp_path: Path) -> None:
+    init_certificates(tmp_path, clients=3)
+    old = load_signing_registry(tmp_path)
+    init_certificates(tmp_path, clients=["client-0"], overwrite=True)
+    new = load_signing_registry(tmp_path)
+    assert sorted(new) == ["client-0"]  # client-1 and client-2 are not carried over
+    assert new["client-0"].public_bytes_raw() != old["client-0"].public_bytes_raw()
