@@ -254,6 +254,13 @@ def cmd_server(args: argparse.Namespace) -> int:
         enrolled = {f"client-{i}" for i in range(config.partition.num_clients)}
     else:
         enrolled = set(load_enrollment(args.certs).fingerprints)
+        if (Path(args.certs) / "ca.key").exists():
+            log.warning(
+                "%s holds the CA key: a server (or whoever breaks into it) holding it can mint "
+                "client identities; keep ca.key offline (certs issue --ca-key PATH reads it "
+                "from there)",
+                args.certs,
+            )
     check_address(args.address or config.server.address)
     if args.port_file is not None and not Path(args.port_file).parent.is_dir():
         raise FlSecureError(f"--port-file {args.port_file}: its folder does not exist")

@@ -82,3 +82,19 @@ def test_training_warns_of_such_a_delta_before_it_starts(
     with caplog.at_level("WARNING"):
         main(["train", "--config", str(config), "--out", str(blocker / "runs"), "--quiet"])
     assert "privacy.delta = 0.5 is not below 1/N for the N = 3 clients" in caplog.text
+
+
+def test_a_server_whose_certificate_folder_holds_the_ca_key_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from fl_secure.cli import main
+    from fl_secure.tls import init_certificates
+
+    init_certificates(tmp_path / "certs", clients=2)  # ca.key stays in the folder
+    config = tmp_path / "c.toml"
+    config.write_text("[partition]\nnum_clients = 2\n[server]\nmin_clients = 2\n")
+    with caplog.at_level("WARNING"):  # a bad address stops it right after the checks
+        code = main(["server", "--certs", str(tmp_path / "certs"), "--config", str(config),
+                     "--address", "no-port-here"])  # fmt: skip
+    assert code != 0
+    assert "holds the CA key" in caplog.text and "keep ca.key offline" in caplog.text
