@@ -398,10 +398,13 @@ class FlClient:
         parameters = _background(fetch)
 
         training_failed = False
+        ckks_setup: CkksSetup | None = None
 
         def compute() -> Tensors:  # after the key stages: the download, then training
             nonlocal training_failed
             params = parameters.result()
+            if ckks_setup is not None:  # the layers it encrypts, against the shared ones
+                check_ckks_setup(ckks_setup, run_config, list(params))
             try:
                 update, _, found = trainer.train(params, task.training)
             except BaseException:
@@ -446,7 +449,6 @@ class FlClient:
                 if self._ckks_secret is None:
                     self._ckks_secret = load_secret_context(self.conn.cert_dir)
                 ckks_setup = CkksSetup.from_bytes(task.secagg_setup)
-                check_ckks_setup(ckks_setup, run_config, trainer.shared_names)
                 client_ckks_update(ckks_setup, self._ckks_secret, exchange, compute, upload)
             else:
                 assert self._signing is not None

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from client.app import Connection, FlClient
-from fl_secure.config import PrivacyConfig, SecureAggregationConfig
+from fl_secure.config import (
+    Config,
+    PartitionConfig,
+    PrivacyConfig,
+    SecureAggregationConfig,
+    ServerConfig,
+    config_to_toml,
+)
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import RunDir
 from fl_secure.tls import init_certificates
@@ -87,6 +94,13 @@ def _serve(
     if scheme == "ckks":
         write_ckks_keys(certs)
         ckks_public = load_public_context(certs)
+    secure = SecureAggregationConfig(
+        scheme=scheme,  # type: ignore[arg-type]
+        neighbours=neighbours,
+        clip_range=4.0,
+        stage_timeout=stage_timeout,
+        ckks_layers=ckks_layers,
+    )
     settings = CoordinatorSettings(
         rounds=1,
         min_clients=min_clients,
@@ -95,14 +109,10 @@ def _serve(
         poll_wait=0.5,
         final_evaluation=False,
         run_id="secagg-test",
-        secure_aggregation=SecureAggregationConfig(
-            scheme=scheme,  # type: ignore[arg-type]
-            neighbours=neighbours,
-            clip_range=4.0,
-            stage_timeout=stage_timeout,
-            ckks_layers=ckks_layers,
-        ),
+        secure_aggregation=secure,
         ckks_public_context=ckks_public,
+        # what build_server sends at join: each client holds every round's setup to it
+        run_config_toml=_run_config(n, min_clients, secure, privacy),
     )
     coord = Coordinator(
         settings,
@@ -152,6 +162,26 @@ def _run(
     driver.join(timeout=120)
     server.stop(grace=None)
     return coord
+
+
+def _run_config(n: int, min_clients: int, secure: SecureAggregationConfig, privacy) -> str:
+    """The run config a server built from these settings would send its clients."""
+    p = PrivacyConfig()
+    if privacy is not None and privacy.plan is not None:
+        plan = privacy.plan
+        p = PrivacyConfig(
+            unit="client",
+            noise_placement=plan.placement,
+            noise_multiplier=plan.noise_multiplier,
+            clip_norm=plan.clip_norm,
+        )
+    config = Config(
+        partition=PartitionConfig(num_clients=n),
+        server=ServerConfig(min_clients=min_clients),
+        privacy=p,
+        secure_aggregation=secure,
+    )
+    return config_to_toml(config)
 
 
 def _distributed_dp(tmp_path: Path, *, population: int, min_survivors: int, z: float = 0.05):
