@@ -281,6 +281,10 @@ def test_target_client_pseudo_labels_with_the_received_model_not_its_labels() ->
     assert strategy.pseudo is not None
     assert np.array_equal(strategy.pseudo.train_targets.numpy(), expected)
     assert trainer.model.head.weight.shape[0] == expected.max() + 1  # one row per cluster
+    assert strategy.training_data(trainer.data) is strategy.pseudo  # what tuning trains on
+    source = plan_federation(config).clients[0]
+    labelled = strategy.local_data(source.train, source.test, np.arange(16))
+    assert strategy.training_data(labelled) is labelled
     assert strategy.pseudo.train.identity_names[0] == "pseudo-000000"
     assert all(k.startswith("backbone.") for k in updates[0])
     # the true labels never reach training: scrambled labels give bit-identical updates
@@ -345,16 +349,3 @@ def test_a_simulated_fedfr_run_fine_tunes_target_clients_on_their_pseudo_labels(
     tuned = result.summary["clients_tuned"]
     assert sorted(tuned) == ["client-0", "client-1", "client-2"]
     assert all(0.0 <= m["rank1"] <= 1.0 for m in tuned.values())
-
-
-def test_training_data_is_the_pseudo_labelled_set_of_a_target_client() -> None:
-    torch.set_num_threads(1)
-    config = domain_config(cfinch_threshold=0.3)
-    share = plan_federation(config).clients[1]
-    trainer, _ = target_update(config, share.train, share.test)
-    strategy = trainer.strategy
-    assert isinstance(strategy, FedFR) and strategy.pseudo is not None
-    assert strategy.training_data(trainer.data) is strategy.pseudo
-    source = plan_federation(config).clients[0]
-    data = strategy.local_data(source.train, source.test, np.arange(16))
-    assert strategy.training_data(data) is data  # labelled source data: its own

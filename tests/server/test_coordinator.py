@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fl_secure.errors import CheckpointError, ProtocolError
-from fl_secure.messages import TaskKind, UpdateHeader
+from fl_secure.messages import Task, TaskKind, UpdateHeader
 from fl_secure.runs import RunDir
 from server.coordinator import Coordinator, CoordinatorSettings
 
@@ -176,15 +176,21 @@ def test_too_few_updates_retries_then_aborts(tmp_path: Path) -> None:
     assert coord.poll("c0", 0).kind is TaskKind.FINISHED
 
 
-def test_upload_checks(tmp_path: Path) -> None:
-    coord = _coordinator(tmp_path, rounds=1, min_clients=3)
+def _first_task(coord: Coordinator, kind: TaskKind) -> tuple[threading.Thread, Task]:
+    """Join c0-c2, start the driver, and poll c0 until a task of ``kind`` arrives."""
     for c in ("c0", "c1", "c2"):
         coord.join(c, 10)
     driver = threading.Thread(target=coord.run)
     driver.start()
     task = coord.poll("c0", 0)
-    while task.kind is not TaskKind.TRAIN:
+    while task.kind is not kind:
         task = coord.poll("c0", 0)
+    return driver, task
+
+
+def test_upload_checks(tmp_path: Path) -> None:
+    coord = _coordinator(tmp_path, rounds=1, min_clients=3)
+    driver, task = _first_task(coord, TaskKind.TRAIN)
     with pytest.raises(ProtocolError, match="holds no task"):
         coord.parameters("c0", task.round, b"wrong-nonce-0000")
     with pytest.raises(ProtocolError, match="exceeds the limit"):
@@ -343,13 +349,7 @@ def test_abort_after_too_small_cohorts_says_so(tmp_path: Path) -> None:
 def test_a_client_without_test_images_may_report_an_empty_evaluation(tmp_path: Path) -> None:
     # Prepare: round 0 asks the clients to score the initial model on their test images
     coord = _coordinator(tmp_path, rounds=1, min_clients=2, final_evaluation=True)
-    for c in ("c0", "c1", "c2"):
-        coord.join(c, 10)
-    driver = threading.Thread(target=coord.run)
-    driver.start()
-    task = coord.poll("c0", 0)
-    while task.kind is not TaskKind.EVALUATE:
-        task = coord.poll("c0", 0)
+    driver, task = _first_task(coord, TaskKind.EVALUATE)
     # Execute / Assert: 0 test images is an honest count for an evaluation, -1 is not
     with pytest.raises(ProtocolError, match="num_examples must be >= 0, got -1"):
         coord.open_upload("c0", UpdateHeader(task.round, task.nonce, -1, {}, 0, 0))
