@@ -564,7 +564,10 @@ def _audit_held(
     """:func:`audit_run` once this process holds the run directory."""
     out = run.path / "audit"
     out.mkdir(parents=True, exist_ok=True)
-    synthetic = run.config.data.source == "synthetic"
+    # a prior fitted on --public faces (identity folders: real faces) shapes every
+    # reconstruction, so its grids are real-face material even for a synthetic run
+    real_prior = cfg.public_dir is not None
+    synthetic = run.config.data.source == "synthetic" and not real_prior
     grids = synthetic or cfg.include_images
     identities = choose_targets(run, cfg.targets)
     tg = target_data(run, identities)
@@ -651,6 +654,7 @@ def _audit_held(
         },
         "attacker_prior": {
             "public_faces": public_text,
+            "from_real_faces": real_prior,  # --public folders: grids only with --include-images
             "prior": f"PCA face space of the public faces ({prior.basis.shape[0]} components), "
             "Gaussian penalty on the whitened coefficients; BatchNorm statistics where the "
             "backbone has BatchNorm (this backbone: "

@@ -105,7 +105,8 @@ def _audit_images(run_dir: Path, report: dict[str, Any], include: bool) -> dict[
     audit_dir = run_dir / "audit"
     if not report["threat_model"].get("audited") or not audit_dir.is_dir():
         return {}
-    synthetic = _data_source(run_dir) == "synthetic"
+    prior = (report["threat_model"].get("audit") or {}).get("attacker_prior") or {}
+    synthetic = _data_source(run_dir) == "synthetic" and not prior.get("from_real_faces")
     if not synthetic and not include:
         log.info("audit images of real faces left out of the report (--include-images)")
         return {}

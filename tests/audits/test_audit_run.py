@@ -22,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 
 from audits.canary import clopper_pearson_interval
@@ -577,3 +578,35 @@ def test_layers_ckks_leaves_in_the_clear_are_each_clients_update_to_the_server(
     assert server.updates == server_sees
     if server_sees != "only the sum":
         assert "backbone.embedding.weight" in " ".join(server.sees)
+
+
+def test_a_prior_fitted_on_public_folders_keeps_grids_out_unless_asked(
+    fedgc_run: Path, tmp_path: Path
+) -> None:
+    # Prepare: a synthetic run attacked with a --public folder (identity folders: real faces)
+    from PIL import Image
+
+    public = tmp_path / "public"
+    rng = np.random.default_rng(0)
+    for person in ("p0", "p1", "p2"):
+        (public / person).mkdir(parents=True)
+        for k in range(4):
+            pixels = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(public / person / f"{k}.png")
+    quick = AuditSettings(attacks=("inversion",), targets=2, steps=3, restarts=1,
+                          prior_components=4, evaluator_epochs=1, public_dir=public)  # fmt: skip
+    # Execute
+    run = _copy_with_summary(fedgc_run, tmp_path / "run")
+    found = audit_run(run, quick)
+    # Assert: no grid without --include-images; with it, the grids are written
+    assert found["attacker_prior"]["from_real_faces"] is True
+    assert sorted((run / "audit").glob("*.png")) == []
+    audit_run(run, dataclasses.replace(quick, include_images=True))
+    assert sorted((run / "audit").glob("*.png"))
+    # and the report leaves them out too, as it does for a run on real faces
+    from fl_secure.report import write_report
+
+    write_report(run, ["md"])
+    assert sorted((run / "report").glob("*.png")) == []
+    write_report(run, ["md"], include_images=True)
+    assert sorted((run / "report").glob("*.png"))
