@@ -227,8 +227,9 @@ def _report(summary: dict[str, Any], run_dir: Path, as_json: bool) -> int:
 def _delta_population(summary: dict[str, Any]) -> tuple[int | None, str]:
     """N of the delta < 1/N rule: clients, or the smallest client's images (example level)."""
     if summary.get("privacy_unit") == "example":
-        sizes = [n for n in summary.get("client_train_sizes") or [] if n]
-        return (min(sizes) if sizes else None), "training images (smallest client)"
+        from fl_secure.report.build import example_population
+
+        return example_population(summary), "training images (smallest client)"
     return summary.get("num_clients"), "clients"
 
 

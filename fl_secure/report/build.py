@@ -188,7 +188,7 @@ def _shared_value(values: list[Any]) -> Any:
     return distinct.pop() if len(distinct) == 1 else None
 
 
-def _example_population(summary: dict[str, Any]) -> int | None:
+def example_population(summary: dict[str, Any]) -> int | None:
     """Training images of the smallest client (each client's DP-SGD covers its own)."""
     sizes = summary.get("client_train_sizes")
     if not sizes:
@@ -210,7 +210,7 @@ def _privacy(
     rounds = p.get("rounds_accounted")
     if unit == "example":  # each client runs DP-SGD on its own images, and accounts them
         rows = ledger.get("example_level") or []
-        population = _example_population(summary)
+        population = example_population(summary)
         population_of = (
             "training images of the smallest client: the unit is one image, and each "
             "client's guarantee covers its own images"
