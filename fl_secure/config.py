@@ -117,7 +117,9 @@ class PartitionConfig:
 
     kind: PartitionKind = "equal"  # equal, lognormal (HF-MAML Eq. 5) or dirichlet
     num_clients: int = 4
-    mu: float = 3.0  # lognormal: mu of S_i (HF-MAML: 3)
+    # lognormal: mu of S_i (HF-MAML: 3). Eq. 5 normalises the S_i, so mu cancels and only
+    # sigma shapes the sizes; kept as the paper states it
+    mu: float = 3.0
     sigma: float = 3.0  # lognormal: sigma of S_i (HF-MAML: 3)
     alpha: float = 0.5  # dirichlet: concentration (smaller: more skewed)
     clients: tuple[str, ...] = ()  # attribute: one predicate per client, "male=1 & hat=0"

@@ -65,7 +65,8 @@ def load_image(
     try:
         with Image.open(path) as opened:
             opened.load()
-            img = opened.copy()
+            # a camera's EXIF orientation: the face upright, as any viewer shows it
+            img = ImageOps.exif_transpose(opened) or opened.copy()
     except FileNotFoundError as exc:
         raise DataError(f"image {path} does not exist") from exc
     except _UNREADABLE as exc:

@@ -174,7 +174,8 @@ def lognormal_partition(
 
     ``S_i ~ lognormal(mu, sigma)`` once per client (the paper: mu = sigma = 3), ``C`` the
     number of identities; counts are rounded by largest remainder and every client keeps at
-    least one identity. A few clients get many identities, many get few.
+    least one identity. A few clients get many identities, many get few. ``mu`` cancels in the
+    normalisation (``e^mu`` scales every ``S_i``): only ``sigma`` shapes the split.
 
     Raises:
         DataError: as :func:`equal_partition`.

@@ -213,3 +213,20 @@ def test_a_crop_below_one_pixel_is_refused(tmp_path: Path) -> None:
     for crop in (0, -10):
         with pytest.raises(DataError, match=f"center_crop={crop}: give a side >= 1"):
             load_image(path, image_size=8, center_crop=crop)
+
+
+def test_a_cameras_exif_orientation_is_applied(tmp_path: Path) -> None:
+    # Prepare: a 16x8 picture stored sideways, with EXIF orientation 6 (rotate to view)
+    pixels = np.zeros((8, 16, 3), np.uint8)
+    pixels[:, :4] = 255  # a white band on the stored image's left edge
+    stored = Image.fromarray(pixels)
+    exif = stored.getexif()
+    exif[0x0112] = 6  # Orientation: the viewer rotates it 90 degrees clockwise
+    tagged = tmp_path / "tagged.png"
+    stored.save(tagged, exif=exif)
+    upright = tmp_path / "upright.png"
+    stored.transpose(Image.Transpose.ROTATE_270).save(upright)  # what a viewer shows
+    # Execute / Assert: loaded as the viewer shows it (the band on top), not as stored
+    found = load_image(tagged, image_size=16)
+    assert np.array_equal(found, load_image(upright, image_size=16))
+    assert found[:, :4, 4:12].min() > 0.9 and found[:, 8:, 4:12].max() < -0.9  # band on top
