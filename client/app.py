@@ -178,7 +178,7 @@ class FlClient:
             )
         self._hold_run_config(reply.run_config_toml)
         self._unreachable_since = None  # reached: a later outage gets max_wait of its own
-        self._load_signing_keys(reply.run_config_toml)
+        self._load_signing_keys()
         if self.trainer is None:
             self.trainer = self.trainer_factory(reply)
             stub.Join(
@@ -232,21 +232,16 @@ class FlClient:
             raise ConfigError(f"the server sent an invalid run config: {exc}") from exc
         self._run_config, self._run_config_toml = config, run_config_toml
 
-    def _load_signing_keys(self, run_config_toml: str) -> None:
+    def _load_signing_keys(self) -> None:
         """Load this site's signing key at join when the run masks updates (SecAgg/SecAgg+).
 
         A missing or damaged key then stops the client before it takes part in any round,
         instead of in the middle of the first secure round, where the cohort waits for it.
+        The scheme is the joined run config's (:meth:`_hold_run_config` has read it).
         """
-        import tomllib
-
-        if self._signing is not None:
+        if self._signing is not None or self._run_config is None:
             return
-        try:
-            sa = tomllib.loads(run_config_toml).get("secure_aggregation", {})
-        except tomllib.TOMLDecodeError:
-            return  # the trainer factory names a config it cannot read
-        if not isinstance(sa, dict) or sa.get("scheme") not in ("secagg", "secagg+"):
+        if self._run_config.secure_aggregation.scheme not in ("secagg", "secagg+"):
             return
         if self.conn.cert_dir is None:
             raise TlsError("secure aggregation needs the certificate folder (signing keys)")

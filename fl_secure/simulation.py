@@ -165,7 +165,7 @@ def _simulate(
         "partition": config.partition.kind,
         "rounds_completed": rounds,
         "client_train_sizes": plan.client_sizes(),
-        "client_plan": {plan_client_id(k): k for k in range(len(plan.clients))},
+        "client_plan": plan.client_plan(),
         **{k: final[k] for k in HEADLINE if k in final},
         "held_out": final,
         "untrained": untrained.get("held_out", {}),

@@ -8,7 +8,7 @@ from typing import Any
 from fl_secure import __version__
 from fl_secure.algorithms import Strategy
 from fl_secure.config import Config
-from fl_secure.data.plan import FederatedData, plan_client_id
+from fl_secure.data.plan import FederatedData
 from fl_secure.evaluation import per_client_summary
 from fl_secure.training import HEADLINE
 from server.coordinator import Coordinator
@@ -53,7 +53,7 @@ def build_summary(
             {
                 "client_train_sizes": plan.client_sizes(),
                 # which client id trained on which share of the plan (the audit's ground truth)
-                "client_plan": {plan_client_id(k): k for k in range(len(plan.clients))},
+                "client_plan": plan.client_plan(),
                 "client_identities": [int(len(c.train.identities())) for c in plan.clients],
             }
             if clients_hold_the_plan

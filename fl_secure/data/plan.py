@@ -71,6 +71,10 @@ class FederatedData:
         """Training images per client (written with the run for the report)."""
         return [len(c.train) for c in self.clients]
 
+    def client_plan(self) -> dict[str, int]:
+        """Which client id trains on which share (``summary.json``'s ``client_plan``)."""
+        return {plan_client_id(k): k for k in range(len(self.clients))}
+
     def held_out_client_sizes(self) -> list[int]:
         """Training (tuning) images per held-out client."""
         return [len(c.train) for c in self.held_out_clients]
