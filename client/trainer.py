@@ -66,11 +66,12 @@ class LocalTrainer:
     def num_examples(self) -> int:
         """The example count this client tells the server (at join and with its updates).
 
-        Its number of training images; 1 under client-level DP, where the count depends on
-        the site's data and is not covered by the guarantee (the secure and DP means are
-        unweighted, so the server has no use for it).
+        Its number of training images without DP; 1 under DP, where the count is part of
+        what is protected (at the example level one image more or less is the neighbouring
+        data set; at the client level it describes the site's data), and the DP and secure
+        means are unweighted, so the server has no use for it.
         """
-        if self.privacy is not None and self.privacy.cfg.unit == "client":
+        if self.privacy is not None:
             return 1
         return len(self.data.train)
 
@@ -136,10 +137,8 @@ class LocalTrainer:
             self._save_private()
             return self._with_head(result.update), result.num_examples, result.metrics
         if not self.privacy.may_train(training):  # budget spent: a data-independent update
-            update, examples, metrics = self.privacy.release(
-                zeros_like(shared), self.num_examples, {}, trained=False
-            )
-            return self._with_head(update), examples, metrics
+            update, metrics = self.privacy.release(zeros_like(shared), {}, trained=False)
+            return self._with_head(update), self.num_examples, metrics
         result = self.strategy.client_update(
             self.model,
             self.data,
@@ -151,10 +150,8 @@ class LocalTrainer:
         self._save_private()
         # Example-level DP only (client-level DP is refused for uploaded heads): the head was
         # trained by DP-SGD with the rest of the model, so sending it is post-processing.
-        update, examples, metrics = self.privacy.release(
-            result.update, result.num_examples, result.metrics, trained=True
-        )
-        return self._with_head(update), examples, metrics
+        update, metrics = self.privacy.release(result.update, result.metrics, trained=True)
+        return self._with_head(update), self.num_examples, metrics
 
     def evaluate(self, shared: Tensors) -> tuple[int, dict[str, float]]:
         """Evaluate the global model on this client's test images.

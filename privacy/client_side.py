@@ -91,6 +91,20 @@ class ClientPrivacy:
             self.steps_per_round,
             self.accountant_name,
         )
+        if self.cfg.delta >= 1.0 / n:  # only this site knows n: the server cannot check it
+            log.warning(
+                "privacy.delta = %g is not below 1/N for this site's N = %d training images: "
+                "a mechanism that publishes one image in the clear meets such a delta",
+                self.cfg.delta,
+                n,
+            )
+        if not self.cfg.sample_rate:
+            log.warning(
+                "privacy.sample_rate is not set: q = batch_size / N = %.4g is derived from this "
+                "site's image count and sent with each update, so N is treated as public; set "
+                "privacy.sample_rate to keep it private",
+                q,
+            )
 
     def _load(self) -> None:
         if self.state_path is None or not self.state_path.exists():
@@ -169,9 +183,9 @@ class ClientPrivacy:
 
     # ------------------------------------------------------------ release
     def release(
-        self, update: Tensors, num_examples: int, metrics: dict[str, float], trained: bool
-    ) -> tuple[Tensors, int, dict[str, float]]:
-        """The update, count and metrics that may leave this client."""
+        self, update: Tensors, metrics: dict[str, float], trained: bool
+    ) -> tuple[Tensors, dict[str, float]]:
+        """The update and metrics that may leave this client (it goes out with weight 1)."""
         if self.cfg.unit == "client":
             clipped, _ = clip_update(update, self.cfg.clip_norm)
             std = client_noise_std(
@@ -184,7 +198,7 @@ class ClientPrivacy:
                 std = 0.0  # integer noise is added when encoding for secure aggregation
             noisy = add_gaussian(clipped, std, self.source) if std > 0 else clipped
             # Loss, accuracy and the update norm depend on the data: they stay here.
-            return noisy, 1, {"local_steps": metrics.get("local_steps", 0.0)}
+            return noisy, {"local_steps": metrics.get("local_steps", 0.0)}
         steps = int(metrics.get("local_steps", self.steps_per_round)) if trained else 0
         if steps > 0:  # the accountant is saved before the update is released
             self.accountant.step(
@@ -193,7 +207,8 @@ class ClientPrivacy:
                 num_steps=steps,
             )
             self._save()
-        # Loss and accuracy depend on the data and are not covered by DP: they stay here.
+        # Loss and accuracy depend on the data and are not covered by DP: they stay here, and
+        # so does the image count (ClientTrainer.num_examples).
         out: dict[str, Any] = {
             "local_steps": float(steps),
             "dp_epsilon": self.epsilon(),
@@ -202,4 +217,4 @@ class ClientPrivacy:
             "dp_sample_rate": self.sample_rate,
             "dp_noise_secure": 1.0 if self.source.secure else 0.0,
         }
-        return update, num_examples, out
+        return update, out

@@ -409,7 +409,10 @@ class Coordinator:
                     self._check_head(ticket.client_id, head)
                     rnd.heads[ticket.client_id] = head
                     tensors = OrderedDict((k, v) for k, v in tensors.items() if k not in names)
-                rnd.aggregator.add(tensors, float(ticket.header.num_examples))
+                # Under DP a client's image count is part of what is protected (one image
+                # more or less, at example level): the mean is unweighted, as a secure sum is.
+                weight = 1.0 if self.privacy is not None else float(ticket.header.num_examples)
+                rnd.aggregator.add(tensors, weight)
             rnd.received[ticket.client_id] = ticket.header
             self._last_seen[ticket.client_id] = self.clock()
             self._cv.notify_all()

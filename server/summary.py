@@ -60,7 +60,7 @@ def build_summary(
             else {
                 "client_train_sizes": None,
                 "client_identities": None,
-                # what each site said at join (1 under client-level DP: the count stays home)
+                # what each site said at join (1 under DP: the count stays home)
                 "client_reported_examples": coordinator.reported_examples(),
             }
         ),

@@ -189,11 +189,12 @@ def _shared_value(values: list[Any]) -> Any:
 
 
 def example_population(summary: dict[str, Any]) -> int | None:
-    """Training images of the smallest client (each client's DP-SGD covers its own)."""
+    """Training images of the smallest client (each client's DP-SGD covers its own).
+
+    Known when the server holds the data plan; sites that bring their own data keep their
+    counts (they state 1 at join under DP), so it is ``None`` then.
+    """
     sizes = summary.get("client_train_sizes")
-    if not sizes:
-        reported = summary.get("client_reported_examples")
-        sizes = list(reported.values()) if isinstance(reported, dict) else reported
     counts = [int(n) for n in sizes or [] if isinstance(n, (int, float)) and n > 0]
     return min(counts) if counts else None
 
@@ -218,6 +219,11 @@ def _privacy(
         z = _shared_value([r.get("noise_multiplier") for r in rows])
         rate = _shared_value([r.get("sample_rate") for r in rows])
         rounds = max((r["round"] for r in rows), default=None)
+        if population is None:
+            population_of = (
+                "not released: at the example level a site's image count stays on the site "
+                "(each client checks delta < 1/N for its own N)"
+            )
     delta = summary.get("delta")
     kept = ledger.get("epsilon")
     out: dict[str, Any] = {
@@ -446,6 +452,17 @@ def _warnings(
                 f"{p['population']} {p.get('population_of', 'clients')}: a mechanism could "
                 f"release one {'image' if p['privacy_unit'] == 'example' else 'client'}'s "
                 "data outright.",
+            }
+        )
+    if p["privacy_unit"] == "example" and not (config.get("privacy") or {}).get("sample_rate"):
+        w.append(
+            {
+                "code": "example-count-public",
+                "message": "privacy.sample_rate was not set: each client's DP-SGD sampling rate "
+                "q = batch_size / N came from its image count N and was sent with its updates, "
+                "so N is treated as public (Opacus' convention); the guarantee covers which "
+                "images a site holds given their number. Set privacy.sample_rate to keep N "
+                "private.",
             }
         )
     if report["secure_aggregation"]["scheme"] == "none":

@@ -622,6 +622,16 @@ def test_an_example_level_statement_counts_images_and_states_z_and_q(run_dir: Pa
     (warning,) = [w for w in _warnings(report, {}) if w["code"] == "delta-not-below-1-over-n"]
     assert "N = 72 training images of the smallest client" in warning["message"]
     assert "one image's data" in warning["message"]
+    # q = batch_size / N (no privacy.sample_rate) makes N public; a configured q does not
+    assert "example-count-public" in [w["code"] for w in _warnings(report, {})]
+    configured = {"privacy": {"sample_rate": 0.05}}
+    assert "example-count-public" not in [w["code"] for w in _warnings(report, configured)]
+    # a served run's sites keep their counts (they state 1): no N, and the report says why
+    served = {**summary, "client_train_sizes": None,
+              "client_reported_examples": {"client-0": 1, "client-1": 1}}  # fmt: skip
+    q = _privacy(served, {}, {"example_level": rows})
+    assert q["population"] is None and q["delta_below_one_over_population"] is None
+    assert q["population_of"].startswith("not released")
 
 
 def test_the_plain_summary_states_the_adjacency_and_rounds_bounds_up(run_dir: Path) -> None:

@@ -23,17 +23,16 @@ def test_client_level_release_clips_noises_and_keeps_metrics_home() -> None:
     privacy = ClientPrivacy(cfg, num_examples=100, source=SeededGaussian(1))
     update = OrderedDict(w=np.full((50_000,), 50 / np.sqrt(50_000), np.float32))
     # Execute
-    out, examples, metrics = privacy.release(
-        update, 100, {"train_loss": 1.2, "train_accuracy": 0.7, "local_steps": 10.0},
-        trained=True,
-    )  # fmt: skip
+    out, metrics = privacy.release(
+        update, {"train_loss": 1.2, "train_accuracy": 0.7, "local_steps": 10.0}, trained=True
+    )
     # Assert: the clipped signal has norm C, the noise has std z C per coordinate
     noise = out["w"].astype(np.float64) - update["w"] * (2.0 / 50.0)
     assert noise.std() == pytest.approx(0.5 * 2.0, rel=0.02)
     assert update_norm(OrderedDict(w=out["w"] - noise.astype(np.float32))) == pytest.approx(
         2.0, rel=1e-4
     )
-    assert examples == 1 and metrics == {"local_steps": 10.0}
+    assert metrics == {"local_steps": 10.0}
 
 
 def test_example_level_accountant_persists_and_stops_at_the_budget(tmp_path: Path) -> None:
@@ -53,14 +52,14 @@ def test_example_level_accountant_persists_and_stops_at_the_budget(tmp_path: Pat
     zero = OrderedDict(w=np.zeros(3, np.float32))
     # Execute: one round, then a restarted client (same state folder)
     assert privacy.may_train()
-    _, _, metrics = privacy.release(zero, 640, {"local_steps": 20.0, "train_loss": 3.0}, True)
+    _, metrics = privacy.release(zero, {"local_steps": 20.0, "train_loss": 3.0}, trained=True)
     restarted = ClientPrivacy(cfg, num_examples=640, state_dir=tmp_path)
     # Assert: the accountant survived the restart; another round would pass the budget
     assert metrics["dp_epsilon"] == pytest.approx(one_round, rel=1e-6)
     assert "train_loss" not in metrics
     assert restarted.epsilon() == pytest.approx(one_round, rel=1e-6)
     assert not restarted.may_train()
-    _, _, idle = restarted.release(zero, 640, {}, trained=False)
+    _, idle = restarted.release(zero, {}, trained=False)
     assert idle["dp_steps"] == 0.0 and idle["dp_epsilon"] == pytest.approx(one_round, rel=1e-6)
 
 
@@ -78,10 +77,11 @@ def test_example_level_calibrates_to_the_target_over_the_planned_rounds() -> Non
 
 
 @pytest.mark.parametrize("unit", ["client", "example", "none"])
-def test_client_level_dp_keeps_the_example_count_home(unit: str) -> None:
+def test_dp_keeps_the_example_count_home(unit: str) -> None:
     # Prepare: one client of a tiny synthetic federation (16 of its images are for training)
     from client.setup import build_local_trainer
     from fl_secure.data.plan import plan_federation
+    from fl_secure.messages import LocalTraining
 
     table: dict[str, object] = {
         "data": {"image_size": 32, "num_identities": 8, "images_per_identity": 6,
@@ -99,10 +99,13 @@ def test_client_level_dp_keeps_the_example_count_home(unit: str) -> None:
         config, share.train, share.test, plan.train_identities, client_id="client-0",
         image_size=32,
     )  # fmt: skip
-    # Assert: the count sent at join and with updates is the image count, except under
-    # client-level DP, whose guarantee does not cover it
+    _, examples, _ = trainer.train(
+        trainer.shared_parameters(), LocalTraining(local_steps=1, batch_size=4)
+    )
+    # Assert: the count sent at join and with updates is the image count without DP, 1 under
+    # DP (at the example level one image more or less is the neighbouring data set)
     assert len(share.train) == 16
-    assert trainer.num_examples == (1 if unit == "client" else 16)
+    assert trainer.num_examples == examples == (16 if unit == "none" else 1)
 
 
 def test_the_budget_check_charges_the_steps_the_task_asks_for() -> None:

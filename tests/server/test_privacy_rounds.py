@@ -412,6 +412,47 @@ def test_example_level_epsilon_is_composed_by_the_server_not_taken_from_the_clie
     assert last is not None and last.payload["client_reported_epsilon"] == one
 
 
+def test_example_level_updates_are_averaged_unweighted_whatever_count_they_claim(
+    tmp_path: Path,
+) -> None:
+    # Prepare: one example-level round; the clients send 1, 2 and 3 per coordinate, c2
+    # claiming 7 examples (a weighted mean would be (1 + 2 + 21) / 9 = 2.67)
+    cfg = PrivacyConfig(unit="example", noise_multiplier=1.0, delta=1e-5)
+    coord = _coordinator(tmp_path, cfg, rounds=1)
+    metrics = {"dp_epsilon": 0.5, "dp_steps": 10.0, "dp_noise_multiplier": 1.0,
+               "dp_sample_rate": 0.1}  # fmt: skip
+
+    def submit(cid: str, value: float, count: int) -> None:
+        while (task := coord.poll(cid, 0)).kind is not TaskKind.TRAIN:
+            pass
+        _, params = coord.parameters(cid, task.round, task.nonce)
+        update = OrderedDict((k, np.full_like(v, value)) for k, v in params.items())
+        header = UpdateHeader(task.round, task.nonce, count, metrics, 1, 16)
+        ticket = coord.open_upload(cid, header)
+        try:
+            coord.commit_upload(ticket, update)
+        finally:
+            coord.release_upload(ticket)
+
+    for c in CLIENTS:
+        coord.join(c, 0)
+    driver = threading.Thread(target=coord.run)
+    driver.start()
+    workers = [
+        threading.Thread(target=submit, args=(c, v, n))
+        for c, v, n in zip(CLIENTS, (1.0, 2.0, 3.0), (1, 1, 7), strict=True)
+    ]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=30)
+    driver.join(timeout=30)
+    # Assert: under DP the image count is not a weight (one image more or less is the
+    # neighbouring data set at the example level): the mean of 1, 2, 3
+    assert coord.status == "completed"
+    np.testing.assert_array_equal(coord.params["w"], np.full((2, 2), 2.0, np.float32))
+
+
 def test_example_level_resume_refuses_a_ledger_missing_earlier_rounds(tmp_path: Path) -> None:
     # Prepare: three example-level rounds, then the rows of rounds 1-2 deleted and the chain
     # of what remains still valid (here: nothing remains)
