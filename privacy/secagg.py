@@ -943,6 +943,36 @@ def neighbour_graph(ids: Sequence[str], k: int, seed: bytes) -> dict[str, frozen
     return {u: frozenset(ring[(i + o) % n] for o in offsets) for i, u in enumerate(ring)}
 
 
+def survivor_groups(
+    graph: dict[str, frozenset[str]], survivors: Iterable[str]
+) -> list[frozenset[str]]:
+    """The connected parts of the neighbour graph restricted to ``survivors``, largest first.
+
+    Pairwise masks cancel only along edges between survivors, so unmasking a round whose
+    survivors fall into more than one part would give the server each part's own sum (a
+    SecAgg+ graph with odd ``k`` can split while every survivor keeps ``t`` neighbours).
+    Both the server and every client refuse to unmask unless there is exactly one part.
+    """
+    left = set(survivors)
+    groups: list[frozenset[str]] = []
+    while left:
+        frontier = [min(left)]
+        group: set[str] = set()
+        while frontier:
+            u = frontier.pop()
+            if u in group:
+                continue
+            group.add(u)
+            frontier.extend(graph[u] & left - group)
+        left -= group
+        groups.append(frozenset(group))
+    return sorted(groups, key=lambda g: (-len(g), min(g)))
+
+
+def _describe_groups(groups: list[frozenset[str]]) -> str:
+    return "; ".join("{" + ", ".join(sorted(g)) + "}" for g in groups)
+
+
 @dataclass(frozen=True)
 class SecAggConfig:
     """Parameters of one secure-aggregation round, known to the server and every client.
@@ -1047,6 +1077,14 @@ def _verify_advert(
             f"the key advertisement of client {who!r} is not signed by its enrolled identity "
             "key: substituted or unsigned public keys; refusing to use them"
         ) from exc
+    for name, key in (("c_pk", advert.c_pk), ("s_pk", advert.s_pk)):
+        try:  # a low-order point makes every agreement with it fail (or all zeros)
+            X25519PrivateKey.generate().exchange(X25519PublicKey.from_public_bytes(key))
+        except ValueError as exc:
+            raise ProtocolError(
+                f"advertisement of {who!r}: {name} is not a usable X25519 public key (a "
+                "low-order point); the client is left out of the round"
+            ) from exc
 
 
 # --------------------------------------------------------------------------------------------
@@ -1346,6 +1384,13 @@ class SecAggClient:
                 f"round needs at least {self.config.min_inputs} (under distributed DP, the "
                 "noise shares the sum must carry)"
             )
+        groups = survivor_groups(self.config.graph(), survivors)
+        if len(groups) > 1:
+            raise PrivacyError(
+                f"{self.client_id!r} refuses to unmask: the survivors split into "
+                f"{len(groups)} groups no pairwise mask joins ({_describe_groups(groups)}), "
+                "so the server would learn each group's own sum"
+            )
         b_out, s_out = [], []
         for owner in sorted(self._held):
             x, b_y, s_y = self._held[owner]
@@ -1574,6 +1619,13 @@ class SecAggServer:
             raise self._abort(
                 f"too few surviving neighbours hold shares of {detail}; t = {t} are needed; "
                 "round aborted before any share was revealed"
+            )
+        groups = survivor_groups(self._graph, u3)
+        if len(groups) > 1:
+            raise self._abort(
+                f"the {len(u3)} survivors split into {len(groups)} groups no pairwise mask "
+                f"joins ({_describe_groups(groups)}): unmasking would reveal each group's own "
+                "sum; round aborted before any share was revealed"
             )
         self._stage = 3
         return UnmaskRequest(self.config.round_id, tuple(sorted(u3)), tuple(sorted(self._dropped)))

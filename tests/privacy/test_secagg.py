@@ -35,6 +35,7 @@ from privacy.secagg import (
     prg_mask,
     shamir_interpolate,
     shamir_split,
+    survivor_groups,
 )
 
 ROUND = b"round-0007"
@@ -153,7 +154,22 @@ def _predicted_success(config: SecAggConfig, drop: Mapping[str, int]) -> bool:
         return False
     dropped = {u for u in u2 - u3 if g[u] & u3}
     responders = {u for u in u3 if stage[u] >= 4}
+    if _components(g, u3) > 1:  # masks cancel only within one connected group
+        return False
     return all(len(g[u] & u3) >= t and len(g[u] & responders) >= t for u in u3 | dropped)
+
+
+def _components(graph: Mapping[str, frozenset[str]], nodes: set[str]) -> int:
+    """Connected components of ``graph`` restricted to ``nodes`` (scipy's, not ours)."""
+    from scipy.sparse import csr_array
+    from scipy.sparse.csgraph import connected_components
+
+    order = sorted(nodes)
+    index = {u: i for i, u in enumerate(order)}
+    edges = [(index[u], index[v]) for u in order for v in graph[u] if v in index]
+    rows, cols = zip(*edges, strict=True) if edges else ((), ())
+    adjacency = csr_array((np.ones(len(edges)), (rows, cols)), shape=(len(order),) * 2)
+    return int(connected_components(adjacency, directed=False)[0])
 
 
 @st.composite
@@ -255,6 +271,36 @@ def test_too_few_holders_abort_before_any_share_is_revealed() -> None:
         rnd.server.unmask_request()
     with pytest.raises(RoundAborted, match="aborted"):
         rnd.server.finish()
+
+
+def test_survivors_split_into_unjoined_groups_abort_and_clients_refuse_to_unmask() -> None:
+    # Prepare: SecAgg+, n = 12, k = 3 (odd: a ring plus one chord each), t = 2; four
+    # clients that share keys and then drop can leave every survivor with t neighbours yet
+    # cut the survivors into two groups, each of whose sums the server could unmask
+    import itertools
+
+    config = _config(12, 2, 3)
+    graph, t = config.graph(), config.threshold
+    cut = next(
+        set(four)
+        for four in itertools.combinations(config.cohort, 4)
+        if _components(graph, set(config.cohort) - set(four)) > 1
+        and all(len(graph[u] & (set(config.cohort) - set(four))) >= t for u in config.cohort)
+    )
+    survivors = set(config.cohort) - cut
+    groups = survivor_groups(graph, survivors)
+    assert len(groups) == 2 and set().union(*groups) == survivors
+    assert not any(graph[u] & groups[1] for u in groups[0])  # no mask joins them
+    rnd = Round.start(config, d=4)
+    # Execute / Assert: the server aborts before asking for any share ...
+    with pytest.raises(RoundAborted, match="split into 2 groups no pairwise mask joins"):
+        rnd.masked(dict.fromkeys(cut, 2))
+    assert rnd.server.result is None
+    # ... and a client asked by a server that does not refuses to reveal anything
+    request = UnmaskRequest(config.round_id, tuple(sorted(survivors)), tuple(sorted(cut)))
+    for u in survivors:
+        with pytest.raises(PrivacyError, match="refuses to unmask: the survivors split"):
+            rnd.clients[u].unmask(request)
 
 
 def test_too_few_unmask_responses_abort_and_no_sum_exists() -> None:
@@ -445,6 +491,28 @@ def test_substituted_advertised_key_is_detected_by_server_and_clients(attack: st
     relayed = [a for u, a in adverts.items() if u != "client-002"] + [forged]
     with pytest.raises(expected_error, match="'client-002'"):
         rnd.clients["client-000"].share_keys(relayed)
+
+
+@pytest.mark.parametrize("field", ["c_pk", "s_pk"])
+def test_a_signed_low_order_key_leaves_only_its_client_out(field: str) -> None:
+    # Prepare: client-002 signs a valid advertisement of the all-zero X25519 point (low
+    # order: cryptography refuses any exchange with it); n = 5, t = 3
+    from privacy.secagg import _advert_payload
+
+    config = _config(5, 3)
+    rnd = Round.start(config, d=3)
+    genuine = rnd.clients["client-002"].advertise_keys()
+    keys = {"c_pk": genuine.c_pk, "s_pk": genuine.s_pk, field: bytes(32)}
+    payload = _advert_payload("client-002", config.round_id, keys["c_pk"], keys["s_pk"])
+    bad = AdvertiseKeys("client-002", config.round_id, keys["c_pk"], keys["s_pk"],
+                        rnd.keys["client-002"].sign(payload))  # fmt: skip
+    # Execute / Assert: refused at the advertisement, naming the client and the key ...
+    with pytest.raises(ProtocolError, match=f"'client-002': {field} is not a usable X25519"):
+        rnd.server.add_advert(bad)
+    # ... so the other four finish the round without it (it counts as never advertising)
+    result = rnd.run({"client-002": 0})
+    survivors = [u for u in config.cohort if u != "client-002"]
+    assert result.tolist() == _plain_sum([rnd.encoded(u) for u in survivors], 32)
 
 
 def test_client_refuses_to_reveal_both_shares_of_a_client() -> None:
