@@ -434,6 +434,13 @@ class SecureAggregationConfig:
                 "secure_aggregation.scheme = 'secagg+' needs secure_aggregation.neighbours > 0 "
                 "(the k of its k-regular graph); 'secagg' connects every pair of clients"
             )
+        if self.scheme == "secagg+" and self.neighbours % 2:
+            raise ConfigError(
+                f"secure_aggregation.neighbours = {self.neighbours}: SecAgg+ needs an even k "
+                "(a ring with k/2 neighbours on either side; an odd k has no graph on an odd "
+                "cohort, and its chords let dropouts cut the survivors into groups); use "
+                f"{self.neighbours + 1}"
+            )
 
     @property
     def enabled(self) -> bool:

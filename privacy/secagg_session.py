@@ -194,7 +194,9 @@ def neighbourhood(cfg: SecureAggregationConfig, n: int) -> tuple[int, int]:
     """``(k, t)``: each client's neighbours in a cohort of ``n``, and the Shamir threshold.
 
     Raises:
-        PrivacyError: The configured threshold exceeds ``k``.
+        PrivacyError: The configured threshold is not a strict majority of ``k`` and at most
+            ``k`` (:class:`privacy.secagg.SecAggConfig`'s rule). (An odd SecAgg+ ``k``, which
+            has no graph on an odd cohort, is refused when the config is read.)
     """
     k = n - 1 if cfg.neighbours == 0 or cfg.neighbours >= n - 1 else cfg.neighbours
     threshold = cfg.threshold or k // 2 + 1
@@ -202,6 +204,12 @@ def neighbourhood(cfg: SecureAggregationConfig, n: int) -> tuple[int, int]:
         raise PrivacyError(
             f"secure_aggregation.threshold = {threshold} exceeds the {k} neighbours each "
             f"client has in a cohort of {n}; use a threshold <= {k} (0: a majority)"
+        )
+    if threshold <= k // 2:
+        raise PrivacyError(
+            f"secure_aggregation.threshold = {threshold} is not a strict majority of the {k} "
+            f"neighbours each client has in a cohort of {n} (two disjoint groups of {threshold} "
+            f"could rebuild both secrets of a client); use {k // 2 + 1}..{k} (0: a majority)"
         )
     return k, threshold
 

@@ -646,7 +646,13 @@ class Coordinator:
             aggregator: Aggregator | None = None
             secure = None
             if kind is TaskKind.TRAIN and self._secure_enabled():
-                secure = self._secure_round(number, attempt, cohort)
+                try:
+                    secure = self._secure_round(number, attempt, cohort)
+                except RoundAborted as exc:  # e.g. no graph fits this cohort's size: redraw
+                    last_secure_error, last_shortfall = str(exc), ""
+                    then = "retrying" if attempt < self.settings.max_retries else "aborting"
+                    log.warning("round %d attempt %d: %s; %s", number, attempt, exc, then)
+                    continue
             elif kind is TaskKind.TRAIN:
                 dp = self.privacy.make_aggregator(self.specs) if self.privacy else None
                 aggregator = dp if dp is not None else StreamingMean(self.specs)

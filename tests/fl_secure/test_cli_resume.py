@@ -50,6 +50,7 @@ def test_resume_refuses_a_run_that_ended(
     ("override", "message"),
     [
         ("secure_aggregation.threshold=10", "threshold = 10 exceeds the 3 neighbours"),
+        ("secure_aggregation.threshold=1", "threshold = 1 is not a strict majority of the 3"),
         ("secure_aggregation.modulus_bits=4", "wraps mod 2^4"),
         ("model.pretrained=missing.safetensors", "missing.safetensors does not exist"),
         ("data.path=nowhere", "data.path"),

@@ -112,6 +112,15 @@ def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
         load_config(bad)
 
 
+def test_secagg_plus_needs_an_even_neighbour_count() -> None:
+    # an odd k has no graph on an odd cohort (Poisson cohorts vary in size) and its chords
+    # let dropouts cut the survivors into groups: refused when the config is read
+    with pytest.raises(ConfigError, match="neighbours = 3: SecAgg\\+ needs an even k.*use 4"):
+        config_from_dict({"secure_aggregation": {"scheme": "secagg+", "neighbours": 3}})
+    even = config_from_dict({"secure_aggregation": {"scheme": "secagg+", "neighbours": 4}})
+    assert even.secure_aggregation.neighbours == 4
+
+
 def test_privacy_section_is_validated_with_clear_errors() -> None:
     # A private run needs noise or a budget to calibrate it to
     with pytest.raises(ConfigError, match="needs privacy.noise_multiplier > 0 or"):

@@ -19,6 +19,7 @@ from fl_secure.config import (
     ServerConfig,
     config_to_toml,
 )
+from fl_secure.errors import PrivacyError
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import RunDir
 from fl_secure.tls import init_certificates
@@ -78,6 +79,7 @@ def _serve(
     initial: Tensors | None = None,
     ckks_layers: tuple[str, ...] = (),
     clock=None,
+    max_retries: int = 0,
 ):
     """Certificates for n clients, a one-round coordinator and its gRPC server on port 0.
 
@@ -105,7 +107,7 @@ def _serve(
         rounds=1,
         min_clients=min_clients,
         round_timeout=round_timeout,
-        max_retries=0,
+        max_retries=max_retries,
         poll_wait=0.5,
         final_evaluation=False,
         run_id="secagg-test",
@@ -226,6 +228,31 @@ def test_secure_sum_equals_the_plain_mean(tmp_path: Path) -> None:
     assert {c: sorted(m) for c, m in record["clients"].items()} == {
         f"client-{i}": ["local_seconds", "local_steps"] for i in range(4)
     }
+
+
+def test_a_cohort_secure_aggregation_cannot_start_with_is_redrawn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: the first attempt's setup fails as a cohort size no threshold or graph fits
+    # would (a Poisson cohort smaller than the largest one the start-up check saw)
+    import privacy.secagg_session as session
+
+    real, calls = session.make_setup, []
+
+    def first_fails(*args, **kwargs):
+        calls.append(kwargs["attempt"])
+        if len(calls) == 1:
+            raise PrivacyError("threshold = 3 exceeds the 2 neighbours (a test's cohort)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(session, "make_setup", first_fails)
+    shifts = [0.5, -0.25, 1.0]
+    # Execute
+    coord = _run(tmp_path, shifts, failing=set(), max_retries=1)
+    # Assert: the round was not lost: attempt 1 drew a cohort again and summed it
+    assert coord.status == "completed", coord.stop_reason
+    assert calls[:2] == [0, 1]  # the server's two attempts (clients rebuild the setup too)
+    np.testing.assert_allclose(coord.params["w"], np.mean(shifts), atol=4 * 2.0**-20)
 
 
 def test_a_client_dropping_after_sharing_keys_is_recovered(tmp_path: Path) -> None:
