@@ -314,6 +314,10 @@ class ServerCkksRound(StagedRound):
         """Clients whose update is in the sum."""
         return tuple(sorted(self._survivors))
 
+    def sum_seen(self) -> bool:
+        """Whether a decryptor returned the sum to the server (even sums that disagree)."""
+        return bool(self.responses)
+
     def decoded_sum(self) -> np.ndarray:
         """The float64 sum of the survivors' updates (as decrypted by a client)."""
         if self.result is None:

@@ -566,6 +566,10 @@ class ServerSecureRound(StagedRound):
         """Clients whose input is in the sum."""
         return self.server.survivors
 
+    def sum_seen(self) -> bool:
+        """Whether the server has unmasked the sum (even one it then could not decode)."""
+        return self.result is not None
+
     def decoded_sum(self) -> np.ndarray:
         """The float64 sum of the survivors' (clipped, fixed-point) updates."""
         if self.decoded is None:

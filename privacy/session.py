@@ -22,17 +22,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from fl_secure.config import PrivacyConfig
-from fl_secure.errors import PrivacyError
-from fl_secure.messages import Tensors, TensorSpec
+from fl_secure.errors import PrivacyError, ProtocolError
+from fl_secure.messages import LocalTraining, Tensors, TensorSpec
 from privacy.accountants import create_accountant
-from privacy.accountants.accountant import ADJACENCY
+from privacy.accountants.accountant import ADJACENCY, MIN_ACCOUNTED_NOISE
 from privacy.client_level import (
     ClientLevelPlan,
     NoisyClippedSum,
     effective_noise_multiplier,
     plan_client_level,
 )
-from privacy.ledger import Entry, Ledger
+from privacy.ledger import Entry, Ledger, check_payload
 from privacy.noise import NoiseSource, SecureGaussian
 
 log = logging.getLogger(__name__)
@@ -246,8 +246,52 @@ class ServerPrivacy:
             history = [*self._example_history.get(party, []), *_example_event(payload)]
             composed = self._epsilon_of(history) if history else 0.0
             payload["epsilon"] = max(composed, reported)  # an upper bound whichever is larger
+            check_payload("example_level", payload)  # never checkpoint a row the ledger refuses
             rows.append({"kind": "example_level", "party": party, "payload": payload})
         return rows
+
+    def check_upload_metrics(
+        self, party: str, metrics: Mapping[str, float], training: LocalTraining
+    ) -> None:
+        """Refuse an example-level update whose DP figures the ledger could not account.
+
+        Checked when the upload opens, so a faulty client is refused alone instead of
+        failing the round's ledger rows after aggregation (and every resume after them).
+        ``dp_steps`` may not exceed what the round's task asks for at the stated rate.
+
+        Raises:
+            ProtocolError: Naming the key and what it must be.
+        """
+        if self.unit != "example":
+            return
+        missing = [k for k in EXAMPLE_KEYS if k not in metrics]
+        if missing:
+            raise ProtocolError(
+                f"client {party} sent no example-level accounting ({', '.join(missing)}); its "
+                "update cannot be released under example-level DP"
+            )
+        v = {k: float(metrics[k]) for k in EXAMPLE_KEYS}
+        bad = [k for k, x in v.items() if not math.isfinite(x)]
+        if bad:
+            raise ProtocolError(f"client {party}: {', '.join(bad)} not finite")
+        q, z, steps = v["dp_sample_rate"], v["dp_noise_multiplier"], v["dp_steps"]
+        if not 0 < q <= 1:
+            raise ProtocolError(f"client {party}: dp_sample_rate = {q:g}, expected (0, 1]")
+        if z < MIN_ACCOUNTED_NOISE:
+            raise ProtocolError(
+                f"client {party}: dp_noise_multiplier = {z:g}, below the {MIN_ACCOUNTED_NOISE:g} "
+                "the accountants take"
+            )
+        if v["dp_epsilon"] < 0:
+            raise ProtocolError(f"client {party}: dp_epsilon = {v['dp_epsilon']:g} < 0")
+        from privacy.dpsgd import dpsgd_steps
+
+        most = dpsgd_steps(1, training, q)
+        if steps != int(steps) or not 0 <= steps <= most:
+            raise ProtocolError(
+                f"client {party}: dp_steps = {steps:g}, expected an integer in 0..{most} (the "
+                f"round's task at q = {q:g})"
+            )
 
     def commit(self, round_: int, rows: list[LedgerRow]) -> dict[str, Any]:
         """Append and sync the round's rows, update the running epsilon; metrics to record."""

@@ -339,6 +339,14 @@ class Coordinator:
                     f"num_examples must be {'positive' if train else '>= 0'}, got "
                     f"{header.num_examples}"
                 )
+            if train and self.privacy is not None:  # before aggregation, not in the ledger
+                self.privacy.check_upload_metrics(client_id, header.metrics, self.settings.training)
+            stated = self._examples.get(client_id, 0)
+            if train and self.privacy is None and 0 < stated < header.num_examples:
+                raise ProtocolError(  # without DP the count is the update's weight in the mean
+                    f"num_examples = {header.num_examples} is more than the {stated} training "
+                    f"images client {client_id} stated at join"
+                )
             expected = self.specs if train else []
             if train and rnd.secure is not None:
                 expected = rnd.secure.upload_specs
@@ -363,8 +371,13 @@ class Coordinator:
             with self._cv:
                 rnd.uploading.discard(client_id)
             raise ProtocolError("round deadline passed while waiting for an upload slot")
-        if cancel is not None:
-            with self._cv:
+        with self._cv:
+            if self._round is not rnd or client_id not in rnd.uploading:
+                # the round ended while this upload waited for a slot: no one would cancel
+                # it or free its slot if it stalled now
+                self._uploads.release()
+                raise ProtocolError(f"round {rnd.number} closed before the upload could start")
+            if cancel is not None:
                 rnd.streaming[client_id] = (cancel, self.clock())
         return UploadTicket(client_id, header.round, header, expected, max_bytes)
 
@@ -550,11 +563,19 @@ class Coordinator:
                 rnd.fail(client, f"dropped at secure-aggregation stage {where}")
             self._cv.notify_all()
 
-    def record_failure(self, client_id: str, round_: int, error: str) -> None:
-        """A cohort member's upload was refused: the round goes on without it."""
+    def record_failure(self, client_id: str, round_: int, nonce: bytes, error: str) -> None:
+        """A cohort member's upload was refused: the round goes on without it.
+
+        Only a message of the open attempt (its nonce) counts: a straggler's late message of
+        a failed attempt must not cost it the retry that exists for it.
+        """
         with self._cv:
             rnd = self._round
-            if rnd is not None and rnd.number == round_ and rnd.fail(client_id, error):
+            if rnd is None or rnd.number != round_:
+                return
+            if not secrets.compare_digest(rnd.cohort.get(client_id, b""), nonce):
+                return
+            if rnd.fail(client_id, error):
                 self._cv.notify_all()
 
     def release_upload(self, ticket: UploadTicket, error: str | None = None) -> None:
@@ -707,6 +728,19 @@ class Coordinator:
                 event["secure_aggregation"] = self._secure_record(rnd, secure_error)
             self.events.append(event)
             then = "retrying" if attempt < self.settings.max_retries else "aborting"
+            if secure_error and rnd.secure is not None and rnd.secure.sum_seen():
+                # A retry would release a second sum of nearly the same updates that the
+                # ledger would not count (one faulty or colluding client could force many).
+                reason = (
+                    f"round {number} attempt {attempt}: {secure_error}; the server had already "
+                    "unmasked the sum, so the round is not retried: a second sum of nearly the "
+                    "same updates would be a release the ledger does not count. The discarded "
+                    "sum was released to nobody else and is not in the stated epsilon; find "
+                    "the faulty client in the round record, remove it, and --resume"
+                )
+                if self.privacy is not None:
+                    self.privacy.note(number, reason)
+                raise RoundAborted(reason)
             if secure_error:
                 last_secure_error = secure_error
                 last_shortfall = _describe_shortfall(rnd.failed, [])

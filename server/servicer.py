@@ -52,7 +52,9 @@ class CallLimiter:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"client {client_id} already has {count} calls open (the limit)",
             )
-        context.add_callback(lambda: self._closed(client_id))
+        if not context.add_callback(lambda: self._closed(client_id)):
+            self._closed(client_id)  # the call already ended: its callback will never run
+            context.abort(grpc.StatusCode.CANCELLED, "the call ended before it was served")
         return client_id
 
     def _closed(self, client_id: str) -> None:
@@ -116,7 +118,8 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
         except ProtocolError as exc:
             log.warning("update from %s refused: %s", client_id, exc)
             if first is not None and first.WhichOneof("kind") == "header":
-                self.coordinator.record_failure(client_id, int(first.header.round), str(exc))
+                head = first.header
+                self.coordinator.record_failure(client_id, int(head.round), head.nonce, str(exc))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         error: str | None = None
         try:
@@ -174,7 +177,7 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
             context.abort(grpc.StatusCode.ABORTED, str(exc))
         except FlSecureError as exc:  # malformed, unsigned, out of order: this client drops
             log.warning("secure aggregation message from %s refused: %s", client_id, exc)
-            self.coordinator.record_failure(client_id, round_, str(exc))
+            self.coordinator.record_failure(client_id, round_, nonce, str(exc))
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return pb.SecAggMessage(
             round=request.round, nonce=request.nonce, stage=request.stage, payload=payload

@@ -149,6 +149,12 @@ def _ledger(path: Path, summary: dict[str, Any]) -> tuple[dict[str, Any], list[E
         "head": result.head,
         "checked_against_summary": recorded is not None,
         "entries_after_summary": result.after_record,
+        # free-text events: a budget stop, a discarded sum the server had seen
+        "notes": [
+            {"round": e.round, "message": e.payload.get("message")}
+            for e in entries
+            if e.kind == "note"
+        ],
         "epsilon": epsilon,
         "delta": delta,
         "noise_distribution": newest.get("noise_distribution"),

@@ -145,6 +145,13 @@ def test_every_number_traces_to_the_run_records(run_dir: Path) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert report["privacy"]["epsilon"] == summary["epsilon"]
     assert report["privacy"]["delta"] == summary["delta"]
+    # the mechanism's parameters are the run's, each from its own field (TINY: z 1.5, C 1)
+    p, sp = report["privacy"], summary["privacy"]
+    assert p["noise_multiplier"] == sp["noise_multiplier"] == 1.5
+    assert p["clip_norm"] == sp["clip_norm"] == 1.0
+    assert p["sample_rate"] == sp["client_sample_rate"] == 1.0  # every client every round
+    assert p["rounds_accounted"] == sp["rounds_accounted"] == 3
+    assert p["noise_placement"] == "distributed"
     assert report["utility"]["final"]["tar_at_far_1e-2"] == summary["tar_at_far_1e-2"]
     assert report["ledger"]["verified"] is True
     assert [r["round"] for r in report["ledger"]["epsilon_by_round"]] == [1, 2, 3]
@@ -688,3 +695,17 @@ def test_a_new_report_removes_the_files_the_previous_one_wrote_only(
     assert {"report.json", "notes.txt", "report-files.json"} <= names
     listed = json.loads((out / "report-files.json").read_text())
     assert "report.json" in listed and "notes.txt" not in listed
+
+
+def test_the_ledgers_notes_are_in_the_report(tmp_path: Path) -> None:
+    # a discarded sum the server had seen (or a budget stop) is a ledger note: the report
+    # lists each, with its round, beside the verified chain
+    from fl_secure.report.build import _ledger
+    from privacy.ledger import Ledger
+
+    path = tmp_path / "ledger.sqlite"
+    with Ledger.open(path, "run-1") as ledger:
+        ledger.append("note", round=3, party="server", payload={"message": "sum discarded"})
+    section, entries = _ledger(path, {})
+    assert section["verified"] and len(entries) == 1
+    assert section["notes"] == [{"round": 3, "message": "sum discarded"}]

@@ -153,10 +153,10 @@ class Recorder:
             release = privacy.release
 
             def spy(
-                update: Tensors, num_examples: int, metrics: dict[str, float], trained: bool
-            ) -> tuple[Tensors, int, dict[str, float]]:
+                update: Tensors, metrics: dict[str, float], trained: bool
+            ) -> tuple[Tensors, dict[str, float]]:
                 self.raw.append(OrderedDict((k, v.copy()) for k, v in update.items()))
-                return release(update, num_examples, metrics, trained)
+                return release(update, metrics, trained)
 
             privacy.release = spy  # type: ignore[method-assign]
 

@@ -199,6 +199,9 @@ def test_upload_checks(tmp_path: Path) -> None:
         coord.open_upload("c0", UpdateHeader(task.round, task.nonce, 1, {}, 5, 28))
     with pytest.raises(ProtocolError, match="num_examples must be positive, got 0"):
         coord.open_upload("c0", UpdateHeader(task.round, task.nonce, 0, {}, 2, 28))
+    # without DP the count is the update's weight: no more than the images stated at join
+    with pytest.raises(ProtocolError, match="num_examples = 11 is more than the 10 training"):
+        coord.open_upload("c0", UpdateHeader(task.round, task.nonce, 11, {}, 2, 28))
     coord.stop("test over")
     driver.join(timeout=30)
     assert coord.status == "stopped"
@@ -314,11 +317,15 @@ def test_abort_message_names_why_the_updates_were_refused(tmp_path: Path) -> Non
         coord.join(c, 10)
     driver = threading.Thread(target=coord.run)
     driver.start()
-    while coord.poll("c0", 0).kind is not TaskKind.TRAIN:
-        pass
+    nonces = {}
+    for c in ("c0", "c1", "c2"):
+        while (task := coord.poll(c, 0)).kind is not TaskKind.TRAIN:
+            pass
+        nonces[c] = task.nonce
+    coord.record_failure("c1", 1, b"another attempt's", "a straggler's late message")
     for c in ("c0", "c2"):
-        coord.record_failure(c, 1, "metrics ['train_loss'] are not finite")
-    coord.record_failure("c1", 1, "tensor 'w' has shape (3,), expected (2, 2)")
+        coord.record_failure(c, 1, nonces[c], "metrics ['train_loss'] are not finite")
+    coord.record_failure("c1", 1, nonces["c1"], "tensor 'w' has shape (3,), expected (2, 2)")
     driver.join(timeout=30)
     assert coord.status == "aborted"
     assert coord.stop_reason == (

@@ -255,10 +255,13 @@ def test_the_call_limiter_counts_calls_until_they_end() -> None:
     from server.servicer import CallLimiter
 
     class Context:  # what the limiter uses of a grpc.ServicerContext
-        def __init__(self) -> None:
+        def __init__(self, ended: bool = False) -> None:
             self.callbacks: list = []
+            self.ended = ended
 
         def add_callback(self, fn) -> bool:  # type: ignore[no-untyped-def]
+            if self.ended:  # grpc: False, and the callback never runs
+                return False
             self.callbacks.append(fn)
             return True
 
@@ -275,6 +278,12 @@ def test_the_call_limiter_counts_calls_until_they_end() -> None:
         fn()
     assert limiter.open_calls("c0") == 1
     assert limiter(third) == "c0" and limiter.open_calls("c0") == 2
+    # a call that ended (client gone) before its handler ran is not left counted
+    for fn in third.callbacks:
+        fn()
+    with pytest.raises(RuntimeError, match="CANCELLED.*ended before it was served"):
+        limiter(Context(ended=True))
+    assert limiter.open_calls("c0") == 1
 
 
 def test_refusals_and_the_others_finish(tmp_path: Path, grpc_run_factory, small_params) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -100,9 +101,13 @@ def test_central_dp_rounds_write_the_ledger_and_epsilon_per_round(tmp_path: Path
         assert ledger.verify().ok
     assert [(e.kind, e.round) for e in entries] == [("client_level", r) for r in (1, 2, 3)]
     assert entries[0].payload["cohort_size"] == 3
-    # The released average is clipped (three updates of norm 20 -> norm 1 each) / W = 3, plus
-    # noise of std z C / W = 2/3 per coordinate: far from the un-noised 10 per coordinate.
-    assert np.abs(coord.params["w"]).max() < 5.0
+    # Each round releases the clipped mean (three updates of norm 20 -> norm 1 each, 0.5 per
+    # coordinate, / W = 3 * 3 clients) plus noise of std z C / W = 2/3 per coordinate; three
+    # rounds sum to 1.5 per coordinate plus noise of std 2/3 sqrt(3) = 1.15. Unclipped: 30;
+    # without the noise: exactly 1.5.
+    noise = coord.params["w"].astype(np.float64) - 1.5
+    assert np.abs(noise).max() < 6 * (2 / 3) * np.sqrt(3)
+    assert np.abs(noise).max() > 0.01  # 4 coordinates all within 0.01 of 0: p < 1e-7
     summary = coord.privacy.summary() if coord.privacy else {}
     assert summary["epsilon"] == pytest.approx(expected[-1])
     assert summary["noise_secure"] is False  # the test injected a seeded generator
@@ -451,6 +456,54 @@ def test_example_level_updates_are_averaged_unweighted_whatever_count_they_claim
     # neighbouring data set at the example level): the mean of 1, 2, 3
     assert coord.status == "completed"
     np.testing.assert_array_equal(coord.params["w"], np.full((2, 2), 2.0, np.float32))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"dp_epsilon": None}, "sent no example-level accounting \\(dp_epsilon\\)"),
+        ({"dp_steps": -3.0}, "dp_steps = -3, expected an integer in 0..10"),
+        ({"dp_steps": 1e12}, "dp_steps = 1e\\+12, expected an integer in 0..10"),
+        ({"dp_steps": 2.5}, "dp_steps = 2.5"),
+        ({"dp_sample_rate": 2.0}, "dp_sample_rate = 2, expected \\(0, 1\\]"),
+        ({"dp_noise_multiplier": 0.0}, "dp_noise_multiplier = 0, below the 0.05"),
+        ({"dp_epsilon": float("nan")}, "dp_epsilon not finite"),
+    ],
+)
+def test_example_level_figures_the_ledger_cannot_take_are_refused_at_upload(
+    tmp_path: Path, change: dict[str, float | None], message: str
+) -> None:
+    # Prepare: an example-level round; the task asks for 10 local steps
+    from fl_secure.errors import ProtocolError
+    from fl_secure.messages import LocalTraining
+
+    cfg = PrivacyConfig(unit="example", noise_multiplier=1.0, delta=1e-5)
+    coord = _coordinator(tmp_path, cfg, rounds=1)
+    coord.settings = dataclasses.replace(coord.settings, training=LocalTraining(local_steps=10))
+    metrics = {"dp_epsilon": 0.5, "dp_steps": 10.0, "dp_noise_multiplier": 1.0,
+               "dp_sample_rate": 0.1}  # fmt: skip
+    for key, value in change.items():
+        if value is None:
+            del metrics[key]
+        else:
+            metrics[key] = value
+    for c in CLIENTS:
+        coord.join(c, 0)
+    driver = threading.Thread(target=coord.run)
+    driver.start()
+    try:
+        while (task := coord.poll("c0", 0)).kind is not TaskKind.TRAIN:
+            pass
+        header = UpdateHeader(task.round, task.nonce, 1, metrics, 1, 16)
+        # Execute / Assert: refused before any tensor is read, naming the figure
+        with pytest.raises(ProtocolError, match=f"client c0: {message}|c0 {message}"):
+            coord.open_upload("c0", header)
+    finally:
+        coord.stop("test over")
+        driver.join(timeout=30)
+    # nothing reached the ledger or a checkpoint
+    with Ledger.read(tmp_path / "ledger.sqlite") as ledger:
+        assert ledger.entries() == []
 
 
 def test_example_level_resume_refuses_a_ledger_missing_earlier_rounds(tmp_path: Path) -> None:

@@ -394,13 +394,23 @@ def test_a_masked_input_that_is_not_an_encoding_aborts_the_attempt(
     if distributed:
         privacy = _distributed_dp(tmp_path, population=4, min_survivors=3)
     # Execute
-    coord = _run(tmp_path, [0.5, 1.0, -0.25, 2.0], failing=set(), min_clients=3, privacy=privacy)
-    # Assert: the attempt aborts (and would be retried) instead of the error escaping the
-    # server's round loop; the model is untouched
+    coord = _run(
+        tmp_path, [0.5, 1.0, -0.25, 2.0], failing=set(), min_clients=3, privacy=privacy,
+        max_retries=2,
+    )  # fmt: skip
+    # Assert: the round aborts instead of the error escaping the server's round loop, and
+    # is not retried although retries are allowed: the server had unmasked that sum, and a
+    # second one of nearly the same updates would be a release the ledger does not count
     assert coord.status == "aborted", coord.status
     assert "the sum is corrupted" in coord.stop_reason
+    assert "not retried" in coord.stop_reason
+    assert [e["attempt"] for e in coord.events if e.get("round") == 1] == [0]
     assert coord.completed_round == 0
     np.testing.assert_array_equal(coord.params["w"], np.zeros((50, 40), np.float32))
+    if privacy is not None:  # the ledger says so, and counts no round
+        notes = [e for e in privacy.ledger.entries() if e.kind == "note"]
+        assert len(notes) == 1 and "not in the stated epsilon" in notes[0].payload["message"]
+        assert [e for e in privacy.ledger.entries() if e.kind == "client_level"] == []
 
 
 @pytest.mark.slow
