@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,6 +41,24 @@ def test_ssim_of_constant_images_is_the_luminance_term() -> None:
     c1 = 0.01**2
     expected = (2 * a * b + c1) / (a * a + b * b + c1)
     assert float(ssim(x, y)) == pytest.approx(expected, rel=1e-6)
+
+
+def test_ssim_of_one_window_is_wang_et_al_eq_13_with_c1_c2_of_eq_7() -> None:
+    # An 11 x 11 pair is exactly one window: SSIM = l * c * s with Gaussian-weighted
+    # statistics (sigma 1.5), C1 = (0.01 L)^2, C2 = (0.03 L)^2 (Wang et al. 2004, Eq. 7, 13)
+    i = np.arange(11) - 5
+    w = np.exp(-(i[:, None] ** 2 + i[None, :] ** 2) / (2 * 1.5**2))
+    w /= w.sum()
+    x = np.linspace(0.1, 0.9, 121).reshape(11, 11)
+    y = np.clip(x**2 + 0.05 * np.sin(np.arange(121)).reshape(11, 11), 0, 1)
+    mx, my = (w * x).sum(), (w * y).sum()
+    vx, vy = (w * x * x).sum() - mx**2, (w * y * y).sum() - my**2
+    cxy = (w * x * y).sum() - mx * my
+    c1, c2 = 0.01**2, 0.03**2
+    expected = (2 * mx * my + c1) * (2 * cxy + c2) / ((mx**2 + my**2 + c1) * (vx + vy + c2))
+    got = ssim(torch.from_numpy(x)[None, None], torch.from_numpy(y)[None, None])
+    assert 0.2 < expected < 0.99  # structure matters here, unlike constant images
+    assert float(got) == pytest.approx(expected, rel=1e-10)
 
 
 def test_psnr_reference_values() -> None:

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from fl_secure.errors import PrivacyError
 from privacy.discrete_gaussian import (
     ddg_client_sigma,
     ddg_decode,
@@ -93,6 +94,38 @@ def test_distributed_sum_decodes_to_the_sum_plus_the_configured_noise() -> None:
 
 
 def test_tau_penalises_small_sigma() -> None:
-    # KLS21: with sigma ~ 0.5 the sum of discrete Gaussians is far from a discrete Gaussian
-    assert ddg_tau(0.5, 10) > 0.1
-    assert ddg_noise_multiplier(0.5, 10, 1.0, 1000) < math.sqrt(10) * 0.5 / 1.0
+    # KLS21 Thm 1: tau = 10 sum_{k=1}^{m-1} exp(-2 pi^2 sigma^2 k / (k + 1)); at sigma = 0.5,
+    # m = 10 the nine terms (to 4 places) sum to 0.2346
+    terms = [0.0848, 0.0373, 0.0247, 0.0193, 0.0164, 0.0146, 0.0133, 0.0124, 0.0118]
+    assert ddg_tau(0.5, 10) == pytest.approx(10 * sum(terms), rel=2e-3)
+    assert ddg_tau(0.5, 10) == pytest.approx(2.3453253, rel=1e-7)
+    # eps = sqrt(D2^2 / (m sigma^2) + tau d / 2) and z = 1 / eps: far below sqrt(m) sigma / D2
+    eps = math.sqrt(1.0 / (10 * 0.25) + 2.3453253 * 1000 / 2)
+    assert ddg_noise_multiplier(0.5, 10, 1.0, 1000) == pytest.approx(1 / eps, rel=1e-7)
+    assert 1 / eps < 0.1 * math.sqrt(10) * 0.5
+
+
+def test_integer_l2_bound_is_the_clip_in_units_plus_the_rounding() -> None:
+    # ||round(x / gamma)|| <= C / gamma + sqrt(d): each coordinate moves by less than 1
+    assert integer_l2_bound(1.0, 2.0**-16, 50_000) == 65536 + math.sqrt(50_000)
+    rng, source = np.random.default_rng(3), SecureGaussian()
+    gamma, d = 2.0**-2, 10_000  # coarse: the rounding term sqrt(d) = 100 dominates C / gamma
+    for _ in range(20):
+        x = rng.standard_normal(d)
+        x /= np.linalg.norm(x)  # on the clip sphere, C = 1
+        r = randomized_round(source, x / gamma)
+        assert np.linalg.norm(r) <= integer_l2_bound(1.0, gamma, d)
+
+
+def test_a_discrete_gaussian_too_narrow_for_its_z_is_refused() -> None:
+    # Prepare: no fractional bits (gamma = 1), d = 1000, z = 0.01: sigma = z D2 / sqrt(3) is
+    # about 0.19, where tau makes the sum far less private than the Gaussian accounted
+    from fl_secure.config import SecureAggregationConfig
+    from privacy.secagg_session import check_ddg
+
+    cfg = SecureAggregationConfig(scheme="secagg", scale_bits=0, clip_range=8.0)
+    with pytest.raises(PrivacyError, match="not as private as z = 0.01 .*KLS21 tau"):
+        check_ddg((0.01, 1.0, 3), cfg, 4, 1000)
+    sigma, _ = check_ddg((0.01, 1.0, 3), SecureAggregationConfig(scheme="secagg", scale_bits=16,
+                         clip_range=8.0, modulus_bits=48), 4, 1000)  # fmt: skip
+    assert sigma == pytest.approx(0.01 * (2**16 + math.sqrt(1000)) / math.sqrt(3))
