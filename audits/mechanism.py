@@ -1,7 +1,8 @@
 """Empirical epsilon of a run's client-level aggregation, measured with worst-case canaries.
 
 The audit runs the *mechanism as implemented*: the project's own aggregation code
-(:class:`privacy.client_level.NoisyClippedSum` with :func:`privacy.client_level.clip_update`,
+(:func:`privacy.client_level.server_aggregator`, the server's own, with
+:func:`privacy.client_level.clip_update`,
 :func:`privacy.client_level.add_gaussian` and the clients' noise shares of
 :func:`privacy.client_level.client_noise_std`; :class:`server.aggregate.StreamingMean` for a
 non-private run) with the run's noise multiplier ``z``, clip norm ``C``, denominator ``W``,
@@ -39,7 +40,13 @@ import torch
 
 from audits.canary import DEFAULT_ALPHA, one_run_audit, threshold_bound
 from fl_secure.messages import Tensors, TensorSpec
-from privacy.client_level import NoisyClippedSum, add_gaussian, client_noise_std, clip_update
+from privacy.client_level import (
+    NoisyClippedSum,
+    add_gaussian,
+    client_noise_std,
+    clip_update,
+    server_aggregator,
+)
 from privacy.noise import SeededGaussian
 from server.aggregate import StreamingMean
 
@@ -146,10 +153,9 @@ def release_round(mech: Mechanism, canaries: np.ndarray, source: SeededGaussian)
     if c is None:
         agg = StreamingMean(specs)
     else:
-        central = mech.noise_multiplier * c if mech.placement == "central" else 0.0
-        agg = NoisyClippedSum(specs, clip_norm=c, denominator=mech.denominator,
-                              central_std=central, source=source,
-                              reclip=mech.placement == "central")  # fmt: skip
+        agg = server_aggregator(specs, placement=mech.placement,
+                                noise_multiplier=mech.noise_multiplier, clip_norm=c,
+                                denominator=mech.denominator, source=source)  # fmt: skip
     zero: Tensors = OrderedDict(u=np.zeros(dim, dtype=np.float32))
     share = 0.0
     if c is not None and mech.placement in ("local", "distributed"):

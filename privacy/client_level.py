@@ -250,3 +250,29 @@ def plan_client_level(
         rounds=rounds,
         calibrated=calibrated,
     )
+
+
+def server_aggregator(
+    specs: Sequence[TensorSpec],
+    *,
+    placement: str,
+    noise_multiplier: float,
+    clip_norm: float,
+    denominator: float,
+    source: NoiseSource,
+    sees_updates: bool = True,
+) -> NoisyClippedSum:
+    """The server's DP-FedAvg aggregator for a noise placement (the run's and the audit's).
+
+    Only under ``central`` placement does the server add the noise (``z C``) and, when it
+    sees individual updates (``sees_updates``; not a securely aggregated sum), re-clip them.
+    """
+    central = placement == "central"
+    return NoisyClippedSum(
+        specs,
+        clip_norm=clip_norm,
+        denominator=denominator,
+        central_std=noise_multiplier * clip_norm if central else 0.0,
+        source=source,
+        reclip=central and sees_updates,
+    )

@@ -31,6 +31,7 @@ from privacy.client_level import (
     NoisyClippedSum,
     effective_noise_multiplier,
     plan_client_level,
+    server_aggregator,
 )
 from privacy.ledger import Entry, Ledger, check_payload
 from privacy.noise import NoiseSource, SecureGaussian
@@ -93,14 +94,13 @@ class ServerPrivacy:
         if self.plan is None:
             return None
         p = self.plan
-        central = p.noise_multiplier * p.clip_norm if p.placement == "central" else 0.0
-        return NoisyClippedSum(
+        return server_aggregator(
             specs,
+            placement=p.placement,
+            noise_multiplier=p.noise_multiplier,
             clip_norm=p.clip_norm,
             denominator=p.denominator,
-            central_std=central,
             source=self.source,
-            reclip=p.placement == "central",
         )
 
     def finish_sum(self, total: Mapping[str, Any], specs: list[TensorSpec]) -> Tensors:
@@ -109,17 +109,15 @@ class ServerPrivacy:
             raise PrivacyError(
                 "example-level DP with secure aggregation: average on the clients' side"
             )
-        agg = NoisyClippedSum(
+        p = self.plan
+        agg = server_aggregator(
             specs,
-            clip_norm=self.plan.clip_norm,
-            denominator=self.plan.denominator,
-            central_std=(
-                self.plan.noise_multiplier * self.plan.clip_norm
-                if self.plan.placement == "central"
-                else 0.0
-            ),
+            placement=p.placement,
+            noise_multiplier=p.noise_multiplier,
+            clip_norm=p.clip_norm,
+            denominator=p.denominator,
             source=self.source,
-            reclip=False,  # the server never sees an individual update
+            sees_updates=False,  # the server never sees an individual update
         )
         agg.add(total, 1.0)
         return agg.mean()
