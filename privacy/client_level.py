@@ -14,7 +14,11 @@ whoever participates. Where the noise is added (``noise_placement``):
 
 * ``local``: each client adds ``N(0, (z C)^2)`` to its own clipped update, so each update is
   private by itself and the sum carries variance ``m (z C)^2 >= (z C)^2`` for ``m >= 1``
-  survivors. It is accounted as ``z`` (sound, conservative by ``sqrt(m)``).
+  survivors. It is accounted as ``z`` (conservative by ``sqrt(m)``) under zero-out
+  adjacency with Poisson cohorts: a client's own noise share goes with it, so add/remove
+  would compare sums of different variances
+  (:func:`privacy.accountants.accountant.client_adjacency`); the same holds for
+  ``distributed``.
 * ``distributed``: each of the cohort adds ``N(0, (z C)^2 / t)`` where ``t`` is the smallest
   number of survivors the round accepts, so the sum over ``m >= t`` survivors carries variance
   ``m / t (z C)^2 >= (z C)^2``. Needs secure aggregation so the server never holds an

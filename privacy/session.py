@@ -25,7 +25,7 @@ from fl_secure.config import PrivacyConfig
 from fl_secure.errors import PrivacyError, ProtocolError
 from fl_secure.messages import LocalTraining, Tensors, TensorSpec
 from privacy.accountants import create_accountant
-from privacy.accountants.accountant import ADJACENCY, MIN_ACCOUNTED_NOISE
+from privacy.accountants.accountant import ADJACENCY, MIN_ACCOUNTED_NOISE, client_adjacency
 from privacy.client_level import (
     ClientLevelPlan,
     NoisyClippedSum,
@@ -83,9 +83,9 @@ class ServerPrivacy:
 
     @property
     def adjacency(self) -> str:
-        """Neighbouring relation the guarantee is stated under."""
+        """Neighbouring relation the guarantee is stated under (see ``client_adjacency``)."""
         if self.plan is not None:
-            return ADJACENCY[self.plan.sampling]
+            return client_adjacency(self.plan.sampling, self.plan.placement)
         return ADJACENCY["poisson"]
 
     # ------------------------------------------------------------ aggregation

@@ -637,11 +637,11 @@ def _plain_summary(report: dict[str, Any]) -> list[str]:
         lines.append("Differential privacy was configured, but no round was accounted.")
     elif p["differential_privacy"]:
         unit = "institution" if p["privacy_unit"] == "client" else "face image"
-        change = (
-            f"whether any one {unit} is replaced by another"
-            if p["adjacency"] == "replace-one"
-            else f"whether or not any one {unit} took part"
-        )
+        change = {
+            "replace-one": f"whether any one {unit} is replaced by another",
+            "zero-out": f"whether any one {unit} sent its real update or a zero one (its "
+            "noise share is sent either way)",
+        }.get(p["adjacency"], f"whether or not any one {unit} took part")
         lines.append(
             f"Training was differentially private at the level of a whole {unit}: with "
             f"epsilon = {round_up(p['epsilon'])} and delta = {round_up(p['delta'])} "

@@ -653,6 +653,11 @@ def test_the_plain_summary_states_the_adjacency_and_rounds_bounds_up(run_dir: Pa
     (line,) = [x for x in _plain_summary(report) if x.startswith("Training was")]
     assert "whether any one institution is replaced by another" in line
     assert "took part" not in line
+    # TINY's distributed noise over every client (Poisson, q = 1): each sends its own share
+    assert build_report(run_dir)["privacy"]["adjacency"] == "zero-out"
+    report["privacy"]["adjacency"] = "zero-out"
+    (line,) = [x for x in _plain_summary(report) if x.startswith("Training was")]
+    assert "sent its real update or a zero one (its noise share is sent either way)" in line
     assert fmt_bound(7.96875) == "7.969" and fmt_bound(7.9641) == "7.965"
     assert fmt_bound(1e-5) == "1e-05"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import dp_accounting
+import numpy as np
 import pytest
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
@@ -215,3 +216,52 @@ def test_noise_too_small_to_account_is_refused_before_any_grid_is_built(name: st
     )
     assert rdp.get_epsilon(1e-5) == pytest.approx(reference.get_epsilon(1e-5), rel=1e-6)
     assert reference.get_epsilon(1e-5) > 100
+
+
+def _epsilon_of_two_gaussians(
+    shift: float, std_with: float, std_without: float, delta: float
+) -> float:
+    """Exact epsilon at ``delta`` between N(shift, std_with^2) and N(0, std_without^2).
+
+    The hockey-stick divergence in both directions, by numerical integration (scipy), and
+    the smallest epsilon whose larger divergence is at most ``delta``.
+    """
+    import numpy as np
+    from scipy import integrate, optimize, stats
+
+    p, q = stats.norm(shift, std_with), stats.norm(0.0, std_without)
+    span = 40 * max(std_with, std_without)
+
+    def divergence(eps: float, a, b) -> float:  # type: ignore[no-untyped-def]
+        def integrand(x: float) -> float:
+            return max(0.0, a.pdf(x) - np.exp(eps) * b.pdf(x))
+
+        return integrate.quad(integrand, -span, span + shift, limit=400, points=[0, shift])[0]
+
+    def gap(eps: float) -> float:
+        return max(divergence(eps, p, q), divergence(eps, q, p)) - delta
+
+    return float(optimize.brentq(gap, 1e-6, 60.0, xtol=1e-6))
+
+
+def test_local_noise_is_accounted_under_zero_out_not_add_remove() -> None:
+    # Prepare: one round, every client (q = 1), z = 2, C = 1, five clients, local shares
+    from privacy.accountants.accountant import client_adjacency
+
+    z, m, delta = 2.0, 5, 1e-5
+    accounted = create_accountant("pld")
+    accounted.step(noise_multiplier=z, sample_rate=1.0)
+    gaussian = accounted.get_epsilon(delta)
+    # the integration reproduces the accountant on the plain Gaussian (equal variances)
+    assert _epsilon_of_two_gaussians(1.0, z, z, delta) == pytest.approx(gaussian, rel=2e-3)
+    # Execute: the two neighbouring sums each relation compares
+    zero_out = _epsilon_of_two_gaussians(1.0, np.sqrt(m) * z, np.sqrt(m) * z, delta)
+    add_remove = _epsilon_of_two_gaussians(1.0, np.sqrt(m) * z, np.sqrt(m - 1) * z, delta)
+    # Assert: zero-out (the client's share present in both) is within z's accounting (it is
+    # conservative by sqrt(m)); add/remove (its share gone with it) is not
+    assert zero_out <= gaussian
+    assert add_remove > 1.4 * gaussian  # measured 2.94 vs 1.99
+    assert client_adjacency("poisson", "local") == "zero-out"
+    assert client_adjacency("poisson", "distributed") == "zero-out"
+    assert client_adjacency("poisson", "central") == "add/remove"
+    assert client_adjacency("fixed_size", "local") == "replace-one"  # same cohort size
