@@ -15,7 +15,7 @@ default modulus), unmasking.
 Sides alternate over ``--repeats`` runs; medians are reported with their ratio (goal: secure
 <= 1.5x plaintext at n = 10, d = 1e6). With client processes the CPU time of each counted
 round is reported too: the server process (``time.process_time``) and every client process
-(the nanosecond run time of each of its threads, ``/proc/PID/task/*/schedstat``), between the
+(its CPU-time clock, ``clock_getcpuclockid``: every thread, ended ones too), between the
 ends of consecutive rounds. ``--ckks`` adds a CKKS round (TenSEAL: encrypted
 uploads, server-side ciphertext sum, two clients decrypt) to the same alternation.
 
@@ -137,19 +137,30 @@ def one_round(certs: Path, out: Path, clients: int, params: int, secure: str, k:
     return elapsed
 
 
-def _threads_cpu_s(pids: list[int]) -> float | None:
-    """CPU seconds the live threads of these processes have run (None without Linux /proc)."""
-    total = 0
+def _processes_cpu_s(pids: list[int]) -> float | None:
+    """CPU seconds these processes have run, every thread counted (None where unsupported).
+
+    Each process's CPU-time clock (``clock_getcpuclockid``, nanoseconds) covers the threads
+    that already ended too: gRPC streams an upload from a per-call thread, and a secure
+    round's download runs in a prefetch thread, both gone by the end of the round.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        getcpuclockid = libc.clock_getcpuclockid
+    except (OSError, AttributeError):  # no POSIX per-process CPU clocks here
+        return None
+    total = 0.0
     for pid in pids:
-        tasks = Path(f"/proc/{pid}/task")
-        if not tasks.is_dir():
+        clock = ctypes.c_int()
+        if getcpuclockid(pid, ctypes.byref(clock)) != 0:  # the process ended meanwhile
             return None
-        for task in tasks.iterdir():
-            try:
-                total += int((task / "schedstat").read_text().split()[0])
-            except (OSError, ValueError, IndexError):  # the thread ended meanwhile
-                continue
-    return total / 1e9
+        try:
+            total += time.clock_gettime(clock.value)
+        except OSError:
+            return None
+    return total
 
 
 def process_rounds(
@@ -183,7 +194,7 @@ def process_rounds(
     pids = [w.pid for w in workers]
 
     def mark(record: dict[str, Any] | None = None) -> None:
-        marks.append((time.process_time(), _threads_cpu_s(pids)))
+        marks.append((time.process_time(), _processes_cpu_s(pids)))
         if record is not None:
             durations.append(float(record["duration_s"]))
 

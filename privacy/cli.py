@@ -237,11 +237,16 @@ def _emit(args: argparse.Namespace, report: dict[str, Any]) -> None:
     if args.json:
         sys.stdout.write(json.dumps(report, sort_keys=True) + "\n")
         return
+    from fl_secure.report.build import round_up
+
     population = f", population {report['population']}" if report["population"] else ""
     target = f" (target {report['target_epsilon']:g})" if "target_epsilon" in report else ""
+    # rounded up: epsilon is an upper bound, and a calibrated z rounded up only lowers it
+    z = report["noise_multiplier"]
+    z_text = round_up(z, 5) if "target_epsilon" in report else f"{z:g}"
     sys.stdout.write(
-        f"epsilon = {report['epsilon']:.4f}{target} at delta = {report['delta']:g}\n"
-        f"  noise multiplier {report['noise_multiplier']:.4f}, sample rate "
+        f"epsilon = {round_up(report['epsilon'], 5)}{target} at delta = {report['delta']:g}\n"
+        f"  noise multiplier {z_text}, sample rate "
         f"{report['sample_rate']:g}, {report['steps']} steps, {report['sampling']} sampling"
         f"{population}\n"
         f"  accountant {report['accountant']}, {report['adjacency']} adjacency\n"

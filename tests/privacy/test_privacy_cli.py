@@ -26,6 +26,23 @@ def test_epsilon_json_matches_published_pld_figure(capsys: pytest.CaptureFixture
     assert out["adjacency"] == "add/remove" and out["accountant"] == "pld"
 
 
+def test_printed_epsilon_and_calibrated_z_are_rounded_up(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # epsilon 7.953617 must not print as 7.9536 (a bound rounded down); a calibrated z of
+    # 1.15625... must not print as 1.1562 (a smaller z spends more than the target)
+    args = "privacy epsilon --noise-multiplier 6.03125 --sample-rate 1 --steps 100 --delta 1e-5"
+    assert main([*args.split(), "--accountant", "pld"]) == 0
+    text = capsys.readouterr().out
+    assert "epsilon = 7.9537 at delta" in text and "noise multiplier 6.03125," in text
+    calibrate = "privacy calibrate --target-epsilon 2 --sample-rate 0.01 --steps 2000 --delta 1e-5"
+    assert main([*calibrate.split(), "--accountant", "prv"]) == 0
+    assert "noise multiplier 1.1563," in capsys.readouterr().out
+    assert main([*calibrate.split(), "--accountant", "prv", "--json"]) == 0
+    z = json.loads(capsys.readouterr().out)["noise_multiplier"]
+    assert 1.15620 < z <= 1.1563  # what was printed is not below what was calibrated
+
+
 def test_ledger_view_and_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with Ledger.open(tmp_path / "ledger.sqlite", "run-1") as ledger:
         for r in (1, 2, 3):
