@@ -43,7 +43,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from client.app import Connection, FlClient  # noqa: E402
-from fl_secure.config import SecureAggregationConfig  # noqa: E402
+from fl_secure.config import (  # noqa: E402
+    Config,
+    PartitionConfig,
+    SecureAggregationConfig,
+    ServerConfig,
+    config_to_toml,
+)
 from fl_secure.messages import LocalTraining, Tensors  # noqa: E402
 from fl_secure.runs import RunDir  # noqa: E402
 from fl_secure.tls import init_certificates  # noqa: E402
@@ -82,6 +88,14 @@ def _coordinator(
         run_id=f"bench-{secure}-{time.time_ns()}",
         secure_aggregation=scheme,
         ckks_public_context=public,
+        # the clients hold each round's setup to the run config they joined under
+        run_config_toml=config_to_toml(
+            Config(
+                partition=PartitionConfig(num_clients=clients),
+                server=ServerConfig(min_clients=clients),
+                secure_aggregation=scheme,
+            )
+        ),
     )
     return Coordinator(
         settings,

@@ -208,7 +208,7 @@ class ClientPrivacy:
             )
             self._save()
         # Loss and accuracy depend on the data and are not covered by DP: they stay here, and
-        # so does the image count (ClientTrainer.num_examples).
+        # so does the image count (LocalTrainer.num_examples).
         out: dict[str, Any] = {
             "local_steps": float(steps),
             "dp_epsilon": self.epsilon(),

@@ -658,6 +658,7 @@ class Coordinator:
         last_secure_error = ""
         last_shortfall = ""
         for attempt in range(self.settings.max_retries + 1):
+            then = "retrying" if attempt < self.settings.max_retries else "aborting"
             online = self._wait_for_clients(needed)
             cohort = self._sample_cohort(online, kind)
             if len(cohort) < needed:
@@ -671,7 +672,6 @@ class Coordinator:
                     secure = self._secure_round(number, attempt, cohort)
                 except RoundAborted as exc:  # e.g. no graph fits this cohort's size: redraw
                     last_secure_error, last_shortfall = str(exc), ""
-                    then = "retrying" if attempt < self.settings.max_retries else "aborting"
                     log.warning("round %d attempt %d: %s; %s", number, attempt, exc, then)
                     continue
             elif kind is TaskKind.TRAIN:
@@ -727,7 +727,6 @@ class Coordinator:
             if rnd.secure is not None:
                 event["secure_aggregation"] = self._secure_record(rnd, secure_error)
             self.events.append(event)
-            then = "retrying" if attempt < self.settings.max_retries else "aborting"
             if secure_error and rnd.secure is not None and rnd.secure.sum_seen():
                 # A retry would release a second sum of nearly the same updates that the
                 # ledger would not count (one faulty or colluding client could force many).
