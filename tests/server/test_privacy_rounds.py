@@ -50,7 +50,10 @@ def _coordinator(tmp_path: Path, privacy_cfg: PrivacyConfig, rounds: int) -> Coo
     )
 
 
-def _submit(coord: Coordinator, cid: str) -> None:
+def _submit(
+    coord: Coordinator, cid: str, value: float = 10.0, count: int = 1, metrics=None
+) -> None:
+    """Poll until a task, then upload ``value`` in every coordinate claiming ``count``."""
     while True:
         task = coord.poll(cid, 0)
         if task.kind is TaskKind.TRAIN:
@@ -58,21 +61,30 @@ def _submit(coord: Coordinator, cid: str) -> None:
         if task.kind is TaskKind.FINISHED:
             return
     _, params = coord.parameters(cid, task.round, task.nonce)
-    update = OrderedDict((k, np.full_like(v, 10.0)) for k, v in params.items())  # norm 20 > C
-    ticket = coord.open_upload(cid, UpdateHeader(task.round, task.nonce, 1, {}, 1, 16))
+    update = OrderedDict((k, np.full_like(v, value)) for k, v in params.items())  # 10: norm 20
+    header = UpdateHeader(task.round, task.nonce, count, metrics or {}, 1, 16)
+    ticket = coord.open_upload(cid, header)
     try:
         coord.commit_upload(ticket, update)
     finally:
         coord.release_upload(ticket)
 
 
-def _drive(coord: Coordinator, rounds: int) -> None:
+def _drive(coord: Coordinator, rounds: int, sends=None, metrics=None) -> None:
+    """Join every client and run ``rounds`` rounds; ``sends``: client -> (value, count)."""
     for c in CLIENTS:
         coord.join(c, 10)
     driver = threading.Thread(target=coord.run)
     driver.start()
     for _ in range(rounds):
-        workers = [threading.Thread(target=_submit, args=(coord, c)) for c in CLIENTS]
+        workers = [
+            threading.Thread(
+                target=_submit,
+                args=(coord, c, *(sends or {}).get(c, ())),
+                kwargs={"metrics": metrics},
+            )
+            for c in CLIENTS
+        ]
         for w in workers:
             w.start()
         for w in workers:
@@ -426,32 +438,8 @@ def test_example_level_updates_are_averaged_unweighted_whatever_count_they_claim
     coord = _coordinator(tmp_path, cfg, rounds=1)
     metrics = {"dp_epsilon": 0.5, "dp_steps": 10.0, "dp_noise_multiplier": 1.0,
                "dp_sample_rate": 0.1}  # fmt: skip
-
-    def submit(cid: str, value: float, count: int) -> None:
-        while (task := coord.poll(cid, 0)).kind is not TaskKind.TRAIN:
-            pass
-        _, params = coord.parameters(cid, task.round, task.nonce)
-        update = OrderedDict((k, np.full_like(v, value)) for k, v in params.items())
-        header = UpdateHeader(task.round, task.nonce, count, metrics, 1, 16)
-        ticket = coord.open_upload(cid, header)
-        try:
-            coord.commit_upload(ticket, update)
-        finally:
-            coord.release_upload(ticket)
-
-    for c in CLIENTS:
-        coord.join(c, 0)
-    driver = threading.Thread(target=coord.run)
-    driver.start()
-    workers = [
-        threading.Thread(target=submit, args=(c, v, n))
-        for c, v, n in zip(CLIENTS, (1.0, 2.0, 3.0), (1, 1, 7), strict=True)
-    ]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(timeout=30)
-    driver.join(timeout=30)
+    # Execute
+    _drive(coord, 1, sends={"c0": (1.0, 1), "c1": (2.0, 1), "c2": (3.0, 7)}, metrics=metrics)
     # Assert: under DP the image count is not a weight (one image more or less is the
     # neighbouring data set at the example level): the mean of 1, 2, 3
     assert coord.status == "completed"
