@@ -1131,7 +1131,8 @@ class SecAggClient:
         self._identity = identity_key
         self._registry = registry
         self._rounding = rounding
-        self._neighbours = config.graph()[client_id]
+        self._graph = config.graph()  # the round's whole graph: unmasking checks survivors
+        self._neighbours = self._graph[client_id]
         self._c_sk = X25519PrivateKey.generate()
         self._s_sk: X25519PrivateKey | None = X25519PrivateKey.generate()
         self._b: bytes | None = None
@@ -1384,7 +1385,7 @@ class SecAggClient:
                 f"round needs at least {self.config.min_inputs} (under distributed DP, the "
                 "noise shares the sum must carry)"
             )
-        groups = survivor_groups(self.config.graph(), survivors)
+        groups = survivor_groups(self._graph, survivors)
         if len(groups) > 1:
             raise PrivacyError(
                 f"{self.client_id!r} refuses to unmask: the survivors split into "
