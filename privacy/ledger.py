@@ -2,7 +2,9 @@
 
 ``RUN_DIR/ledger.sqlite`` holds one row per privacy-relevant event: the client-level
 guarantee after each round (``client_level``), each client's example-level guarantee
-(``example_level``) and free-text events such as a budget stop (``note``). An entry is
+(``example_level``), a client-level sum the server unmasked and then discarded
+(``discarded_sum``: a release all the same, composed like a round) and free-text events such
+as a budget stop (``note``). An entry is
 committed and synced to disk *before* the round's model is released, so the ledger never
 under-reports what has left the server; on resume it is the source of truth for which
 rounds have already been counted.
@@ -38,7 +40,7 @@ from fl_secure.errors import CheckpointError
 
 FORMAT_VERSION = 1
 
-Kind = Literal["client_level", "example_level", "note"]
+Kind = Literal["client_level", "example_level", "discarded_sum", "note"]
 KINDS: tuple[str, ...] = get_args(Kind)
 JsonValue: TypeAlias = "None | bool | int | float | str | list[JsonValue] | dict[str, JsonValue]"
 
@@ -67,6 +69,11 @@ REQUIRED: dict[str, dict[str, _Spec]] = {
     },
     "note": {"message": ("str", 0, 0)},
 }
+# A sum of a client-level round the server unmasked and then discarded (it could not be
+# decoded): released to the server all the same, so it is composed like a round.
+REQUIRED["discarded_sum"] = {**REQUIRED["client_level"], "message": ("str", 0, 0)}
+#: Kinds whose payload carries the run's cumulative client-level epsilon.
+CLIENT_KINDS = ("client_level", "discarded_sum")
 
 _SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -592,10 +599,11 @@ def _short(value: JsonValue) -> str:
 def ledger_guarantee(entries: Sequence[Entry]) -> tuple[JsonValue, JsonValue]:
     """``(epsilon, delta)`` the ledger's entries state for the run (``None`` without any).
 
-    Client level: the newest ``client_level`` entry (each carries the running total).
+    Client level: the newest ``client_level`` or ``discarded_sum`` entry (each carries the
+    running total).
     Example level: the worst client's, each client's entries being cumulative.
     """
-    client = [e for e in entries if e.kind == "client_level"]
+    client = [e for e in entries if e.kind in CLIENT_KINDS]
     example = [e for e in entries if e.kind == "example_level"]
     if client:
         return client[-1].payload.get("epsilon"), client[-1].payload.get("delta")
@@ -613,12 +621,14 @@ def ledger_json(
     example = [e for e in entries if e.kind == "example_level"]
     recorded = client or example
     epsilon, delta = ledger_guarantee(entries)
+    discarded = [e.round for e in entries if e.kind == "discarded_sum"]
     out: dict[str, JsonValue] = {
         "format_version": FORMAT_VERSION,
         "run_id": run_id,
         "entries": [e.to_dict() for e in entries],
         "rounds_recorded": list[JsonValue](sorted({e.round for e in recorded})),
-        "privacy_unit": "client" if client else "example" if example else None,
+        "discarded_sums": list[JsonValue](discarded),
+        "privacy_unit": "client" if client or discarded else "example" if example else None,
         "epsilon": epsilon,
         "delta": delta,
     }

@@ -33,7 +33,7 @@ from privacy.client_level import (
     plan_client_level,
     server_aggregator,
 )
-from privacy.ledger import Entry, Ledger, check_payload
+from privacy.ledger import CLIENT_KINDS, Entry, Ledger, check_payload
 from privacy.noise import NoiseSource, SecureGaussian
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,8 @@ class ServerPrivacy:
         self.source: NoiseSource = source or SecureGaussian()
         self.accountant_name = cfg.accountant_name()
         self.min_survivors = min_survivors
-        self._client_history: list[dict[str, Any]] = []
+        self._client_history: list[dict[str, Any]] = []  # rounds and discarded sums
+        self.discarded_sums = 0
         self._example_history: dict[str, list[dict[str, Any]]] = {}
         self.epsilon = 0.0
 
@@ -172,6 +173,60 @@ class ServerPrivacy:
             f"round {round_ - 1} with epsilon {self.epsilon:.4f}"
         )
 
+    def _client_payload(self, cohort_size: int, updates: int, attempt: int) -> dict[str, Any]:
+        """A client-level release's payload: its parameters and the epsilon after it."""
+        event = self._client_event()
+        epsilon = self._epsilon_of([*self._client_history, event])
+        p = self.plan
+        assert p is not None
+        return {
+            "noise_multiplier": p.noise_multiplier,
+            "clip_norm": p.clip_norm,
+            "sample_rate": p.sample_rate,
+            "sampling": p.sampling,
+            "population": p.population,
+            "cohort_size": cohort_size,
+            "attempt": attempt,
+            "updates": updates,
+            # noise the released sum carries (>= z): sqrt(m / t) z for distributed shares
+            "effective_noise_multiplier": effective_noise_multiplier(
+                p.placement, p.noise_multiplier, updates, self.min_survivors
+            )
+            if p.placement == "distributed"
+            else p.noise_multiplier,
+            "accountant": self.accountant_name,
+            "epsilon": epsilon,
+            "delta": self.cfg.delta,
+            "noise_placement": p.placement,
+            # distributed shares are integers under secure aggregation (KLS21)
+            "noise_distribution": "discrete_gaussian"
+            if p.placement == "distributed"
+            else "gaussian",
+            "adjacency": self.adjacency,
+            "privacy_unit": "client",
+            "noise_secure": bool(self.source.secure),
+        }
+
+    def discard_sum(
+        self, round_: int, cohort_size: int, updates: int, attempt: int, message: str
+    ) -> bool:
+        """Account a client-level sum the server unmasked and then discarded; True if counted.
+
+        The sum was released to the server like any round's: with ``local`` or
+        ``distributed`` noise (the guarantee covers the server's view) it is composed like
+        a round and committed at once (``discarded_sum``). ``central`` noise trusts the
+        server, and nothing left it. Example level: each client's accountant counted its
+        own steps, so its next reported epsilon covers them.
+        """
+        if self.unit != "client" or self.placement == "central":
+            return False
+        payload = self._client_payload(cohort_size, updates, attempt)
+        payload["message"] = message
+        check_payload("discarded_sum", payload)
+        entry = self.ledger.append("discarded_sum", round=round_, party="server", payload=payload)
+        self._absorb(entry)
+        return True
+
     def round_entries(
         self,
         round_: int,
@@ -186,38 +241,8 @@ class ServerPrivacy:
         the accountant's amplification by sampling assumes (the report warns).
         """
         if self.unit == "client":
-            event = self._client_event()
-            epsilon = self._epsilon_of([*self._client_history, event])
-            p = self.plan
-            assert p is not None
-            payload: dict[str, Any] = {
-                "noise_multiplier": p.noise_multiplier,
-                "clip_norm": p.clip_norm,
-                "sample_rate": p.sample_rate,
-                "sampling": p.sampling,
-                "population": p.population,
-                "cohort_size": cohort_size,
-                "attempt": attempt,
-                "updates": len(client_metrics),
-                # noise the released sum carries (>= z): sqrt(m / t) z for distributed shares
-                "effective_noise_multiplier": effective_noise_multiplier(
-                    p.placement, p.noise_multiplier, len(client_metrics), self.min_survivors
-                )
-                if p.placement == "distributed"
-                else p.noise_multiplier,
-                "accountant": self.accountant_name,
-                "epsilon": epsilon,
-                "delta": self.cfg.delta,
-                "noise_placement": p.placement,
-                # distributed shares are integers under secure aggregation (KLS21)
-                "noise_distribution": "discrete_gaussian"
-                if p.placement == "distributed"
-                else "gaussian",
-                "adjacency": self.adjacency,
-                "privacy_unit": "client",
-                "noise_secure": bool(self.source.secure),
-            }
-            return [{"kind": "client_level", "party": "server", "payload": payload}]
+            row = self._client_payload(cohort_size, len(client_metrics), attempt)
+            return [{"kind": "client_level", "party": "server", "payload": row}]
         rows: list[LedgerRow] = []
         for party, metrics in sorted(client_metrics.items()):
             missing = [k for k in EXAMPLE_KEYS if k not in metrics]
@@ -227,7 +252,7 @@ class ServerPrivacy:
                     "its update cannot be released under example-level DP"
                 )
             reported = float(metrics["dp_epsilon"])
-            payload = {
+            payload: dict[str, Any] = {
                 "client_reported_epsilon": reported,
                 "delta": self.cfg.delta,
                 "accountant": self.accountant_name,
@@ -304,7 +329,9 @@ class ServerPrivacy:
         payload = entry.payload
         if not isinstance(payload, dict):  # pragma: no cover - validated by the ledger
             raise PrivacyError(f"ledger entry {entry.seq} has no payload")
-        if entry.kind == "client_level":
+        if entry.kind in CLIENT_KINDS:  # a discarded sum composes like a round
+            if entry.kind == "discarded_sum":
+                self.discarded_sums += 1
             self._client_history.append(
                 {
                     "noise_multiplier": payload["noise_multiplier"],
@@ -368,7 +395,9 @@ class ServerPrivacy:
                     "client_sample_rate": self.plan.sample_rate,
                     "client_sampling": self.plan.sampling,
                     "aggregate_denominator": self.plan.denominator,
-                    "rounds_accounted": len(self._client_history),
+                    "rounds_accounted": len(self._client_history) - self.discarded_sums,
+                    # sums the server unmasked and discarded, composed like rounds
+                    "discarded_sums_accounted": self.discarded_sums,
                 }
             )
             if self.placement == "distributed":  # t of the noise shares, not Shamir's t
@@ -391,7 +420,7 @@ class ServerPrivacy:
         adjacency) cohorts into fixed-size ones (replace-one), or back, which no accountant
         composes; the round would train and then fail to be accounted.
         """
-        rows = [e.payload for e in entries if e.kind == "client_level"]
+        rows = [e.payload for e in entries if e.kind in CLIENT_KINDS]
         if self.plan is None or not rows:
             return
         last = rows[-1]
@@ -439,7 +468,16 @@ class ServerPrivacy:
             )
         entries = self.ledger.entries()
         # a note (a budget stop) names the round that did not run: not a release
-        later = sorted({e.round for e in entries if e.round > completed_round and e.kind != "note"})
+        # nor does a discarded sum of the round that aborted (it runs again on resume)
+        later = sorted(
+            {
+                e.round
+                for e in entries
+                if e.round > completed_round
+                and e.kind != "note"
+                and not (e.kind == "discarded_sum" and e.round == completed_round + 1)
+            }
+        )
         if later:
             raise PrivacyError(
                 f"the ledger records rounds {later} after the last checkpoint (round "
@@ -451,8 +489,10 @@ class ServerPrivacy:
             self._absorb(entry)
         missing = [r for r in pending if (r["kind"], completed_round, r["party"]) not in recorded]
         if self.unit == "client" and self.plan is not None:  # check before writing anything
-            accounted = len(self._client_history) + sum(
-                r["kind"] == "client_level" for r in missing
+            accounted = (
+                len(self._client_history)
+                - self.discarded_sums
+                + sum(r["kind"] == "client_level" for r in missing)
             )
             if accounted != completed_round:
                 raise PrivacyError(

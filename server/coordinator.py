@@ -728,17 +728,29 @@ class Coordinator:
                 event["secure_aggregation"] = self._secure_record(rnd, secure_error)
             self.events.append(event)
             if secure_error and rnd.secure is not None and rnd.secure.sum_seen():
-                # A retry would release a second sum of nearly the same updates that the
-                # ledger would not count (one faulty or colluding client could force many).
+                # The server saw that sum: a release, accounted like a round. Not retried:
+                # one faulty or colluding client could force release after release.
                 reason = (
                     f"round {number} attempt {attempt}: {secure_error}; the server had already "
-                    "unmasked the sum, so the round is not retried: a second sum of nearly the "
-                    "same updates would be a release the ledger does not count. The discarded "
-                    "sum was released to nobody else and is not in the stated epsilon; find "
-                    "the faulty client in the round record, remove it, and --resume"
+                    "unmasked the sum, so the round is not retried (one faulty client could "
+                    "otherwise force release after release); find the faulty client in the "
+                    "round record, remove it, and --resume"
                 )
                 if self.privacy is not None:
-                    self.privacy.note(number, reason)
+                    counted = self.privacy.discard_sum(
+                        number, len(rnd.cohort), len(rnd.secure.survivors()), attempt, reason
+                    )
+                    self.privacy.note(
+                        number,
+                        f"{reason}. The discarded sum was released to nobody else; "
+                        + (
+                            "it is counted in epsilon like a round (ledger kind discarded_sum)"
+                            if counted
+                            else "under central noise the server is trusted with it"
+                            if self.privacy.unit == "client"
+                            else "each client's own accountant counted its steps"
+                        ),
+                    )
                 raise RoundAborted(reason)
             if secure_error:
                 last_secure_error = secure_error

@@ -190,6 +190,10 @@ PRIVACY_ROWS = (
     ("sample_rate", "Sampling rate"),
     ("sampling_assumption", "Accountant's sampling assumption"),
     ("rounds_accounted", "Rounds accounted"),
+    (
+        "discarded_sums_accounted",
+        "Sums the server unmasked and discarded (each composed like a round)",
+    ),
     ("accountant", "Accountant"),
     ("epsilon", "Epsilon"),
     ("delta", "Delta"),

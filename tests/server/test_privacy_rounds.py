@@ -390,6 +390,62 @@ def test_a_resume_that_would_change_the_sampling_scheme_is_refused(tmp_path: Pat
     assert (tmp_path / "ledger.sqlite").read_bytes() == before
 
 
+def _noised_before_the_server(tmp_path: Path, placement: str = "local") -> Any:
+    cfg = PrivacyConfig(
+        unit="client", noise_placement=placement, noise_multiplier=1.5, delta=1e-5,
+        secure_rng=False,
+    )  # fmt: skip
+    return open_server_privacy(
+        cfg, tmp_path / "ledger.sqlite", "discard", rounds=5, population=3,
+        clients_per_round=0, sample_rate=0.0, source=SeededGaussian(0),
+    )  # fmt: skip
+
+
+def test_a_sum_the_server_saw_and_discarded_is_composed_like_a_round(tmp_path: Path) -> None:
+    from fl_secure.report.build import _epsilon_by_round
+
+    # Prepare: local noise (the guarantee covers the server's view), rounds 1 and 2 done
+    first = _noised_before_the_server(tmp_path)
+    for r in (1, 2):
+        _account(first, r)
+    # Execute: round 3's sum is unmasked, then discarded (a faulty client); the run stops,
+    # and a restarted server resumes from round 2's checkpoint and runs round 3 again
+    assert first.discard_sum(3, 3, 3, 0, "round 3: the sum is corrupted") is True
+    first.ledger.close()
+    again = _noised_before_the_server(tmp_path)
+    again.resume(2, [])
+    resumed_epsilon = again.epsilon
+    summary = again.summary()
+    _account(again, 3)
+    again.ledger.close()
+
+    # Assert: the discarded sum counts like a round (Opacus-matched PLD composition of 3,
+    # then 4 full-participation Gaussian releases); the rounds accounted stay the rounds run
+    def eps(steps: int) -> float:
+        return epsilon_for(
+            accountant="pld", noise_multiplier=1.5, sample_rate=1.0, steps=steps, delta=1e-5
+        )
+
+    with Ledger.read(tmp_path / "ledger.sqlite") as ledger:
+        assert ledger.verify().ok
+        entries = ledger.entries()
+    kinds = [(e.kind, e.round) for e in entries]
+    assert kinds == [
+        ("client_level", 1), ("client_level", 2), ("discarded_sum", 3), ("client_level", 3)
+    ]  # fmt: skip
+    assert entries[2].payload["epsilon"] == pytest.approx(eps(3), rel=1e-9)
+    assert resumed_epsilon == pytest.approx(eps(3), rel=1e-9)
+    assert entries[3].payload["epsilon"] == pytest.approx(eps(4), rel=1e-9)
+    assert summary["rounds_accounted"] == 2 and summary["discarded_sums_accounted"] == 1
+    by_round = _epsilon_by_round(entries)
+    assert [r.get("discarded_sum", False) for r in by_round] == [False, False, True, False]
+    # central noise trusts the server with the sum: nothing to count
+    (tmp_path / "central").mkdir()
+    central = _noised_before_the_server(tmp_path / "central", "central")
+    assert central.discard_sum(1, 3, 3, 0, "x") is False
+    assert central.ledger.entries() == []
+
+
 def _example_session(path: Path, rounds: int = 3):
     from privacy.noise import seeded_source
 
