@@ -224,28 +224,47 @@ def threshold_bound(
     )
 
 
-def best_threshold(scores_in: torch.Tensor, scores_out: torch.Tensor, *, delta: float) -> float:
-    """The threshold whose empirical error rates give the largest ``epsilon_from_rates``.
+def best_threshold(
+    scores_in: torch.Tensor,
+    scores_out: torch.Tensor,
+    *,
+    delta: float,
+    alpha: float = DEFAULT_ALPHA,
+    candidates: int = 2000,
+) -> float:
+    """The threshold whose Clopper-Pearson bound on these trials is largest.
 
-    Candidates are the midpoints between consecutive distinct scores; the rates are plain
-    frequencies, so use this on trials set apart from those the bound is computed on.
+    The criterion is the bound itself (:func:`clopper_pearson_bound` at ``alpha``), not the
+    plain error frequencies: those favour far tails, where a handful of trials decides the
+    rates and the bound on fresh trials is loose. Candidates are the midpoints between
+    consecutive distinct scores (at most ``candidates`` of them, at evenly spaced
+    quantiles). Choose on trials set apart from those the bound is computed on.
     """
     values = torch.unique(torch.cat([scores_in, scores_out]).double())
     if values.numel() < 2:
         return float(values[0]) if values.numel() else 0.0
-    candidates = (values[1:] + values[:-1]) / 2
-    n1, n0 = max(scores_in.numel(), 1), max(scores_out.numel(), 1)
-    below_in = torch.searchsorted(torch.sort(scores_in.double()).values, candidates, right=True)
-    below_out = torch.searchsorted(torch.sort(scores_out.double()).values, candidates, right=True)
-    # +0.5 continuity correction: an empty error cell must not make the score infinite
-    fnr = below_in.double().clamp(min=0.5) / n1
-    fpr = (n0 - below_out).double().clamp(min=0.5) / n0
-    slack = 1.0 - delta
-    eps = torch.maximum(
-        torch.log((slack - fpr).clamp(min=1e-300) / fnr),
-        torch.log((slack - fnr).clamp(min=1e-300) / fpr),
-    )
-    return float(candidates[int(torch.argmax(eps))])
+    mids = ((values[1:] + values[:-1]) / 2).numpy()
+    if len(mids) > candidates:
+        mids = np.unique(np.quantile(mids, np.linspace(0.0, 1.0, candidates)))
+    n1, n0 = scores_in.numel(), scores_out.numel()
+    if n1 == 0 or n0 == 0:
+        return float(mids[len(mids) // 2])
+    fn = np.searchsorted(np.sort(scores_in.double().numpy()), mids, side="right")
+    fp = n0 - np.searchsorted(np.sort(scores_out.double().numpy()), mids, side="right")
+
+    def upper(k: np.ndarray, n: int) -> np.ndarray:  # clopper_pearson_upper, vectorised
+        out = np.ones(len(k))
+        below = k < n
+        out[below] = stats.beta.ppf(1.0 - alpha / 2, k[below] + 1, n - k[below])
+        return out
+
+    fnr, fpr = upper(fn, n1), upper(fp, n0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        eps = np.maximum(
+            np.log(np.clip(1.0 - delta - fpr, 1e-300, None) / fnr),
+            np.log(np.clip(1.0 - delta - fnr, 1e-300, None) / fpr),
+        )
+    return float(mids[int(np.argmax(eps))])
 
 
 def threshold_audit(
@@ -265,7 +284,7 @@ def threshold_audit(
         raise ValueError(f"calibration_fraction must be in (0, 1), got {calibration_fraction}")
     c1 = int(len(scores_in) * calibration_fraction)
     c0 = int(len(scores_out) * calibration_fraction)
-    threshold = best_threshold(scores_in[:c1], scores_out[:c0], delta=delta)
+    threshold = best_threshold(scores_in[:c1], scores_out[:c0], delta=delta, alpha=alpha)
     bound = threshold_bound(
         scores_in[c1:], scores_out[c0:], threshold=threshold, delta=delta, alpha=alpha
     )
