@@ -15,10 +15,14 @@ release carries the noise shares of the fewest honest clients any released round
 (:func:`noise_contributors`), not of every enrolled client: more noise than a real adversary
 faces would understate the bound. The
 attacker observes every round's released average and scores a canary by the sum over rounds
-of the released coordinate. This is the strongest membership test for the Gaussian mechanism
-(the likelihood ratio is monotone in that sum), so the bound is as tight as the number of
-canaries or trials allows. Noise is drawn from a seeded generator (the same Gaussian
-distribution as the CSPRNG the run used) so that the audit is reproducible.
+of the released coordinate. With every client in every round (q = 1) this is the strongest
+membership test for the Gaussian mechanism (the likelihood ratio is monotone in that sum);
+with client sampling (q < 1) each round's likelihood ratio is a mixture,
+``log(1 - q + q exp((x mu - mu^2 / 2) / s^2))``, which the sum does not follow. The one-run
+audit therefore ranks its canaries by that log-likelihood ratio summed over rounds; the
+trials keep the sum and its threshold fixed in advance, valid but looser under sampling.
+Noise is drawn from a seeded generator (the same Gaussian distribution as the CSPRNG the run
+used) so that the audit is reproducible.
 
 Two bounds (:mod:`audits.canary`): one run with ``m`` canaries each included with probability
 1/2 (Steinke, Nasr & Jagielski 2023), and ``n`` independent trials with and without a canary,
@@ -38,7 +42,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from audits.canary import DEFAULT_ALPHA, one_run_audit, threshold_bound
+from audits.canary import (
+    DEFAULT_ALPHA,
+    clopper_pearson_bound,
+    one_run_audit,
+    threshold_bound,
+)
 from fl_secure.messages import Tensors, TensorSpec
 from privacy.client_level import (
     NoisyClippedSum,
@@ -157,6 +166,10 @@ def release_round(mech: Mechanism, canaries: np.ndarray, source: SeededGaussian)
                                 noise_multiplier=mech.noise_multiplier, clip_norm=c,
                                 denominator=mech.denominator, source=source)  # fmt: skip
     zero: Tensors = OrderedDict(u=np.zeros(dim, dtype=np.float32))
+    if c is not None and mech.honest_clients == 0 and len(canaries) == 0:
+        # central noise (no honest noise shares) and no canary sampled: the round still
+        # releases; a zero update stands for the honest clients the real round has
+        agg.add(zero, 1.0)
     share = 0.0
     if c is not None and mech.placement in ("local", "distributed"):
         share = client_noise_std(mech.placement, mech.noise_multiplier, c, mech.min_survivors)
@@ -173,25 +186,56 @@ def release_round(mech: Mechanism, canaries: np.ndarray, source: SeededGaussian)
     return out
 
 
-def canary_scores(mech: Mechanism, included: np.ndarray, *, seed: int) -> tuple[np.ndarray, float]:
+def release_std(mech: Mechanism) -> float:
+    """Std of the noise on one released coordinate: the honest shares' or the central noise.
+
+    (0 without clipping or noise.) A present canary's own share adds to it; the score below
+    leaves that out, which costs it optimality, not validity.
+    """
+    c, z = mech.clip_norm, mech.noise_multiplier
+    if c is None or z <= 0:
+        return 0.0
+    if mech.placement == "central":
+        return z * c / mech.denominator
+    share = client_noise_std(mech.placement, z, c, mech.min_survivors)
+    return math.sqrt(mech.honest_clients) * share / mech.denominator
+
+
+def canary_scores(
+    mech: Mechanism, included: np.ndarray, *, seed: int, mixture: bool = False
+) -> tuple[np.ndarray, float]:
     """Scores of ``m`` canaries (canary ``i`` on coordinate ``i``) over the run's rounds.
 
+    The default score is the sum over rounds of the released coordinate. ``mixture`` scores
+    by the log-likelihood ratio of the rounds instead, each a mixture under client sampling:
+    ``sum_r log(1 - q + q exp((x_r mu - mu^2 / 2) / s^2))`` with ``mu = C / W`` (the clipped
+    canary's share of the average) and ``s`` from :func:`release_std`; with ``q = 1`` it is
+    a monotone function of the sum.
+
     Returns:
-        ``[m]`` sum over rounds of the released coordinate, and the expected score of an
-        included canary (``rounds * q * min(2C, C) / W``; norm 1 without clipping).
+        ``[m]`` scores, and the expected *sum* of an included canary
+        (``rounds * q * min(2C, C) / W``; norm 1 without clipping).
     """
     m = len(included)
     norm = 2.0 * mech.clip_norm if mech.clip_norm is not None else 1.0
     effective = mech.clip_norm if mech.clip_norm is not None else 1.0
     source = SeededGaussian(seed)
     rng = np.random.default_rng(seed + 1)
+    mu, s = effective / mech.denominator, release_std(mech)
+    q = mech.sample_rate
+    mixture = mixture and s > 0 and q < 1.0
     scores = np.zeros(m)
     for _ in range(mech.rounds):
         present = included & (rng.random(m) < mech.sample_rate)
         rows = np.flatnonzero(present)
         canaries = np.zeros((len(rows), m))
         canaries[np.arange(len(rows)), rows] = norm
-        scores += release_round(mech, canaries, source)
+        released = release_round(mech, canaries, source)
+        if mixture:  # log(1 - q + q e^a), computed without overflow
+            a = (released * mu - mu * mu / 2.0) / (s * s)
+            scores += np.logaddexp(math.log1p(-q), math.log(q) + a)
+        else:
+            scores += released
     expected = mech.rounds * mech.sample_rate * effective / mech.denominator
     return scores, expected
 
@@ -230,7 +274,8 @@ def audit_mechanism(
     """
     rng = np.random.default_rng(seed)
     included = rng.random(canaries) < 0.5
-    scores, expected = canary_scores(mech, included, seed=seed + 10)
+    # the one-run audit ranks its canaries: by the likelihood ratio under client sampling
+    scores, expected = canary_scores(mech, included, seed=seed + 10, mixture=True)
     k = max(1, int(guess_fraction * canaries))
     # Two bounds, and the larger is reported: each at alpha / 2, so that both hold at once,
     # and hence the larger, with confidence 1 - alpha (union bound)
@@ -247,6 +292,10 @@ def audit_mechanism(
     )  # fmt: skip
     accountant = mech.accountant_epsilon
     best = max(one_run, cp, key=lambda b: b.epsilon)
+    # The most any outcome of an audit of this size can show: at or below the accountant's
+    # epsilon, the audit cannot refute it whatever the mechanism does
+    largest = max(one_run.max_epsilon, cp.max_epsilon)
+    refutable = accountant is not None and largest > accountant
     return {
         "what": "the client-level aggregation as implemented (privacy.client_level: clipping, "
         "noise shares / central noise, denominator), run with the run's z, C, W, placement, "
@@ -266,6 +315,41 @@ def audit_mechanism(
         # a bound at its method's cap says only "at least this much": a bigger audit could
         # show more (a non-private run always lands here)
         "at_audit_cap": math.isclose(best.epsilon, best.max_epsilon, rel_tol=1e-9),
-        "exceeds_accountant": accountant is not None and best.epsilon > accountant,
+        "largest_bound_this_audit_can_show": largest,
+        # null without a DP claim; false: no outcome of this audit could exceed the claim
+        "can_test_accountant": None if accountant is None else refutable,
+        "trials_to_test_accountant": None
+        if accountant is None or refutable
+        else trials_to_test(accountant, mech.delta, alpha / 2),
+        # null when the audit cannot test the claim (it could not have said "exceeds")
+        "exceeds_accountant": False
+        if accountant is None
+        else (best.epsilon > accountant if refutable else None),
         "noise": "numpy PCG64 seeded (reproducible audit; same Gaussian as the run's CSPRNG)",
     }
+
+
+def trials_to_test(epsilon: float, delta: float, alpha: float) -> int:
+    """The fewest trials whose Clopper-Pearson audit at ``alpha`` can show more than ``epsilon``.
+
+    Half the trials run with the canary; a perfect attack's bound then exceeds ``epsilon``.
+    """
+
+    def cap(n: int) -> float:
+        half = n // 2
+        return clopper_pearson_bound(
+            true_positives=half, false_negatives=0, false_positives=0, true_negatives=half,
+            delta=delta, alpha=alpha,
+        ).epsilon  # fmt: skip
+
+    high = 2
+    while cap(high) <= epsilon:
+        high *= 2
+    low = high // 2  # cap(low) <= epsilon < cap(high)
+    while high - low > 2:
+        mid = (low + high) // 4 * 2
+        if cap(mid) > epsilon:
+            high = mid
+        else:
+            low = mid
+    return high

@@ -105,8 +105,8 @@ class AuditSettings:
             ("--targets", self.targets, 2),
             ("--steps", self.steps, 1),
             ("restarts", self.restarts, 1),
-            ("canaries", self.canaries, 1),
-            ("trials", self.trials, 2),
+            ("--canary-trials (canaries)", self.canaries, 1),
+            ("--canary-trials", self.trials, 2),
             ("--seed", self.seed, 0),
         ):
             if value < low:
@@ -879,6 +879,13 @@ def findings(results: dict[str, Any]) -> list[dict[str, str]]:
             f"empirical epsilon >= {canary['epsilon_lower_bound']:.3f} against the "
             f"accountant's {canary['accountant_epsilon']:.3f}"
         ]
+    if canary.get("can_test_accountant") is False:
+        found["audit-cannot-test-accountant"] = [
+            f"no outcome of this audit can show more than "
+            f"{canary['largest_bound_this_audit_can_show']:.3f}, below the accountant's "
+            f"{canary['accountant_epsilon']:.3f}; --canary-trials "
+            f"{canary['trials_to_test_accountant']} can"
+        ]
     lead = {
         "audit-inversion-identifies": "Model inversion produced faces that the independent "
         "judge identified above chance (95% interval)",
@@ -887,8 +894,10 @@ def findings(results: dict[str, Any]) -> list[dict[str, str]]:
         "audit-update-leaks": "One client's update gave away the face features of its input, "
         "identified above chance (95% interval)",
         "audit-exceeds-accountant": "The empirical epsilon lower bound exceeds the "
-        "accountant's upper bound: the accounting or the mechanism as implemented is wrong, "
-        "and the stated guarantee cannot be relied on",
+        "accountant's upper bound: the accounting or the mechanism as implemented is wrong "
+        "(or, at 5% odds, the audit erred), and the stated guarantee cannot be relied on",
+        "audit-cannot-test-accountant": "The canary audit was too small to test the "
+        "accountant's epsilon: even a mechanism with no noise would not have been flagged",
     }
     return [
         {"code": code, "message": f"{lead[code]}: " + "; ".join(items) + "."}

@@ -489,6 +489,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
         include_images=args.include_images,
         public_dir=args.public,
         public_center_crop=args.public_crop,
+        canaries=args.canary_trials,
+        trials=args.canary_trials,
         seed=args.seed,
     )
     results = audit_run(args.run, settings, progress=not args.json)
@@ -718,6 +720,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the run's held-out identities",
     )  # fmt: skip
     p.add_argument("--public-crop", type=int, default=0, help="centre crop of --public (LFW: 150)")
+    p.add_argument(
+        "--canary-trials",
+        type=int,
+        default=1000,
+        help="canaries of the one-run audit and trials of the Clopper-Pearson audit (default: "
+        "1000, which can show an empirical epsilon of at most about 4.7: a larger claim needs "
+        "more, and the audit says how many)",
+    )
     p.add_argument("--seed", type=int, default=0, help="attacker and audit randomness (default: 0)")
     p.add_argument(
         "--include-images", action="store_true",

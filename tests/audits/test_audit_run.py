@@ -255,6 +255,84 @@ def test_mechanism_audit_never_exceeds_the_accountant(placement: str, epsilon: f
     assert found["epsilon_lower_bound"] <= epsilon
     if epsilon == 8.0 and placement != "local":  # local noise is sqrt(3) x what is accounted
         assert found["epsilon_lower_bound"] > 1.0  # the audit is not vacuous (measured 3.2-3.4)
+    # 1000 trials can show at most 4.73: epsilon 1 is tested, epsilon 8 cannot be, and the
+    # audit says so instead of "not exceeded"
+    assert found["can_test_accountant"] is (epsilon == 1.0)
+    assert found["exceeds_accountant"] is (False if epsilon == 1.0 else None)
+
+
+def test_a_mechanism_with_less_noise_than_it_claims_is_flagged() -> None:
+    # Prepare: the noise of epsilon 1, divided by 4 (a broken mechanism claiming epsilon 1)
+    z = calibrate_noise(target_epsilon=1.0, sample_rate=1.0, steps=8, delta=1e-5)
+    mech = Mechanism(z / 4, 1.0, 3.0, "central", 8, 1.0, 0, 3, 1e-5, 1.0)
+    # Execute
+    found = audit_mechanism(mech, seed=1)
+    # Assert: the bound passes the claim (measured 1.8), and the finding says so
+    assert found["can_test_accountant"] is True and found["exceeds_accountant"] is True
+    assert found["epsilon_lower_bound"] > 1.0
+    codes = {f["code"] for f in findings({"attacks": {"canary": found}})}
+    assert codes == {"audit-exceeds-accountant"}
+
+
+def test_an_audit_sized_for_epsilon_8_can_refute_a_mechanism_without_noise() -> None:
+    from audits.mechanism import trials_to_test
+
+    # Prepare: a claim of epsilon 8 (one round) that 1000 trials cannot test; the size the
+    # audit names
+    z = calibrate_noise(target_epsilon=8.0, sample_rate=1.0, steps=1, delta=1e-5)
+    honest = Mechanism(z, 1.0, 3.0, "central", 1, 1.0, 0, 3, 1e-5, 8.0)
+    small = audit_mechanism(honest, seed=1)
+    assert small["can_test_accountant"] is False and small["trials_to_test_accountant"] > 20_000
+    (finding,) = findings({"attacks": {"canary": small}})
+    assert finding["code"] == "audit-cannot-test-accountant"
+    assert f"--canary-trials {small['trials_to_test_accountant']}" in finding["message"]
+    n = trials_to_test(8.0, 1e-5, 0.025)
+    assert n == small["trials_to_test_accountant"]
+    # Execute: that many trials, on the honest mechanism and on one with almost no noise
+    fair = audit_mechanism(honest, canaries=n, trials=n, seed=2)
+    broken = audit_mechanism(dataclasses.replace(honest, noise_multiplier=z / 1000), canaries=n,
+                             trials=n, seed=2)  # fmt: skip
+    # Assert: the sized audit can test the claim; it passes the honest mechanism and refutes
+    # the broken one
+    assert fair["can_test_accountant"] is True and fair["exceeds_accountant"] is False
+    assert broken["exceeds_accountant"] is True and broken["epsilon_lower_bound"] > 8.0
+
+
+@pytest.mark.parametrize(("placement", "honest"), [("central", 0), ("distributed", 3)])
+def test_under_client_sampling_the_one_run_audit_ranks_by_the_likelihood_ratio(
+    placement: str, honest: int
+) -> None:
+    import torch
+
+    from audits.canary import one_run_audit
+    from audits.mechanism import canary_scores
+
+    # Prepare: epsilon 8 over 200 rounds at q = 0.02 (each round's ratio is a mixture)
+    z = calibrate_noise(target_epsilon=8.0, sample_rate=0.02, steps=200, delta=1e-5)
+    mech = Mechanism(z, 1.0, 3.0, placement, 200, 0.02, honest, 3, 1e-5, 8.0)
+    for seed in range(3):
+        included = np.random.default_rng(seed).random(1000) < 0.5
+        bounds = []
+        # Execute: the same releases, scored by their sum and by the log-likelihood ratio
+        for mixture in (False, True):
+            scores, _ = canary_scores(mech, included, seed=seed + 10, mixture=mixture)
+            bound = one_run_audit(torch.from_numpy(scores), torch.from_numpy(included),
+                                  k_plus=100, k_minus=100, delta=1e-5, alpha=0.025)  # fmt: skip
+            bounds.append(bound.epsilon)
+        # Assert: the ratio's bound is well above the sum's (measured 1.18-1.37 against
+        # 0.36-0.75), and still below the accountant's
+        assert bounds[1] > bounds[0] + 0.3 and bounds[1] <= 8.0, bounds
+
+
+def test_a_central_noise_round_without_a_sampled_canary_still_releases() -> None:
+    from audits.mechanism import release_round
+    from privacy.noise import SeededGaussian
+
+    # central noise: no honest noise shares (honest_clients 0), and no canary this round
+    mech = Mechanism(1.0, 1.0, 5.0, "central", 1, 0.005, 0, 3, 1e-5, 3.0)
+    out = release_round(mech, np.zeros((0, 4000)), SeededGaussian(0))
+    assert out.shape == (4000,)
+    assert np.std(out) == pytest.approx(1.0 * 1.0 / 5.0, rel=0.05)  # z C / W
 
 
 def test_cli_audit_writes_json(runs: dict[str, dict[str, Any]], capsys) -> None:
