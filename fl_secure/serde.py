@@ -29,6 +29,8 @@ from fl_secure.messages import (
 from fl_secure.v1 import transport_pb2 as pb
 
 MAX_CHUNK_BYTES = 2 * 1024 * 1024
+#: A tensor's buffer is allocated up to this size when its header arrives, then as data does.
+_PREALLOCATE_BYTES = 64 * 1024 * 1024
 #: An update header's metrics: at most this many, with names of at most this many characters
 #: (they are stored in metrics.jsonl and summary.json every round; clients send about 15).
 MAX_METRICS = 256
@@ -169,6 +171,7 @@ class TensorStreamReader:
         self._received = 0
         self._current: pb.TensorHeader | None = None
         self._buffer: bytearray | None = None
+        self._declared = 0
         self._filled = 0
         self.tensors: Tensors = OrderedDict()
 
@@ -210,7 +213,10 @@ class TensorStreamReader:
         if len(header.sha256) != 32:
             raise ProtocolError(f"tensor {header.name!r} has no valid SHA-256 digest")
         self._current = header
-        self._buffer = bytearray(num_bytes)
+        # Allocated as the data arrives past the first 64 MiB: a header alone (a size the
+        # peer declares) cannot make this process allocate memory no data backs.
+        self._buffer = bytearray(min(num_bytes, _PREALLOCATE_BYTES))
+        self._declared = num_bytes
         self._filled = 0
         if num_bytes == 0:
             self._finish()
@@ -222,11 +228,14 @@ class TensorStreamReader:
         if len(data) > MAX_CHUNK_BYTES:
             raise ProtocolError(f"data chunk of {len(data)} bytes exceeds {MAX_CHUNK_BYTES}")
         end = self._filled + len(data)
-        if end > len(self._buffer):
+        if end > self._declared:
             raise ProtocolError(f"tensor {self._current.name!r} receives more bytes than declared")
+        if end > len(self._buffer):  # grow geometrically, never past the declared size
+            grown = min(self._declared, max(end, 2 * len(self._buffer)))
+            self._buffer.extend(bytes(grown - len(self._buffer)))
         self._buffer[self._filled : end] = data
         self._filled = end
-        if self._filled == len(self._buffer):
+        if self._filled == self._declared:
             self._finish()
 
     def _finish(self) -> None:
@@ -328,6 +337,29 @@ def training_from_proto(msg: pb.LocalTraining) -> LocalTraining:
     return LocalTraining(**values)
 
 
+def check_training(t: LocalTraining) -> LocalTraining:
+    """``t``, after checking that a run config could give it (a training task's settings).
+
+    Raises:
+        ProtocolError: a value no run config can give (non-finite or out of range).
+    """
+    problems = [
+        what
+        for ok, what in (
+            (math.isfinite(t.learning_rate) and t.learning_rate >= 0, "learning_rate"),
+            (math.isfinite(t.momentum) and 0 <= t.momentum < 1, "momentum"),
+            (math.isfinite(t.weight_decay) and t.weight_decay >= 0, "weight_decay"),
+            (t.batch_size >= 1, "batch_size"),
+            (t.local_epochs >= 1 or t.local_steps >= 1, "local_epochs/local_steps"),
+            (t.optimizer in ("sgd", "adam"), "optimizer"),
+        )
+        if not ok
+    ]
+    if problems:
+        raise ProtocolError(f"local-training settings out of range ({', '.join(problems)}): {t}")
+    return t
+
+
 def task_to_proto(task: Task) -> pb.Task:
     """Protobuf of a task."""
     return pb.Task(
@@ -354,7 +386,9 @@ def task_from_proto(msg: pb.Task) -> Task:
         round=int(msg.round),
         nonce=bytes(msg.nonce),
         algorithm=msg.algorithm,
-        training=training_from_proto(msg.training),
+        training=check_training(training_from_proto(msg.training))
+        if msg.kind == pb.TASK_KIND_TRAIN
+        else training_from_proto(msg.training),
         algorithm_params={str(k): float(v) for k, v in msg.algorithm_params.items()},
         deadline_unix_ms=int(msg.deadline_unix_ms),
         retry_after_ms=int(msg.retry_after_ms),

@@ -170,3 +170,49 @@ def test_a_declared_size_beyond_int64_is_refused_not_wrapped() -> None:
     header.num_bytes = 0
     with pytest.raises(ProtocolError, match="declares 0 bytes, its shape and dtype need "):
         reader.add_header(header)
+
+
+def test_a_header_alone_allocates_no_more_than_the_data_sent() -> None:
+    import tracemalloc
+
+    # Prepare: a header declaring a 2 GiB tensor, within the reader's limit
+    reader = serde.TensorStreamReader(None, max_bytes=1 << 32)
+    header = serde.tensor_header("w", np.zeros(4, np.float32))
+    del header.shape[:]
+    header.shape.append(2**29)
+    header.num_bytes = 2**31
+    # Execute
+    tracemalloc.start()
+    try:
+        reader.add_header(header)
+        reader.add_data(b"\x00" * 1024)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # Assert: what the header declared was not allocated up front (at most the 64 MiB start)
+    assert peak < 80 * 2**20, peak
+    # and a tensor larger than the first allocation still arrives bit-exact
+    big = np.random.default_rng(0).standard_normal(9 * 2**20).astype(np.float64)  # 72 MiB
+    chunks = list(serde.parameters_to_chunks(1, OrderedDict(w=big)))
+    _, tensors = serde.parameters_from_chunks(iter(chunks), max_bytes=big.nbytes)
+    np.testing.assert_array_equal(tensors["w"], big)
+
+
+def test_a_training_task_with_settings_no_config_gives_is_refused() -> None:
+    good = Task(kind=TaskKind.TRAIN, round=1, nonce=b"n", training=LocalTraining())
+    assert serde.task_from_proto(serde.task_to_proto(good)) == good
+    bad = {
+        "learning_rate": LocalTraining(learning_rate=float("inf")),
+        "momentum": LocalTraining(momentum=float("nan")),
+        "weight_decay": LocalTraining(weight_decay=-1.0),
+        "batch_size": LocalTraining(batch_size=0),
+        "local_epochs/local_steps": LocalTraining(local_epochs=0, local_steps=0),
+        "optimizer": LocalTraining(optimizer="lbfgs"),
+    }
+    for name, training in bad.items():
+        msg = serde.task_to_proto(Task(kind=TaskKind.TRAIN, round=1, training=training))
+        with pytest.raises(ProtocolError, match=f"out of range \\({name}\\)"):
+            serde.task_from_proto(msg)
+    # a task that trains nothing carries no settings to check
+    wait = pb.Task(kind=pb.TASK_KIND_WAIT)
+    assert serde.task_from_proto(wait).kind is TaskKind.WAIT
