@@ -124,6 +124,9 @@ class FlClient:
         self._attend: Any = None  # the open attendance call of the current secure round
         self.last_round = 0
         self.rounds_done = 0
+        #: Training tasks whose update left this client, (round, nonce): never answered twice.
+        self._released: set[tuple[int, bytes]] = set()
+        self._attempts: dict[int, int] = {}  # updates released per round
         #: The run config of the first join: every later round's protection is held to it.
         self._run_config: Config | None = None
         self._run_config_toml: str | None = None
@@ -201,7 +204,36 @@ class FlClient:
                 return task.message
             if task.kind is TaskKind.WAIT:
                 continue  # the server long-polls; ask again at once
+            if task.kind is TaskKind.TRAIN:
+                refusal = self._refuse_training(task)
+                if refusal:
+                    log.error("round %d: training task refused: %s", task.round, refusal)
+                    self.sleep(1.0)  # a server that insists is not answered in a tight loop
+                    continue
             self._do_task(stub, task)
+
+    def _refuse_training(self, task: Task) -> str:
+        """Why this client will not train on ``task`` ("" if it will).
+
+        Each update this client releases spends privacy; the server's ledger counts one
+        release per round. So a task already answered, an older round, or more attempts of a
+        round than the run's ``server.max_retries`` allows are refused. (The local settings'
+        ranges are checked when the task is read: :func:`fl_secure.serde.check_training`.)
+        """
+        if (task.round, task.nonce) in self._released:
+            return "this client already sent its update for this task (a replayed task)"
+        if task.round < self.last_round:
+            return f"round {task.round} is older than round {self.last_round}, already done"
+        config = self._run_config
+        if config is None:
+            return ""
+        attempts = 1 + config.server.max_retries
+        if self._attempts.get(task.round, 0) >= attempts:
+            return (
+                f"this client already sent {attempts} updates for round {task.round}, as many "
+                f"as server.max_retries = {config.server.max_retries} allows"
+            )
+        return ""
 
     def _hold_run_config(self, run_config_toml: str) -> None:
         """Keep the run config of the first join; refuse another one on a later join.
@@ -310,8 +342,16 @@ class FlClient:
                 log.warning("round %d: update refused: %s", task.round, exc.details())
                 return
             raise
+        if task.kind is TaskKind.TRAIN:
+            self._count_release(task)
         self.last_round = task.round
         self.rounds_done += 1
+
+    def _count_release(self, task: Task) -> None:
+        """Remember that this training task's update left this client."""
+        if (task.round, task.nonce) not in self._released:
+            self._released.add((task.round, task.nonce))
+            self._attempts[task.round] = self._attempts.get(task.round, 0) + 1
 
     def _secure_round(
         self,
@@ -344,6 +384,18 @@ class FlClient:
         if self.conn.cert_dir is None:
             raise TlsError("secure aggregation needs the certificate folder (signing keys)")
         ckks = is_ckks_setup(task.secagg_setup)
+        scheme = run_config.secure_aggregation.scheme
+        if scheme != "ckks" if ckks else scheme not in ("secagg", "secagg+"):
+            # e.g. a CKKS round in a masked run: distributed DP noise would be left out
+            log.error(
+                "round %d: refused: a %s setup in a run that joined with "
+                "secure_aggregation.scheme = %r",
+                task.round,
+                "CKKS" if ckks else "masking (SecAgg)",
+                scheme,
+            )
+            self._withdraw(stub, task, pb.WITHDRAW_REASON_MESSAGE_REFUSED)
+            return
         if self._signing is None and not ckks:
             self._signing = (
                 load_signing_key(self.conn.cert_dir, self.conn.client_id),
@@ -438,6 +490,7 @@ class FlClient:
                 if call is not None:
                     call.cancel()
                 raise
+            self._count_release(task)  # the masked (or encrypted) update has left
 
         try:
             if ckks:
@@ -449,7 +502,7 @@ class FlClient:
                 assert self._signing is not None
                 identity, registry = self._signing
                 setup = RoundSetup.from_bytes(task.secagg_setup)
-                check_setup(setup, run_config)
+                check_setup(setup, run_config, self.conn.client_id, registry)
                 client_secure_update(
                     setup, self.conn.client_id, identity, registry, exchange, compute, upload
                 )

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save
 
 from fl_secure.algorithms import Strategy
 from fl_secure.algorithms.base import BROADCAST_PREFIX
-from fl_secure.errors import CheckpointError
+from fl_secure.errors import CheckpointError, ProtocolError
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import atomic_write_bytes
 from fl_secure.training import FaceModel, LocalData, set_tensors
@@ -120,6 +120,17 @@ class LocalTrainer:
             tensors[STRATEGY_PREFIX + k] = v.contiguous().clone()
         if not tensors:
             return
+        bad = sorted(
+            k for k, v in tensors.items() if v.is_floating_point() and not v.isfinite().all()
+        )
+        if bad:  # a diverged round: keep the last good state, on disk and in the model
+            log.error(
+                "not saving the private state: %s not finite (training diverged); keeping %s",
+                ", ".join(bad),
+                path,
+            )
+            self._load_private()
+            return
         atomic_write_bytes(path, save(tensors))
 
     def train(
@@ -169,8 +180,18 @@ class LocalTrainer:
         """Load the server's copy of this client's head, if sent; return the shared part.
 
         The round's broadcast tensors (``broadcast.*``, e.g. AdaFedFR's R) go to the
-        strategy, which checks them (a malformed one raises ``ValueError`` naming it).
+        strategy, which checks them.
+
+        Raises:
+            ProtocolError: the server's tensors do not fit this client's model (names,
+                shapes, a malformed broadcast tensor).
         """
+        try:
+            return self._split_server_tensors(tensors)
+        except ValueError as exc:
+            raise ProtocolError(f"refusing the server's parameters: {exc}") from exc
+
+    def _split_server_tensors(self, tensors: Tensors) -> Tensors:
         broadcast = OrderedDict(
             (k, v) for k, v in tensors.items() if k.startswith(BROADCAST_PREFIX)
         )
@@ -197,6 +218,13 @@ class LocalTrainer:
     def _check_names(self, shared: Tensors) -> None:
         if list(shared) != self.shared_names:
             raise ValueError("the server's parameters do not match this client's model")
+        state = self.model.state_dict()
+        for name, array in shared.items():
+            if tuple(array.shape) != tuple(state[name].shape):
+                raise ValueError(
+                    f"parameter {name!r} has shape {tuple(array.shape)}, this client's model "
+                    f"{tuple(state[name].shape)}"
+                )
 
     def shared_parameters(self) -> Tensors:
         """This client's current values of the shared parameters."""

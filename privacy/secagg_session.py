@@ -25,7 +25,7 @@ import math
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -261,8 +261,18 @@ def make_setup(
     )
 
 
-def check_setup(setup: RoundSetup, config: Config) -> None:
+def check_setup(
+    setup: RoundSetup,
+    config: Config,
+    client_id: str | None = None,
+    enrolled: Collection[str] | None = None,
+) -> None:
     """Refuse a round setup weaker than the run config this client joined under.
+
+    With ``client_id`` and ``enrolled`` (the CA-signed registry's ids), the cohort must also
+    list this client, name each enrolled site at most once and no one else: a cohort of
+    made-up members would cost this client memory quadratic in its size, and could not be
+    unmasked anyway (no one else can sign for them).
 
     The server builds each round's setup with :func:`make_setup` from the same config, so a
     client can rebuild it: the encoding parameters, threshold and neighbourhood must match,
@@ -273,6 +283,18 @@ def check_setup(setup: RoundSetup, config: Config) -> None:
     Raises:
         ProtocolError: naming every field that is weaker than the config gives.
     """
+    if client_id is not None and client_id not in setup.cohort:
+        raise ProtocolError(f"the round's cohort does not list this client ({client_id})")
+    if len(set(setup.cohort)) != len(setup.cohort):
+        raise ProtocolError("the round's cohort lists a client twice")
+    if enrolled is not None:
+        strangers = sorted(set(setup.cohort) - set(enrolled))
+        if strangers:
+            shown = ", ".join(strangers[:3]) + (", ..." if len(strangers) > 3 else "")
+            raise ProtocolError(
+                f"the round's cohort lists {len(strangers)} client(s) not in the CA-signed "
+                f"registry: {shown}"
+            )
     p = config.privacy
     ddg = None
     if p.unit == "client" and p.noise_placement == "distributed":

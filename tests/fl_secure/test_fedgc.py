@@ -228,3 +228,40 @@ def test_client_trains_from_the_head_the_server_sent() -> None:
     np.testing.assert_allclose(update[WEIGHT], sent, atol=1e-6)
     assert np.abs(sent - local).max() > 0.5
     assert all(np.abs(update[k]).max() < 1e-6 for k in shared)  # lr ~ 0: no backbone change
+
+
+def _fedpe_trainer(state_dir: Path) -> LocalTrainer:
+    strategy = FedPE()
+    model = build_model(ModelConfig(backbone="cnn-small", embedding_size=8), 3, 32, 0)
+    labels = torch.tensor([0, 0, 1, 1, 2, 2])
+    images = torch.randn(6, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    data = FaceDataset(images=images, labels=labels, identity_names=("a", "b", "c"))
+    local = strategy.local_data(data, data, np.arange(3))
+    return LocalTrainer(strategy, model, local, state_dir=state_dir, seed=0)
+
+
+def test_a_diverged_round_leaves_the_private_head_as_it_was(tmp_path: Path, caplog) -> None:
+    from fl_secure.errors import ProtocolError
+
+    # Prepare: a FedPE client (private head) whose state was saved once
+    trainer = _fedpe_trainer(tmp_path)
+    shared = trainer.shared_parameters()
+    trainer.train(shared, LocalTraining(local_steps=1, batch_size=6, learning_rate=0.01))
+    saved = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert saved
+    head = trainer.model.head.weight.detach().clone()
+    # Execute: a round with an infinite learning rate (a broken or hostile server's task)
+    with caplog.at_level("ERROR", logger="client.trainer"):
+        trainer.train(shared, LocalTraining(local_steps=1, batch_size=6, learning_rate=np.inf))
+    # Assert: the file is unchanged, the model holds the saved head again, and a restart
+    # loads a finite head
+    assert "not saving the private state" in caplog.text
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == saved
+    assert torch.equal(trainer.model.head.weight, head)
+    assert torch.isfinite(_fedpe_trainer(tmp_path).model.head.weight).all()
+    # parameters that do not fit the model are refused with the protocol's error
+    wrong = OrderedDict((k, np.zeros((2, *v.shape), v.dtype)) for k, v in shared.items())
+    with pytest.raises(ProtocolError, match="has shape"):
+        trainer.train(wrong, LocalTraining(local_steps=1, batch_size=6))
+    with pytest.raises(ProtocolError, match="do not match this client's model"):
+        trainer.train(OrderedDict(list(shared.items())[1:]), LocalTraining(local_steps=1))

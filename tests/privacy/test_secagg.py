@@ -913,6 +913,30 @@ def test_a_client_accepts_the_setup_its_config_gives_and_refuses_a_weaker_one() 
     check_setup(dataclasses.replace(honest, ddg_sigma=2 * honest.ddg_sigma, min_inputs=5), config)
 
 
+def test_a_client_refuses_a_cohort_without_it_or_with_clients_not_enrolled() -> None:
+    from privacy.secagg_session import check_setup, make_setup
+
+    config = _joined()
+    enrolled = [f"client-{i}" for i in range(5)]
+
+    def setup(cohort: list[str]):  # noqa: ANN202
+        return make_setup(
+            config.secure_aggregation, run_id="run", round_=1, attempt=0, cohort=cohort,
+            vector_length=100, ddg=(1.2, 1.0, 3), min_inputs=3,
+        )  # fmt: skip
+
+    check_setup(setup(enrolled), config, "client-2", enrolled)  # accepted
+    with pytest.raises(ProtocolError, match=r"does not list this client \(client-9\)"):
+        check_setup(setup(enrolled), config, "client-9", enrolled)
+    # made-up members (each would cost this client memory; none can sign an advert)
+    made_up = [*enrolled, *(f"ghost-{i}" for i in range(5))]
+    with pytest.raises(ProtocolError, match="lists 5 client\\(s\\) not in the CA-signed registry"):
+        check_setup(setup(made_up), config, "client-2", enrolled)
+    twice = dataclasses.replace(setup(enrolled), cohort=(*enrolled, "client-0"))
+    with pytest.raises(ProtocolError, match="lists a client twice"):
+        check_setup(twice, config, "client-2", enrolled)
+
+
 def test_a_ckks_client_refuses_a_setup_that_leaves_layers_in_the_clear() -> None:
     from fl_secure.config import config_from_dict
     from privacy.ckks_session import CkksSetup, check_ckks_setup

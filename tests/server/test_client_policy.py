@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
+from collections import OrderedDict
 from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
 
-from client.app import Connection, FlClient
+from client.app import Backoff, Connection, FlClient
 from fl_secure import __version__, serde
 from fl_secure.config import config_from_dict, config_to_toml
 from fl_secure.errors import ProtocolError
@@ -106,3 +108,130 @@ def test_each_outage_gets_max_wait_of_its_own(tmp_path: Path) -> None:
     server.stop(None)
     # Assert: the client rode out both outages
     assert result == {"message": "done"}
+
+
+def _plain_client() -> FlClient:
+    config = config_from_dict(
+        {"partition": {"num_clients": 3}, "server": {"min_clients": 2, "max_retries": 1},
+         "train": {"rounds": 4, "lr": 0.1, "lr_schedule": "cosine"}}
+    )  # fmt: skip
+    client = FlClient(Connection("localhost:1", "client-0"), lambda reply: None)  # type: ignore[arg-type,return-value]
+    client._hold_run_config(config_to_toml(config))
+    return client
+
+
+def _train_task(round_: int, nonce: bytes, **training: float) -> Task:
+    from fl_secure.training import local_training, round_learning_rate
+
+    config = config_from_dict(
+        {"train": {"rounds": 4, "lr": 0.1, "lr_schedule": "cosine"}}
+    )  # the run's [train] section
+    t = config.train
+    lr = round_learning_rate(t.lr, round_, t.rounds, t.lr_schedule)
+    settings = dataclasses.replace(local_training(t), **{"learning_rate": lr, **training})
+    return Task(kind=TaskKind.TRAIN, round=round_, nonce=nonce, training=settings)
+
+
+def test_a_training_task_already_answered_is_refused() -> None:
+    # Prepare: a run with max_retries = 1 (two attempts per round); round 2 answered once
+    client = _plain_client()
+    first = _train_task(2, b"a" * 16)
+    assert client._refuse_training(first) == ""
+    client._count_release(first)
+    client.last_round = 2
+    # Execute / Assert: the same task again is a replay; a new attempt of the round is not
+    assert "already sent its update for this task" in client._refuse_training(first)
+    retry = _train_task(2, b"b" * 16)
+    assert client._refuse_training(retry) == ""
+    client._count_release(retry)
+    third = _train_task(2, b"c" * 16)
+    assert "already sent 2 updates for round 2" in client._refuse_training(third)
+    assert "older than round 2" in client._refuse_training(_train_task(1, b"d" * 16))
+    assert client._refuse_training(_train_task(3, b"e" * 16)) == ""
+
+
+def test_a_replayed_training_task_is_trained_and_sent_once() -> None:
+    import numpy as np
+
+    from fl_secure.v1 import transport_pb2 as pb
+
+    # Prepare: a server stub that hands out round 1's task three times, then finishes
+    config = config_from_dict(
+        {"partition": {"num_clients": 3}, "server": {"min_clients": 2},
+         "train": {"rounds": 4, "lr": 0.1, "lr_schedule": "cosine"}}
+    )  # fmt: skip
+    task = serde.task_to_proto(_train_task(1, b"r" * 16))
+    params = OrderedDict(w=np.zeros(3, np.float32))
+
+    class Stub:
+        polls = 0
+        uploads = 0
+
+        def Join(self, request, metadata, timeout):  # noqa: N802 - the gRPC method name
+            return serde.join_reply_to_proto(
+                JoinReply("client-0", "run", __version__, config_to_toml(config))
+            )
+
+        def PollTask(self, request, metadata, timeout):  # noqa: N802
+            self.polls += 1
+            if self.polls > 3:
+                return serde.task_to_proto(Task(kind=TaskKind.FINISHED, message="done"))
+            return task
+
+        def GetParameters(self, request, metadata, timeout):  # noqa: N802
+            return iter(list(serde.parameters_to_chunks(1, params)))
+
+        def SubmitUpdate(self, chunks, metadata, timeout):  # noqa: N802
+            list(chunks)
+            self.uploads += 1
+            return pb.SubmitReply(message="ok")
+
+    class Trainer:
+        num_examples = 5
+        trained = 0
+
+        def train(self, shared, training):
+            self.trained += 1
+            return OrderedDict(w=np.ones(3, np.float32)), 5, {}
+
+    trainer = Trainer()
+    conn = Connection("localhost:1", "client-0")
+    client = FlClient(conn, lambda reply: trainer, sleep=lambda s: None)  # type: ignore[arg-type,return-value]
+    stub = Stub()
+    # Execute
+    message = client._session(stub, Backoff())  # type: ignore[arg-type]
+    # Assert: one training and one upload; the two replays were refused
+    assert message == "done" and stub.polls == 4
+    assert trainer.trained == 1 and stub.uploads == 1 and client.rounds_done == 1
+
+
+def test_a_ckks_round_in_a_masked_run_is_refused_before_any_stage(tmp_path: Path) -> None:
+    from privacy.ckks_session import CkksSetup
+
+    # Prepare: a client that joined a SecAgg run (distributed noise would be dropped by CKKS)
+    client = FlClient(Connection("localhost:1", "client-0", cert_dir=tmp_path), lambda r: None)  # type: ignore[arg-type,return-value]
+    client._hold_run_config(config_to_toml(SECURE))
+    client.trainer = object()  # type: ignore[assignment]  # never asked to train
+    setup = CkksSetup(round_id=b"r" * 16, cohort=("client-0", "client-1"), layers=None,
+                      min_count=2).to_bytes()  # fmt: skip
+    task = Task(kind=TaskKind.TRAIN, round=1, nonce=b"n" * 16, secagg_setup=setup)
+    calls: list[object] = []
+
+    class Stub:
+        class SecAggExchange:  # noqa: N801 - the gRPC method name
+            def __new__(cls, message, metadata, timeout):  # type: ignore[misc]
+                calls.append(message)
+
+            @staticmethod
+            def future(*args, **kwargs):  # noqa: ANN205
+                raise AssertionError("a stage was started")
+
+    # Execute
+    client._secure_round(Stub(), task, lambda: OrderedDict(), 0.0)  # type: ignore[arg-type]
+    # Assert: the client withdrew (message refused) and sent nothing else
+    from fl_secure.v1 import transport_pb2 as pb
+
+    assert [(m.stage, m.withdraw_reason) for m in calls] == [
+        (pb.SECAGG_STAGE_WITHDRAW, pb.WITHDRAW_REASON_MESSAGE_REFUSED)
+    ]
+    assert client.rounds_done == 0
