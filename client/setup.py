@@ -41,15 +41,33 @@ class ClientDataSource:
 
 
 def trainer_factory(
-    source: ClientDataSource, *, state_dir: Path | None, threads: int | None = None
+    source: ClientDataSource,
+    *,
+    state_dir: Path | None,
+    threads: int | None = None,
+    accept_seeded_noise: bool = False,
 ) -> Callable[[JoinReply], LocalTrainer]:
-    """A callable the client loop runs after joining, with the server's run config."""
+    """A callable the client loop runs after joining, with the server's run config.
+
+    ``accept_seeded_noise``: take part in a run whose ``privacy.secure_rng = false``. That
+    noise is seeded from ``run.seed`` and the client id, both known to the server, which could
+    then subtract it from the update; only the operator's own processes (the embedded mode,
+    tests) should accept it.
+    """
 
     def make(reply: JoinReply) -> LocalTrainer:
         try:
             run_config = config_from_dict(tomllib.loads(reply.run_config_toml))
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"the server sent an invalid run config: {exc}") from exc
+        p = run_config.privacy
+        if p.enabled and not p.secure_rng and not accept_seeded_noise:
+            raise ConfigError(
+                "the run sets privacy.secure_rng = false: this site's DP noise would be seeded "
+                "from run.seed and the client id, which the server knows, so it could subtract "
+                "the noise; refusing to join (for reproducible tests on your own machine, start "
+                "the client with --accept-seeded-noise)"
+            )
         torch.set_num_threads(threads or run_config.train.threads)
         strategy = get_strategy(run_config.algorithm.name, run_config.algorithm)
         if source.plan_index >= 0:

@@ -353,7 +353,13 @@ def cmd_client(args: argparse.Namespace) -> int:
         insecure=args.insecure,
         server_name=args.server_name or "",
     )
-    client = FlClient(conn, trainer_factory(source, state_dir=args.state_dir, threads=args.threads))
+    make = trainer_factory(
+        source,
+        state_dir=args.state_dir,
+        threads=args.threads,
+        accept_seeded_noise=args.accept_seeded_noise,
+    )
+    client = FlClient(conn, make)
     import grpc
 
     from client.app import explain_rpc_error
@@ -592,6 +598,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-name", help="TLS name of the server when it differs from --server")
     p.add_argument(
         "--insecure", action="store_true", help="plaintext gRPC (loopback tests only; warns)"
+    )
+    p.add_argument(
+        "--accept-seeded-noise",
+        action="store_true",
+        help="join a run with privacy.secure_rng = false, whose DP noise the server could "
+        "reproduce and subtract (reproducible tests on your own machine only)",
     )
     common(p)
     p.set_defaults(func=cmd_client)

@@ -58,6 +58,9 @@ def client_command(
         "--state-dir",
         str(run.path / "clients" / client_id),
         "--quiet",
+        # the operator's own processes, under the operator's config: its choice of seeded
+        # (reproducible) DP noise is theirs to make
+        "--accept-seeded-noise",
     ]
     cmd += ["--insecure"] if insecure else ["--certs", str(run.certs)]
     return cmd

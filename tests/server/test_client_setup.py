@@ -82,3 +82,20 @@ def test_a_folder_client_reads_its_images_with_the_runs_crop(tmp_path: Path) -> 
     first = trainer.data.train
     expected = cropped.images[(cropped.labels == first.labels[0]).nonzero()[:, 0]]
     assert any(torch.equal(first.images[0], image) for image in expected)
+
+
+def test_a_run_with_seeded_noise_is_joined_only_when_the_site_accepts_it(tmp_path: Path) -> None:
+    # Prepare: the quickstart (client-level DP) with privacy.secure_rng = false: the noise
+    # would be seeded from run.seed and the client id, both known to the server
+    config = QUICKSTART.replace("[privacy]\n", "[privacy]\nsecure_rng = false\n", 1)
+    assert "secure_rng = false" in config
+    folders = _folders(tmp_path / "data")
+    # Execute / Assert: refused by default, naming the setting and the way to accept it
+    with pytest.raises(ConfigError, match="privacy.secure_rng = false.*--accept-seeded-noise"):
+        trainer_factory(ClientDataSource(data_path=folders), state_dir=None)(_join(config))
+    make = trainer_factory(
+        ClientDataSource(data_path=folders), state_dir=None, accept_seeded_noise=True
+    )
+    assert make(_join(config)).privacy is not None
+    # the secure default needs nothing
+    assert trainer_factory(ClientDataSource(data_path=folders), state_dir=None)(_join(QUICKSTART))
