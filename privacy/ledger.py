@@ -2,9 +2,10 @@
 
 ``RUN_DIR/ledger.sqlite`` holds one row per privacy-relevant event: the client-level
 guarantee after each round (``client_level``), each client's example-level guarantee
-(``example_level``), a client-level sum the server unmasked and then discarded
-(``discarded_sum``: a release all the same, composed like a round) and free-text events such
-as a budget stop (``note``). An entry is
+(``example_level``), a client-level release the server saw in an attempt it then
+discarded (``discarded_sum``: a sum it unmasked and could not decode, or the plain updates
+of a failed attempt; composed like a round) and free-text events such as a budget stop
+(``note``). An entry is
 committed and synced to disk *before* the round's model is released, so the ledger never
 under-reports what has left the server; on resume it is the source of truth for which
 rounds have already been counted.
@@ -69,8 +70,8 @@ REQUIRED: dict[str, dict[str, _Spec]] = {
     },
     "note": {"message": ("str", 0, 0)},
 }
-# A sum of a client-level round the server unmasked and then discarded (it could not be
-# decoded): released to the server all the same, so it is composed like a round.
+# A client-level release the server saw in an attempt it then discarded (a sum it could not
+# decode; the plain updates of a failed attempt): composed like a round.
 REQUIRED["discarded_sum"] = {**REQUIRED["client_level"], "message": ("str", 0, 0)}
 #: Kinds whose payload carries the run's cumulative client-level epsilon.
 CLIENT_KINDS = ("client_level", "discarded_sum")

@@ -210,13 +210,14 @@ class ServerPrivacy:
     def discard_sum(
         self, round_: int, cohort_size: int, updates: int, attempt: int, message: str
     ) -> bool:
-        """Account a client-level sum the server unmasked and then discarded; True if counted.
+        """Account a client-level release the server saw and then discarded; True if counted.
 
-        The sum was released to the server like any round's: with ``local`` or
-        ``distributed`` noise (the guarantee covers the server's view) it is composed like
-        a round and committed at once (``discarded_sum``). ``central`` noise trusts the
-        server, and nothing left it. Example level: each client's accountant counted its
-        own steps, so its next reported epsilon covers them.
+        A sum it unmasked and could not decode, or (without secure aggregation) the updates
+        of an attempt that then failed: released to the server like any round's. With
+        ``local`` or ``distributed`` noise (the guarantee covers the server's view) it is
+        composed like a round and committed at once (``discarded_sum``). ``central`` noise
+        trusts the server, and nothing left it. Example level: each client's accountant
+        counted its own steps, so its next reported epsilon covers them.
         """
         if self.unit != "client" or self.placement == "central":
             return False
@@ -396,7 +397,7 @@ class ServerPrivacy:
                     "client_sampling": self.plan.sampling,
                     "aggregate_denominator": self.plan.denominator,
                     "rounds_accounted": len(self._client_history) - self.discarded_sums,
-                    # sums the server unmasked and discarded, composed like rounds
+                    # releases the server saw in attempts it discarded, composed like rounds
                     "discarded_sums_accounted": self.discarded_sums,
                 }
             )

@@ -752,6 +752,8 @@ class Coordinator:
                         ),
                     )
                 raise RoundAborted(reason)
+            if kind is TaskKind.TRAIN and rnd.secure is None and self.privacy is not None:
+                self._account_failed_attempt(number, attempt, rnd, needed)
             if secure_error:
                 last_secure_error = secure_error
                 last_shortfall = _describe_shortfall(rnd.failed, [])
@@ -777,6 +779,24 @@ class Coordinator:
         raise RoundAborted(
             f"round {number} aborted: fewer than {needed} updates after {tries}{why}"
         )
+
+    def _account_failed_attempt(self, number: int, attempt: int, rnd: _Round, needed: int) -> None:
+        """Count the updates a failed plain attempt showed the server (client-level DP).
+
+        Without secure aggregation the server sees each update as it arrives; with ``local``
+        noise the guarantee covers that view, so an attempt that then fails (too few
+        updates) has released them all the same, and the retry releases them again. Each
+        such attempt is composed like a round (``discarded_sum``); see
+        :meth:`privacy.session.ServerPrivacy.discard_sum` for the placements it counts.
+        """
+        if not rnd.received or len(rnd.received) >= needed or self.privacy is None:
+            return
+        reason = (
+            f"round {number} attempt {attempt}: the server received {len(rnd.received)} "
+            f"update(s) and the attempt then failed (fewer than {needed})"
+        )
+        if self.privacy.discard_sum(number, len(rnd.cohort), len(rnd.received), attempt, reason):
+            log.warning("%s; counted in epsilon like a round", reason)
 
     # ------------------------------------------------------- secure aggregation
     def _secure_enabled(self) -> bool:

@@ -168,7 +168,7 @@ def _ledger(path: Path, summary: dict[str, Any]) -> tuple[dict[str, Any], list[E
 def _epsilon_by_round(entries: list[Entry]) -> list[dict[str, Any]]:
     """Epsilon after each round (client level), or the largest client's (example level).
 
-    A client-level sum the server unmasked and discarded is a row of its own (marked
+    A client-level release the server saw in a discarded attempt is a row of its own (marked
     ``discarded_sum``): it is composed like a round.
 
     Example-level rows are each client's running total; a round's is the largest of them.
@@ -271,7 +271,7 @@ def _privacy(
         "noise_distribution": ledger.get("noise_distribution"),
         "effective_noise_multiplier": ledger.get("effective_noise_multiplier"),
         "noise_shares_required": p.get("noise_shares_required"),
-        # sums the server unmasked and then discarded, composed like rounds
+        # releases the server saw in attempts it discarded, composed like rounds
         "discarded_sums_accounted": p.get("discarded_sums_accounted"),
         "ledger_entries": p.get("ledger_entries"),
         "ledger_head": p.get("ledger_head"),

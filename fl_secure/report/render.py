@@ -192,7 +192,7 @@ PRIVACY_ROWS = (
     ("rounds_accounted", "Rounds accounted"),
     (
         "discarded_sums_accounted",
-        "Sums the server unmasked and discarded (each composed like a round)",
+        "Releases the server saw in attempts it discarded (each composed like a round)",
     ),
     ("accountant", "Accountant"),
     ("epsilon", "Epsilon"),

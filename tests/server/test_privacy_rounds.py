@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,9 @@ from server.coordinator import Coordinator, CoordinatorSettings
 CLIENTS = ("c0", "c1", "c2")
 
 
-def _coordinator(tmp_path: Path, privacy_cfg: PrivacyConfig, rounds: int) -> Coordinator:
+def _coordinator(
+    tmp_path: Path, privacy_cfg: PrivacyConfig, rounds: int, round_timeout: float = 100.0
+) -> Coordinator:
     run_dir = RunDir(tmp_path)
     privacy = open_server_privacy(
         privacy_cfg,
@@ -37,7 +40,11 @@ def _coordinator(tmp_path: Path, privacy_cfg: PrivacyConfig, rounds: int) -> Coo
         source=SeededGaussian(0),
     )
     settings = CoordinatorSettings(
-        rounds=rounds, min_clients=3, round_timeout=100.0, poll_wait=0.05, final_evaluation=False
+        rounds=rounds,
+        min_clients=3,
+        round_timeout=round_timeout,
+        poll_wait=0.05,
+        final_evaluation=False,
     )
     initial = OrderedDict([("w", np.zeros((2, 2), np.float32))])
     return Coordinator(
@@ -388,6 +395,51 @@ def test_a_resume_that_would_change_the_sampling_scheme_is_refused(tmp_path: Pat
         "the clients the run started with, or start a new run"
     )
     assert (tmp_path / "ledger.sqlite").read_bytes() == before
+
+
+@pytest.mark.parametrize("placement", ["local", "central"])
+def test_updates_the_server_saw_in_a_failed_attempt_are_counted(
+    tmp_path: Path, placement: str
+) -> None:
+    # Prepare: client-level DP without secure aggregation, z = 2; in round 1's first attempt
+    # only two of the three clients send (the attempt fails), then all three
+    cfg = PrivacyConfig(unit="client", noise_placement=placement, noise_multiplier=2.0)
+    coord = _coordinator(tmp_path, cfg, rounds=1, round_timeout=1.0)
+    for c in CLIENTS:
+        coord.join(c, 10)
+    driver = threading.Thread(target=coord.run)
+    driver.start()
+    # Execute
+    for senders in (CLIENTS[:2], CLIENTS):
+        workers = [threading.Thread(target=_submit, args=(coord, c)) for c in senders]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=30)
+        time.sleep(1.5)  # past the first attempt's deadline (round_timeout 1 s)
+    driver.join(timeout=30)
+    assert [e["attempt"] for e in coord.events if e.get("round") == 1] == [0, 1]
+    # Assert: with local noise (the guarantee covers the server's view) the two updates of
+    # the failed attempt are a release, composed like a round: epsilon of 2 releases, not 1;
+    # central noise trusts the server with them
+    assert coord.status == "completed", coord.stop_reason
+    with Ledger.read(tmp_path / "ledger.sqlite") as ledger:
+        entries = ledger.entries()
+
+    def eps(steps: int) -> float:
+        return epsilon_for(
+            accountant="pld", noise_multiplier=2.0, sample_rate=1.0, steps=steps, delta=1e-5
+        )
+
+    if placement == "central":
+        assert [(e.kind, e.round) for e in entries] == [("client_level", 1)]
+        assert entries[0].payload["epsilon"] == pytest.approx(eps(1), rel=1e-9)
+        return
+    assert [(e.kind, e.round) for e in entries] == [("discarded_sum", 1), ("client_level", 1)]
+    assert entries[0].payload["updates"] == 2 and entries[0].payload["attempt"] == 0
+    assert entries[0].payload["epsilon"] == pytest.approx(eps(1), rel=1e-9)
+    assert entries[1].payload["epsilon"] == pytest.approx(eps(2), rel=1e-9)
+    assert coord.privacy is not None and coord.privacy.summary()["discarded_sums_accounted"] == 1
 
 
 def _noised_before_the_server(tmp_path: Path, placement: str = "local") -> Any:
