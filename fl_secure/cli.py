@@ -479,7 +479,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         _print_json(result)
     else:
         for key, value in result.items():
-            print(f"{key:>20}: {value}")
+            print(f"{key:>20}: {'unknown' if value is None else value}")
     return 0
 
 

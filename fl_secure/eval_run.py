@@ -34,7 +34,9 @@ def evaluate_run(
     ``center_crop``: the LFW images' centre crop before resizing; default the run's
     ``data.center_crop`` (the crop the model trained on), ``0`` for none. With an LFW pairs
     file the result counts the pairs that involve an identity the run's clients trained on
-    and, when there are any, scores the pairs without them too.
+    and, when there are any, scores the pairs without them too; when the sites trained on
+    their own data (a standalone server's run) that count is unknown: ``None``, with
+    ``pairs_with_training_identities_note`` saying why.
 
     Raises:
         CheckpointError: not a run, or no checkpoint.
@@ -81,6 +83,11 @@ def evaluate_run(
     result["data"] = f"LFW pairs {lfw_pairs.name} ({len(protocol)} pairs)"
     result["center_crop"] = crop
     result.update(_pair_metrics(scores, same, images.fold if protocol.num_folds > 1 else None))
+    unknown = _sites_own_data(run)
+    if unknown is not None:  # the server's [data] config says nothing of what the sites held
+        result["pairs_with_training_identities"] = None
+        result["pairs_with_training_identities_note"] = unknown
+        return result
     trained = _trained_names(config)
     seen = np.array([p.name1 in trained or p.name2 in trained for p in protocol.pairs])
     result["pairs_with_training_identities"] = int(seen.sum())
@@ -103,6 +110,34 @@ def _pair_metrics(
         out[f"tar_at_far_{name}"] = tar_at_far(scores, same, far)
     out["roc_auc"], out["eer"] = roc_auc(scores, same), eer(scores, same)
     return out
+
+
+def _sites_own_data(run: RunDir) -> str | None:
+    """Why the identities the run's clients trained on are unknown, or None when they are known.
+
+    They are known when the clients trained on the config's data plan: an embedded run (its
+    server spawned them on it; ``logs/`` holds their logs), a centralized run, or any run whose
+    ``summary.json`` records the plan. A standalone server's sites trained on their own data
+    (``fl-secure client --data``), which the server never sees: its summary records
+    ``client_train_sizes`` as null, and a run without a summary that was not embedded may be one.
+    """
+    try:
+        summary = run.read_summary() if run.summary.exists() else None
+    except CheckpointError:  # damaged: it cannot tell
+        summary = None
+    if summary is not None:
+        if "client_train_sizes" in summary and summary["client_train_sizes"] is None:
+            return (
+                "unknown: the sites trained on their own data (fl-secure server), which the "
+                "server never sees, so their overlap with the pairs' identities cannot be counted"
+            )
+        return None
+    if (run.path / "logs").is_dir():  # embedded: the clients were spawned on the plan
+        return None
+    return (
+        "unknown: the run has no summary.json saying whose data its sites trained on (a "
+        "standalone server's sites train on their own data, which the server never sees)"
+    )
 
 
 def _trained_names(config: Config) -> set[str]:

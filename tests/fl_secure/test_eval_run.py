@@ -150,6 +150,7 @@ def test_lfw_pairs_use_the_runs_crop_and_count_the_identities_it_trained_on(
     run.config.write_text(config_to_toml(config))
     model = build_model(config.model, 1, 32, seed=11)
     CheckpointStore(run.checkpoints).save(1, get_tensors(model, FedPE().shared_names(model)), {})
+    (run.path / "logs").mkdir()  # embedded: its clients trained on the plan
     pairs = DATA / "lfw_protocol" / "pairsDevTest.txt"
     root = DATA / "lfw_devtest"
     # Execute
@@ -173,3 +174,61 @@ def test_lfw_pairs_use_the_runs_crop_and_count_the_identities_it_trained_on(
     assert found["disjoint_roc_auc"] == pytest.approx(expected, abs=1e-9)
     with pytest.raises(DataError, match="--center-crop -5: give a side >= 1, or 0"):
         evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root, center_crop=-5)
+
+
+def _pairs_of_the_runs_identities(tmp_path: Path, config) -> tuple[Path, Path]:
+    """An LFW-style root and a 1-fold pairs file over the run's own (synthetic) identities."""
+    from PIL import Image
+
+    plan = plan_federation(config)
+    root = tmp_path / "lfw"
+    names = []
+    for dataset in (plan.clients[0].train, plan.held_out):
+        for identity in dataset.identities()[:2]:
+            name = dataset.identity_names[int(identity)]
+            names.append(name)
+            (root / name).mkdir(parents=True)
+            idx = np.flatnonzero(dataset.labels.numpy() == identity)[:2]
+            for k, i in enumerate(idx, 1):
+                pixels = (dataset.images[int(i)].permute(1, 2, 0).numpy() * 255).clip(0, 255)
+                Image.fromarray(pixels.astype(np.uint8)).save(root / name / f"{name}_{k:04d}.jpg")
+    trained, held = names[:2], names[2:]
+    pairs = tmp_path / "pairs.txt"
+    pairs.write_text(  # 2 same-person pairs, 2 different-person pairs; 3 name a trained id
+        f"2\n{trained[0]} 1 2\n{held[0]} 1 2\n{trained[1]} 1 {held[1]} 1\n{held[0]} 1 {held[1]} 2\n"
+    )
+    return pairs, root
+
+
+COUNT = "pairs_with_training_identities"
+
+
+def test_lfw_overlap_is_counted_for_plan_runs_and_unknown_when_sites_held_their_own_data(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Prepare: a run whose clients trained on the plan (embedded: logs/ of its clients)
+    from fl_secure.cli import main
+
+    (tmp_path / "run").mkdir()
+    config, run, _ = _run(tmp_path / "run")
+    pairs, root = _pairs_of_the_runs_identities(tmp_path, config)
+    (run.path / "logs").mkdir()
+    # Execute / Assert: the pairs naming a trained identity are counted
+    assert evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root)[COUNT] == 2
+    # a standalone server's run: the sites trained on their own data, not the server's plan
+    (run.path / "logs").rmdir()
+    run.write_summary({"status": "completed", "client_train_sizes": None})
+    found = evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root)
+    assert found[COUNT] is None
+    assert found[f"{COUNT}_note"].startswith("unknown: the sites trained on their own data")
+    assert "disjoint_roc_auc" not in found and 0.0 <= found["roc_auc"] <= 1.0
+    # the same run with a summary that records the plan: counted again
+    run.write_summary({"status": "completed", "client_train_sizes": [1, 1]})
+    assert evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root)[COUNT] == 2
+    # the printed output says it is unknown, and why
+    run.write_summary({"status": "completed", "client_train_sizes": None})
+    argv = ["eval", "--run", str(run.path), "--lfw-pairs", str(pairs), "--lfw-root", str(root)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "pairs_with_training_identities: unknown\n" in out
+    assert "unknown: the sites trained on their own data" in out
