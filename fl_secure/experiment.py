@@ -169,7 +169,6 @@ def run_experiment(
             ) from exc
         configs.append((algorithm, partition, seed, config))
     rows: list[dict[str, Any]] = []
-    out.mkdir(parents=True, exist_ok=True)
     for i, (algorithm, partition, seed, config) in enumerate(configs, 1):
         if progress:
             print(f"[{i}/{len(configs)}] {algorithm} / {partition} / seed {seed}", flush=True)
@@ -209,6 +208,7 @@ def _group_columns(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def _write(out: Path, experiment: Experiment, rows: list[dict[str, Any]]) -> None:
+    out.mkdir(parents=True, exist_ok=True)  # once a cell has run: a refused grid leaves none
     lines = [",".join(COLUMNS)]
     for row in rows:
         lines.append(",".join(_csv(row[c]) for c in COLUMNS))

@@ -185,6 +185,30 @@ def _attribute_images(
     return train_parts + kept
 
 
+def check_held_out(held_out: FaceDataset) -> None:
+    """A held-out set must give both kinds of pair its verification ROC needs (or be empty).
+
+    Impostor pairs need two identities, genuine pairs two images of one identity; without
+    either every evaluation of the run would fail, so the plan is refused before it starts.
+    """
+    if len(held_out) == 0:
+        return
+    counts = np.unique(held_out.labels.numpy(), return_counts=True)[1]
+    if len(counts) < 2:
+        raise DataError(
+            f"data.held_out_identities = {len(counts)}: the held-out evaluation compares "
+            "faces of different identities (impostor pairs), so it needs at least 2 held-out "
+            "identities; set data.held_out_identities >= 2, or 0 for no held-out evaluation"
+        )
+    if counts.max() < 2:
+        raise DataError(
+            f"the {len(counts)} held-out identities (data.held_out_identities) have one image "
+            "each: the held-out evaluation needs genuine pairs, two images of one identity; "
+            "use data with at least 2 images per identity (data.min_images_per_identity >= 2), "
+            "or data.held_out_identities = 0 for no held-out evaluation"
+        )
+
+
 def plan_federation(config: Config, dataset: FaceDataset | None = None) -> FederatedData:
     """Split ``dataset`` (default: :func:`load_dataset`) into held-out and client shares."""
     seed = config.run.seed
@@ -204,6 +228,7 @@ def plan_federation(config: Config, dataset: FaceDataset | None = None) -> Feder
     if config.partition.kind == "domain":
         return _domain_plan(config, data, train_ids, held_ids, fractions)
     held_out = data.subset(np.flatnonzero(np.isin(labels, held_ids)))
+    check_held_out(held_out)
     shares: list[ClientShare] = []
     if config.partition.kind == "attribute":  # images by attribute conjunctions
         images = _attribute_images(data, train_ids, config.partition)
@@ -248,4 +273,5 @@ def _domain_plan(
         train_idx, test_idx = stratified_split(mine, fractions=fractions, seed=seed + 1 + k)
         shares.append(ClientShare(train=mine.subset(train_idx), test=mine.subset(test_idx)))
     held_out = target.subset(np.flatnonzero(np.isin(target.labels.numpy(), held_ids)))
+    check_held_out(held_out)
     return FederatedData(train_identities=train_ids, held_out=held_out, clients=shares)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fl_secure.config import Config, config_from_dict
-from fl_secure.data.plan import plan_federation
+from fl_secure.data.plan import load_dataset, plan_federation
 from fl_secure.errors import ConfigError, DataError
 
 
@@ -135,3 +135,27 @@ def test_identities_no_attribute_predicate_matches_are_named_in_the_manifest() -
     assert missing and plan.unassigned_identities().tolist() == missing
     assert plan.manifest()["unassigned_identities"] == missing
     assert plan_federation(_config("equal", 0)).manifest()["unassigned_identities"] == []
+
+
+@pytest.mark.parametrize("kind", ["equal", "domain"])
+def test_a_held_out_set_without_impostor_or_genuine_pairs_is_refused(kind: str) -> None:
+    # Prepare: 1 held-out identity (no impostor pair); held-out identities of one image each
+    def config(held_out: int) -> Config:
+        return config_from_dict({
+            "data": {"image_size": 32, "num_identities": 12, "images_per_identity": 4,
+                     "held_out_identities": held_out},
+            "partition": {"kind": kind, "num_clients": 2}, "server": {"min_clients": 2},
+        })  # fmt: skip
+
+    full = load_dataset(config(3).data, seed=0)
+    labels = full.labels.numpy()
+    one_each = full.subset(np.unique(labels, return_index=True)[1])  # one image per identity
+    # Execute / Assert
+    with pytest.raises(DataError, match=r"data.held_out_identities = 1: .* at least 2 held-out"):
+        plan_federation(config(1))
+    if kind == "equal":  # a domain plan draws its held-out images from the generator itself
+        with pytest.raises(DataError, match=r"the 3 held-out identities \(data.held_out_"
+                           r"identities\) have one image each: .* genuine pairs"):  # fmt: skip
+            plan_federation(config(3), one_each)
+    assert len(plan_federation(config(2)).held_out.identities()) == 2
+    assert len(plan_federation(config(0)).held_out) == 0  # no held-out evaluation at all

@@ -160,3 +160,18 @@ def test_committed_experiments_parse_and_their_cells_load() -> None:
             assert not cfg.privacy.enabled and not cfg.secure_aggregation.enabled
             assert cfg.algorithm.name == algorithm.split("+")[0]
             assert cfg.partition.kind == partition and cfg.run.seed == seed
+
+
+def test_a_held_out_set_without_impostor_pairs_is_refused_before_any_output(
+    tmp_path: Path,
+) -> None:
+    from fl_secure.errors import DataError
+
+    (tmp_path / "base.toml").write_text(BASE)
+    (tmp_path / "grid.toml").write_text(
+        '[experiment]\nbase = "base.toml"\nalgorithms = ["fedavg"]\npartitions = ["equal"]\n'
+        'seeds = [0]\nset = ["data.held_out_identities=1"]\n'
+    )
+    with pytest.raises(DataError, match="data.held_out_identities = 1: .* at least 2 held-out"):
+        run_experiment(load_experiment(tmp_path / "grid.toml"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
