@@ -442,12 +442,15 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     _torch_threads(1)
     out = args.out or Path("runs") / "experiments" / experiment.name
     rows = run_experiment(experiment, out, progress=not args.json)
+    aborted = sum(r["status"] == "aborted" for r in rows)
     if args.json:
         _print_json({"out": str(out), "rows": rows})
     else:
         print((out / "results.md").read_text(encoding="utf-8"))
         print(f"results: {out / 'results.csv'}, {out / 'results.md'}")
-    return 0
+        if aborted:
+            print(f"{aborted} of {len(rows)} runs aborted (status and reason in results.csv)")
+    return 1 if aborted else 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -753,7 +756,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="simulate a grid of algorithm x partition x seed in one process; write tables",
         description="Runs every cell of an experiment file (see fl_secure/experiment.py) with "
         "the in-process simulation (the gRPC path's algorithm code, no network) and writes "
-        "results.csv and results.md under --out.",
+        "results.csv and results.md under --out. A run whose training diverges is recorded as "
+        "aborted (status and reason columns, no figures) and the grid goes on; the command then "
+        "exits with 1.",
     )
     p.add_argument("--config", type=Path, required=True, help="experiment TOML file")
     p.add_argument("--out", type=Path, help="output folder (default: runs/experiments/NAME)")

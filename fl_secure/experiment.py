@@ -23,6 +23,10 @@ the layout of the HF-MAML paper's Tables V-X, TAR@FAR of the training clients an
 held-out clients (``partition.held_out_clients``, joining after training), untuned and tuned
 (``eval.tune_steps`` local batches; :mod:`fl_secure.tuning`), each as the mean over clients
 and as the std over clients (fairness), mean ± std over seeds.
+
+A run whose training diverges (NaN/Inf in an update, the global model or its embeddings)
+aborts as the gRPC coordinator aborts it: its row has ``status = aborted``, the ``reason``
+and no figures, ``results.md`` lists it, and the grid goes on with the next cell.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import csv
 import itertools
 import math
+import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from fl_secure.config import load_config
-from fl_secure.errors import ConfigError
+from fl_secure.errors import ConfigError, RoundAborted
 from fl_secure.runs import atomic_write_bytes
 
 #: Client groups of the paper-layout table: column prefix -> summary key of the simulation.
@@ -56,7 +61,8 @@ GROUP_COLUMNS = tuple(
     for stat in ("mean", "std")
 )
 COLUMNS = (
-    "algorithm", "partition", "seed", "tar_at_far_1e-1", "tar_at_far_1e-2", "rank1",
+    "algorithm", "partition", "seed", "status", "reason", "tar_at_far_1e-1", "tar_at_far_1e-2",
+    "rank1",
     "clients_tar_at_far_1e-2_mean", "clients_tar_at_far_1e-2_std", "clients_rank1_mean",
     "clients_rank1_std", "untrained_tar_at_far_1e-2", *GROUP_COLUMNS, "bytes_per_round",
     "duration_s",
@@ -172,12 +178,25 @@ def run_experiment(
     for i, (algorithm, partition, seed, config) in enumerate(configs, 1):
         if progress:
             print(f"[{i}/{len(configs)}] {algorithm} / {partition} / seed {seed}", flush=True)
-        summary = simulate(config).summary
+        started = time.time()
+        try:
+            summary = simulate(config).summary
+        except RoundAborted as exc:  # diverged: as the coordinator, abort this run, not the grid
+            if progress:
+                print(f"  aborted: {exc}", flush=True)
+            row: dict[str, Any] = dict.fromkeys(COLUMNS)
+            row.update(algorithm=algorithm, partition=partition, seed=seed, status="aborted",
+                       reason=str(exc), duration_s=round(time.time() - started, 1))  # fmt: skip
+            rows.append(row)
+            _write(out, experiment, rows)
+            continue
         clients = summary["clients_summary"]
         row = {
             "algorithm": algorithm,
             "partition": partition,
             "seed": seed,
+            "status": summary["status"],
+            "reason": None,
             "tar_at_far_1e-1": summary.get("tar_at_far_1e-1"),
             "tar_at_far_1e-2": summary.get("tar_at_far_1e-2"),
             "rank1": summary.get("rank1"),
@@ -268,7 +287,23 @@ def markdown(experiment: Experiment, rows: list[dict[str, Any]], out: Path | Non
                 f"{col('clients_tar_at_far_1e-2_std')} | {col('clients_rank1_mean')} | "
                 f"{col('untrained_tar_at_far_1e-2')} | {_megabytes(cell)} | {_seconds(cell)} |"
             )
-    return head + "\n".join(body) + "\n" + client_groups_markdown(experiment, rows)
+    return (
+        head + "\n".join(body) + "\n" + _aborted_markdown(rows)
+        + client_groups_markdown(experiment, rows)
+    )  # fmt: skip
+
+
+def _aborted_markdown(rows: list[dict[str, Any]]) -> str:
+    """The runs that aborted (their figures are left out of the means above), and why."""
+    aborted = [r for r in rows if r.get("status") == "aborted"]
+    if not aborted:
+        return ""
+    lines = [f"- {r['algorithm']} / {r['partition']} / seed {r['seed']}: {r['reason']}"
+             for r in aborted]  # fmt: skip
+    return (
+        f"\n{len(aborted)} of {len(rows)} runs aborted; their figures are left out of the "
+        "table (mean ± std over the runs that completed):\n\n" + "\n".join(lines) + "\n"
+    )
 
 
 def _seconds(cell: list[dict[str, Any]]) -> str:

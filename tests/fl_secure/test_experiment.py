@@ -175,3 +175,25 @@ def test_a_held_out_set_without_impostor_pairs_is_refused_before_any_output(
     with pytest.raises(DataError, match="data.held_out_identities = 1: .* at least 2 held-out"):
         run_experiment(load_experiment(tmp_path / "grid.toml"), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_diverging_cell_is_recorded_as_aborted_and_the_grid_goes_on(tmp_path: Path) -> None:
+    # Prepare: one variant whose learning rate makes training diverge, one that trains
+    (tmp_path / "base.toml").write_text(BASE)
+    (tmp_path / "grid.toml").write_text(
+        '[experiment]\nbase = "base.toml"\nalgorithms = ["fedavg+train.lr=1e12", "fedavg"]\n'
+        'partitions = ["equal"]\nseeds = [0]\nset = ["train.optimizer=\\"sgd\\""]\n'
+    )
+    # Execute
+    rows = run_experiment(load_experiment(tmp_path / "grid.toml"), tmp_path / "out")
+    # Assert: the first cell aborted with its reason and no figures; the second completed
+    table = read_results(tmp_path / "out" / "results.csv")
+    assert [(r["algorithm"], r["status"]) for r in table] == [
+        ("fedavg+train.lr=1e12", "aborted"), ("fedavg", "completed"),
+    ]  # fmt: skip
+    assert table[0]["reason"].startswith("round 1: client-0's update has non-finite values")
+    assert "lower train.lr" in table[0]["reason"]
+    assert table[0]["tar_at_far_1e-2"] == "" and rows[0]["tar_at_far_1e-2"] is None
+    assert 0.0 <= float(table[1]["tar_at_far_1e-2"]) <= 1.0 and table[1]["reason"] == ""
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "1 of 2 runs aborted" in md and "- fedavg+train.lr=1e12 / equal / seed 0: " in md
