@@ -161,13 +161,14 @@ def run_experiment(
     experiment: Experiment, out: Path, *, progress: bool = False
 ) -> list[dict[str, Any]]:
     """Simulate every cell; write ``results.csv`` and ``results.md`` under ``out``."""
-    from fl_secure.simulation import simulate
+    from fl_secure.simulation import check_simulable, simulate
 
     configs = []
     for algorithm, partition, seed in experiment.cells():  # validate every cell first
         overrides = experiment.cell_overrides(algorithm, partition, seed)
         try:  # the config refuses settings an algorithm would ignore (algorithm.embedding_reg)
             config = load_config(experiment.base, overrides)
+            check_simulable(config)  # what the simulation refuses, before any cell runs
         except ConfigError as exc:
             raise ConfigError(
                 f"cell algorithm {algorithm!r}, partition {partition!r}, seed {seed} "

@@ -12,8 +12,9 @@ coordinator does, and each such round's record carries the bytes one client exch
 (``bytes_per_client``). Only transport,
 certificates, deadlines and process boundaries are left out, so a grid of experiments runs in
 one process on 2 cores.
-Every client takes part in every round (the gRPC default). Differential privacy and secure
-aggregation need the real path.
+Every client takes part in every round (the gRPC default): a sampled cohort
+(``server.clients_per_round`` below the clients, ``server.sample_rate`` below 1),
+differential privacy and secure aggregation need the real path, and are refused.
 """
 
 from __future__ import annotations
@@ -77,17 +78,29 @@ def simulate(
         torch.set_num_threads(before)
 
 
-def _simulate(
-    config: Config,
-    *,
-    progress: bool,
-    on_round: Callable[[dict[str, Any]], None] | None,
-) -> SimulationResult:
+def check_simulable(config: Config) -> None:
+    """Refuse what the simulation does not model, before anything runs.
+
+    Raises:
+        ConfigError: differential privacy, secure aggregation, a sampled cohort, or FedAffect.
+    """
     if config.privacy.enabled or config.secure_aggregation.enabled:
         raise ConfigError(
             "the simulation runs non-private rounds only: differential privacy and secure "
             "aggregation run over gRPC (fl-secure train); set privacy.unit = 'none' and "
             "secure_aggregation.scheme = 'none' to simulate"
+        )
+    s, everyone = config.server, config.partition.num_clients
+    if 0 < s.clients_per_round < everyone or 0 < s.sample_rate < 1:
+        given = (
+            f"server.clients_per_round = {s.clients_per_round}"
+            if s.clients_per_round
+            else f"server.sample_rate = {s.sample_rate:g}"
+        )
+        raise ConfigError(
+            f"{given}: the simulation trains every client in every round; sampled cohorts run "
+            f"over gRPC (fl-secure train); set server.clients_per_round = 0 (or {everyone}, "
+            "every client) and server.sample_rate = 0 to simulate"
         )
     if config.algorithm.name == "fedaffect":
         raise ConfigError(
@@ -95,6 +108,15 @@ def _simulate(
             "projection head, and its evaluation is expression accuracy): run it over gRPC "
             "(fl-secure train) or with python benchmarks/fedaffect.py"
         )
+
+
+def _simulate(
+    config: Config,
+    *,
+    progress: bool,
+    on_round: Callable[[dict[str, Any]], None] | None,
+) -> SimulationResult:
+    check_simulable(config)
     started = time.time()
     strategy = get_strategy(config.algorithm.name, config.algorithm)
     plan = plan_federation(config)

@@ -150,6 +150,7 @@ def test_bad_experiment_files_are_refused(tmp_path: Path) -> None:
 
 def test_committed_experiments_parse_and_their_cells_load() -> None:
     from fl_secure.config import load_config
+    from fl_secure.simulation import check_simulable
 
     for path in sorted((ROOT / "examples" / "experiments").glob("*.toml")):
         experiment = load_experiment(path)
@@ -158,6 +159,7 @@ def test_committed_experiments_parse_and_their_cells_load() -> None:
                 experiment.base, experiment.cell_overrides(algorithm, partition, seed)
             )
             assert not cfg.privacy.enabled and not cfg.secure_aggregation.enabled
+            check_simulable(cfg)
             assert cfg.algorithm.name == algorithm.split("+")[0]
             assert cfg.partition.kind == partition and cfg.run.seed == seed
 
@@ -197,3 +199,33 @@ def test_a_diverging_cell_is_recorded_as_aborted_and_the_grid_goes_on(tmp_path: 
     assert 0.0 <= float(table[1]["tar_at_far_1e-2"]) <= 1.0 and table[1]["reason"] == ""
     md = (tmp_path / "out" / "results.md").read_text()
     assert "1 of 2 runs aborted" in md and "- fedavg+train.lr=1e12 / equal / seed 0: " in md
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ("server.clients_per_round=2", "server.clients_per_round = 2"),
+        ("server.sample_rate=0.5", "server.sample_rate = 0.5"),
+    ],
+)
+def test_sampled_cohorts_are_refused_before_any_cell_runs(
+    tmp_path: Path, setting: str, named: str
+) -> None:
+    # Prepare: a grid whose second cell samples a cohort of its 3 clients
+    (tmp_path / "base.toml").write_text(BASE.replace("min_clients = 3", "min_clients = 1"))
+    (tmp_path / "grid.toml").write_text(
+        '[experiment]\nbase = "base.toml"\nalgorithms = ["fedavg", "fedpe+' + setting + '"]\n'
+        'partitions = ["equal"]\nseeds = [0]\n'
+    )
+    # Execute / Assert: named, and nothing ran or was written
+    with pytest.raises(
+        ConfigError, match=f"cell algorithm 'fedpe.*{named}: the simulation trains every client"
+    ):
+        run_experiment(load_experiment(tmp_path / "grid.toml"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    # every client in every round is what the simulation runs: allowed
+    from fl_secure.config import load_config
+    from fl_secure.simulation import check_simulable
+
+    check_simulable(load_config(tmp_path / "base.toml", ["server.clients_per_round=3"]))
+    check_simulable(load_config(tmp_path / "base.toml", ["server.sample_rate=1"]))
