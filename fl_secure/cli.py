@@ -441,7 +441,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     experiment = load_experiment(args.config)
     _torch_threads(1)
     out = args.out or Path("runs") / "experiments" / experiment.name
-    rows = run_experiment(experiment, out, progress=not args.json)
+    rows = run_experiment(experiment, out, progress=not args.json, overwrite=args.overwrite)
     aborted = sum(r["status"] == "aborted" for r in rows)
     if args.json:
         _print_json({"out": str(out), "rows": rows})
@@ -761,7 +761,15 @@ def build_parser() -> argparse.ArgumentParser:
         "exits with 1.",
     )
     p.add_argument("--config", type=Path, required=True, help="experiment TOML file")
-    p.add_argument("--out", type=Path, help="output folder (default: runs/experiments/NAME)")
+    p.add_argument(
+        "--out", type=Path,
+        help="output folder (default: runs/experiments/NAME); refused when it is not empty, "
+        "so earlier results are not replaced, unless --overwrite",
+    )  # fmt: skip
+    p.add_argument(
+        "--overwrite", action="store_true",
+        help="run into a non-empty --out, replacing its results.csv and results.md",
+    )  # fmt: skip
     common(p)
     p.set_defaults(func=cmd_experiment)
     return parser

@@ -158,9 +158,14 @@ def load_experiment(path: str | Path) -> Experiment:
 
 
 def run_experiment(
-    experiment: Experiment, out: Path, *, progress: bool = False
+    experiment: Experiment, out: Path, *, progress: bool = False, overwrite: bool = False
 ) -> list[dict[str, Any]]:
-    """Simulate every cell; write ``results.csv`` and ``results.md`` under ``out``."""
+    """Simulate every cell; write ``results.csv`` and ``results.md`` under ``out``.
+
+    Raises:
+        ConfigError: a cell's config is refused, or ``out`` already holds files (earlier
+            results) and ``overwrite`` is not set.
+    """
     from fl_secure.simulation import check_simulable, simulate
 
     configs = []
@@ -175,6 +180,14 @@ def run_experiment(
                 f"(base {experiment.base}, set {list(overrides)}): {exc}"
             ) from exc
         configs.append((algorithm, partition, seed, config))
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder for the results")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not overwrite:  # earlier results are not replaced silently
+        raise ConfigError(
+            f"--out {out} is not empty ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}"
+            "): give another --out, or --overwrite to replace its results.csv and results.md"
+        )
     rows: list[dict[str, Any]] = []
     for i, (algorithm, partition, seed, config) in enumerate(configs, 1):
         if progress:

@@ -229,3 +229,29 @@ def test_sampled_cohorts_are_refused_before_any_cell_runs(
 
     check_simulable(load_config(tmp_path / "base.toml", ["server.clients_per_round=3"]))
     check_simulable(load_config(tmp_path / "base.toml", ["server.sample_rate=1"]))
+
+
+def test_earlier_results_are_not_replaced_without_overwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fl_secure.cli import main
+
+    # Prepare: a results folder from an earlier grid
+    (tmp_path / "base.toml").write_text(BASE)
+    (tmp_path / "grid.toml").write_text(
+        '[experiment]\nbase = "base.toml"\nalgorithms = ["fedavg"]\npartitions = ["equal"]\n'
+        "seeds = [0]\n"
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.csv").write_text("earlier\n")
+    argv = ["experiment", "--config", str(tmp_path / "grid.toml"), "--out", str(out)]
+    # Execute / Assert: refused, the earlier results untouched
+    assert main(argv) == 2
+    assert "is not empty (results.csv): give another --out, or --overwrite" in (
+        capsys.readouterr().err
+    )
+    assert (out / "results.csv").read_text() == "earlier\n"
+    # with --overwrite the grid runs and replaces them
+    assert main([*argv, "--overwrite", "--json"]) == 0
+    assert [r["algorithm"] for r in read_results(out / "results.csv")] == ["fedavg"]
