@@ -8,7 +8,8 @@ An experiment file names a base run config and the grid::
     algorithms = ["fedpe", "fedavg"]
     partitions = ["equal", "lognormal"]
     seeds = [0, 1, 2]
-    set = ["train.rounds=5"]             # overrides applied to every run
+    set = ["train.rounds=5"]             # overrides applied to every run (relative file
+                                         # paths in them: from this file's folder, as base)
     far = "1e-1"                         # FAR of the client-group tables (1e-1, 1e-2, 1e-3)
 
 An algorithm entry may carry its own overrides after ``+``: ``"hfmaml+embedding_reg=1"``
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import csv
 import itertools
+import json
 import math
 import time
 import tomllib
@@ -42,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from fl_secure.config import load_config
+from fl_secure.config import _PATH_KEYS, load_config, parse_override
 from fl_secure.errors import ConfigError, RoundAborted
 from fl_secure.runs import atomic_write_bytes
 
@@ -81,15 +83,31 @@ class Experiment:
     overrides: tuple[str, ...] = field(default_factory=tuple)
     source: str = ""  # the experiment file as given on the command line
     far: str = "1e-1"  # FAR of the client-group tables (the HF-MAML paper reports 0.1)
+    folder: Path | None = None  # the experiment file's: relative paths in overrides start here
 
     def cells(self) -> list[tuple[str, str, int]]:
         """Every (algorithm, partition, seed) of the grid, in order."""
         return list(itertools.product(self.algorithms, self.partitions, self.seeds))
 
     def cell_overrides(self, algorithm: str, partition: str, seed: int) -> list[str]:
-        """The ``--set`` overrides of one cell: the grid's, then the entry's own."""
-        return [*self.overrides, *algorithm_overrides(algorithm),
-                f"partition.kind={partition}", f"run.seed={seed}"]  # fmt: skip
+        """The ``--set`` overrides of one cell: the grid's, then the entry's own.
+
+        Relative file paths in them (``data.path``, ``model.pretrained``, ...) are taken from
+        the experiment file's folder, as its ``base`` is, not from the current directory.
+        """
+        written = [*self.overrides, *algorithm_overrides(algorithm)]
+        anchored = [_anchored(o, self.folder) for o in written] if self.folder else written
+        return [*anchored, f"partition.kind={partition}", f"run.seed={seed}"]
+
+
+def _anchored(override: str, folder: Path) -> str:
+    """``override`` with a relative file path of a path key made absolute from ``folder``."""
+    keys, value = parse_override(override)
+    if tuple(keys) not in _PATH_KEYS or not isinstance(value, str) or not value:
+        return override
+    if Path(value).is_absolute():
+        return override
+    return f"{'.'.join(keys)}={json.dumps(str((folder / value).resolve()))}"
 
 
 def algorithm_overrides(entry: str) -> list[str]:
@@ -154,6 +172,7 @@ def load_experiment(path: str | Path) -> Experiment:
         overrides=tuple(overrides),
         source=str(path),
         far=far,
+        folder=p.resolve().parent,
     )
 
 

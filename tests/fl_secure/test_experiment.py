@@ -255,3 +255,29 @@ def test_earlier_results_are_not_replaced_without_overwrite(
     # with --overwrite the grid runs and replaces them
     assert main([*argv, "--overwrite", "--json"]) == 0
     assert [r["algorithm"] for r in read_results(out / "results.csv")] == ["fedavg"]
+
+
+def test_relative_paths_in_overrides_start_from_the_experiment_files_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fl_secure.config import load_config
+
+    # Prepare: the grid in its own folder; the current directory elsewhere
+    grids = tmp_path / "grids"
+    grids.mkdir()
+    (grids / "base.toml").write_text(BASE)
+    (grids / "grid.toml").write_text(
+        '[experiment]\nbase = "base.toml"\nalgorithms = ["fedpe+model.pretrained=w/b.st"]\n'
+        'partitions = ["equal"]\nseeds = [0]\nset = ["data.path=faces", "data.source=folders",'
+        ' "data.attributes_file=/abs/attrs.txt"]\n'
+    )
+    monkeypatch.chdir(tmp_path)
+    # Execute
+    experiment = load_experiment("grids/grid.toml")
+    overrides = experiment.cell_overrides("fedpe+model.pretrained=w/b.st", "equal", 0)
+    config = load_config(experiment.base, overrides)
+    # Assert: from grids/, as base is; absolute paths and other keys as written
+    assert config.data.path == str(grids.resolve() / "faces")
+    assert config.model.pretrained == str(grids.resolve() / "w" / "b.st")
+    assert config.data.attributes_file == "/abs/attrs.txt" and config.data.source == "folders"
+    assert experiment.overrides[0] == "data.path=faces"  # the tables show them as written
