@@ -1,5 +1,8 @@
 """``fl-secure eval``: score a run's checkpoint on its held-out identities or an LFW pairs file.
 
+A centralized run (``fl-secure train --centralized``) is scored with the final backbone it
+saved (``backbone.safetensors``).
+
 With ``--lfw-pairs`` the LFW protocol is followed: cosine scores of the listed pairs, 10-fold
 accuracy (threshold tuned on 9 folds) when the file has folds, plus ROC figures over all pairs.
 """
@@ -17,8 +20,12 @@ from fl_secure.data.lfw import load_pair_images, read_pairs
 from fl_secure.data.plan import plan_federation
 from fl_secure.errors import CheckpointError, DataError
 from fl_secure.evaluation import VERIFICATION_FARS, eer, kfold_accuracy, roc_auc, tar_at_far
+from fl_secure.models import load_pretrained
 from fl_secure.runs import RunDir
 from fl_secure.training import build_model, embed, evaluate_verification, load_checkpoint_into
+
+#: The model a centralized run (``fl-secure train --centralized``) saves, in its run directory.
+CENTRALIZED_BACKBONE = "backbone.safetensors"
 
 
 def evaluate_run(
@@ -30,6 +37,9 @@ def evaluate_run(
     center_crop: int | None = None,
 ) -> dict[str, Any]:
     """Metrics of the run's backbone at ``round_`` (default: the latest checkpoint).
+
+    A centralized run has no per-round checkpoints: its final ``backbone.safetensors`` is
+    scored (``round`` is then its last pass).
 
     ``center_crop``: the LFW images' centre crop before resizing; default the run's
     ``data.center_crop`` (the crop the model trained on), ``0`` for none. With an LFW pairs
@@ -47,18 +57,29 @@ def evaluate_run(
     if not run.config.exists():
         raise CheckpointError(f"{run_path} is not a run directory (no config.toml)")
     config = load_config(run.config)
-    store = CheckpointStore(run.checkpoints)
-    checkpoint = store.load(round_) if round_ is not None else store.latest()
-    if checkpoint is None:
-        raise CheckpointError(f"{run_path} has no checkpoint yet")
     backbone = build_model(config.model, 1, config.data.image_size, config.run.seed).backbone
-    load_checkpoint_into(
-        backbone,
-        checkpoint.parameters,
-        source=f"the checkpoint of round {checkpoint.round} in {run.checkpoints}",
-        prefix="backbone.",
-    )
-    result: dict[str, Any] = {"run": str(run_path), "round": checkpoint.round}
+    centralized = run.path / CENTRALIZED_BACKBONE
+    if centralized.is_file() and not run.checkpoints.exists():  # train --centralized
+        if round_ is not None:
+            raise CheckpointError(
+                f"{run_path} is a centralized run: it keeps only its final backbone "
+                f"({CENTRALIZED_BACKBONE}), no per-round checkpoints; drop --round"
+            )
+        load_pretrained(backbone, centralized)
+        result: dict[str, Any] = {"run": str(run_path), "round": config.train.rounds,
+                                  "model": f"{CENTRALIZED_BACKBONE} (centralized run)"}  # fmt: skip
+    else:
+        store = CheckpointStore(run.checkpoints)
+        checkpoint = store.load(round_) if round_ is not None else store.latest()
+        if checkpoint is None:
+            raise CheckpointError(f"{run_path} has no checkpoint yet")
+        load_checkpoint_into(
+            backbone,
+            checkpoint.parameters,
+            source=f"the checkpoint of round {checkpoint.round} in {run.checkpoints}",
+            prefix="backbone.",
+        )
+        result = {"run": str(run_path), "round": checkpoint.round}
     if lfw_pairs is None:
         plan = plan_federation(config)
         if len(plan.held_out) == 0:

@@ -232,3 +232,20 @@ def test_lfw_overlap_is_counted_for_plan_runs_and_unknown_when_sites_held_their_
     out = capsys.readouterr().out
     assert "pairs_with_training_identities: unknown\n" in out
     assert "unknown: the sites trained on their own data" in out
+
+
+def test_a_centralized_run_is_scored_with_its_saved_backbone(tmp_path: Path) -> None:
+    from fl_secure.centralized import run_centralized
+
+    # Prepare: a one-pass centralized run (it saves backbone.safetensors, no checkpoints)
+    config = config_from_dict({**TINY, "train": {"rounds": 1, "local_steps": 1}})
+    summary = run_centralized(config, out=tmp_path, progress=False)
+    run_dir = Path(summary["run_dir"])
+    # Execute
+    result = evaluate_run(run_dir)
+    # Assert: the figures the run reported for its final backbone
+    assert result["round"] == 1 and result["model"] == "backbone.safetensors (centralized run)"
+    for key in ("tar_at_far_1e-1", "tar_at_far_1e-2", "rank1", "roc_auc"):
+        assert result[key] == pytest.approx(summary["held_out"][key], abs=1e-9), key
+    with pytest.raises(CheckpointError, match="centralized run: it keeps only its final"):
+        evaluate_run(run_dir, round_=1)
