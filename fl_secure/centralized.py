@@ -111,9 +111,9 @@ def run_centralized(
 ) -> dict[str, Any]:
     """Train the centralized baseline into a run directory; return its summary."""
     started = time.time()
+    plan = plan_federation(config)  # a bad data.path is named before a run directory exists
     run = RunDir(new_run_dir(out or Path("runs"), f"{config.run.name}-centralized"))
     atomic_write_bytes(run.config, config_to_toml(config).encode())
-    plan = plan_federation(config)
     fresh = build_model(config.model, 1, config.data.image_size, config.run.seed).backbone
     untrained = evaluate_verification(fresh, plan.held_out) if len(plan.held_out) else {}
     untrained_clients = per_client_scores(fresh, plan)
