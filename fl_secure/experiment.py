@@ -33,6 +33,7 @@ and no figures, ``results.md`` lists it, and the grid goes on with the next cell
 from __future__ import annotations
 
 import csv
+import io
 import itertools
 import json
 import math
@@ -261,10 +262,11 @@ def _group_columns(summary: dict[str, Any]) -> dict[str, Any]:
 
 def _write(out: Path, experiment: Experiment, rows: list[dict[str, Any]]) -> None:
     out.mkdir(parents=True, exist_ok=True)  # once a cell has run: a refused grid leaves none
-    lines = [",".join(COLUMNS)]
-    for row in rows:
-        lines.append(",".join(_csv(row[c]) for c in COLUMNS))
-    atomic_write_bytes(out / "results.csv", ("\n".join(lines) + "\n").encode())
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")  # quotes a label with , " or a newline
+    writer.writerow(COLUMNS)
+    writer.writerows([_csv(row[c]) for c in COLUMNS] for row in rows)
+    atomic_write_bytes(out / "results.csv", text.getvalue().encode())
     atomic_write_bytes(out / "results.md", markdown(experiment, rows, out=out).encode())
 
 
@@ -273,8 +275,7 @@ def _csv(value: Any) -> str:
         return ""
     if isinstance(value, float):
         return f"{value:.6g}"
-    text = str(value)
-    return f'"{text}"' if any(ch in text for ch in ',"\n') else text
+    return str(value)
 
 
 def _mean_std(values: list[Any]) -> str:

@@ -281,3 +281,19 @@ def test_relative_paths_in_overrides_start_from_the_experiment_files_folder(
     assert config.model.pretrained == str(grids.resolve() / "w" / "b.st")
     assert config.data.attributes_file == "/abs/attrs.txt" and config.data.source == "folders"
     assert experiment.overrides[0] == "data.path=faces"  # the tables show them as written
+
+
+def test_labels_with_quotes_survive_results_csv(tmp_path: Path) -> None:
+    # Prepare: an entry whose label holds double quotes (a TOML string value)
+    (tmp_path / "base.toml").write_text(BASE)
+    label = 'fedavg+train.lr_schedule="cosine"'
+    (tmp_path / "grid.toml").write_text(
+        '[experiment]\nbase = "base.toml"\nalgorithms = [\'' + label + "']\n"
+        'partitions = ["equal"]\nseeds = [0]\n'
+    )
+    # Execute
+    run_experiment(load_experiment(tmp_path / "grid.toml"), tmp_path / "out")
+    # Assert: read back as written, every column in its place
+    (row,) = read_results(tmp_path / "out" / "results.csv")
+    assert row["algorithm"] == label and row["partition"] == "equal" and row["seed"] == "0"
+    assert 0.0 <= float(row["tar_at_far_1e-2"]) <= 1.0
