@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from fl_secure.config import _PATH_KEYS, load_config, parse_override
+from fl_secure.config import _PATH_KEYS, _RUN_NAME, load_config, parse_override
 from fl_secure.errors import ConfigError, RoundAborted
 from fl_secure.runs import atomic_write_bytes
 
@@ -161,11 +161,18 @@ def load_experiment(path: str | Path) -> Experiment:
     overrides = table.get("set", [])
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         raise ConfigError('experiment.set must be a list of "section.key=value" strings')
+    name = table.get("name", p.stem)
+    if not isinstance(name, str) or not _RUN_NAME.fullmatch(name):
+        raise ConfigError(
+            f"experiment.name = {name!r}: expected a plain folder name of 1-100 characters, no "
+            "'/', '\\' or control characters, not starting with '.' or a space (the results "
+            "go to runs/experiments/NAME)"
+        )
     far = str(table.get("far", "1e-1"))
     if far not in GROUP_FARS:
         raise ConfigError(f"experiment.far = {far!r}; allowed: {', '.join(GROUP_FARS)}")
     return Experiment(
-        name=str(table.get("name", p.stem)),
+        name=name,
         base=(p.parent / str(table["base"])).resolve(),
         algorithms=tuple(lists["algorithms"]),
         partitions=tuple(lists["partitions"]),

@@ -139,6 +139,14 @@ def test_bad_experiment_files_are_refused(tmp_path: Path) -> None:
         ('seeds = [0]\nset = "train.rounds=2"', "experiment.set must be a list of"),
         ("seeds = [0]\nset = [3]", "experiment.set must be a list of"),
         ("seeds = [0, 0]", "experiment.seeds repeats 0"),  # not a spread over two seeds
+        # the results go to runs/experiments/NAME: a name must not lead out of it
+        (
+            'seeds = [0]\nname = "../../../escaped"',
+            "experiment.name = '../../../escaped': expected a plain folder name",
+        ),  # fmt: skip
+        ('seeds = [0]\nname = "a/b"', "experiment.name = 'a/b': expected a plain folder"),
+        ('seeds = [0]\nname = ""', "experiment.name = '': expected a plain folder"),
+        ("seeds = [0]\nname = 3", "experiment.name = 3: expected a plain folder"),
     ):
         (tmp_path / "d.toml").write_text(good + extra + "\n")
         with pytest.raises(ConfigError, match=message):
