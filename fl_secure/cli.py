@@ -521,7 +521,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Privacy-focused, secure federated training of face-recognition models.",
     )
     parser.add_argument("--version", action="version", version=f"fl-secure {__version__}")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0,
+        help="more logging, and the traceback of an error; before the command: fl-secure -v "
+        "train ...",
+    )  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
@@ -791,8 +795,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.verbose:
             raise
         where = f": {exc.filename}" if exc.filename else ""
-        print(
-            f"fl-secure: error: {exc.strerror or exc}{where} (-v shows the traceback)",
+        print(  # -v belongs before the command: the sub-commands do not take it
+            f"fl-secure: error: {exc.strerror or exc}{where} (`fl-secure -v {args.command} "
+            "...` shows the traceback)",
             file=sys.stderr,
         )
         return 2

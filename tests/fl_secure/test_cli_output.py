@@ -98,3 +98,26 @@ def test_a_server_whose_certificate_folder_holds_the_ca_key_warns(
                      "--address", "no-port-here"])  # fmt: skip
     assert code != 0
     assert "holds the CA key" in caplog.text and "keep ca.key offline" in caplog.text
+
+
+def test_the_traceback_hint_names_where_minus_v_goes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import fl_secure.experiment
+    from fl_secure.cli import main
+
+    def unreadable(path: object) -> None:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(fl_secure.experiment, "load_experiment", unreadable)
+    # the hint's form works: -v before the command shows the traceback
+    with pytest.raises(PermissionError):
+        main(["-v", "experiment", "--config", "grid.toml"])
+    assert main(["experiment", "--config", "grid.toml"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "fl-secure: error: Permission denied: grid.toml (`fl-secure -v experiment ...` shows "
+        "the traceback)\n"
+    )
+    with pytest.raises(SystemExit):  # after the command -v is not an option of it
+        main(["experiment", "--config", "grid.toml", "-v"])
