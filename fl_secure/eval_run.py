@@ -50,9 +50,19 @@ def evaluate_run(
 
     Raises:
         CheckpointError: not a run, or no checkpoint.
-        DataError: no held-out identities to score (use an LFW pairs file), or an image
-            missing or unreadable.
+        DataError: no held-out identities to score (use an LFW pairs file), an image
+            missing or unreadable, or LFW options (``lfw_root``, ``center_crop``) without
+            ``lfw_pairs``.
     """
+    if lfw_pairs is None:  # options of the LFW protocol alone: not silently ignored
+        options = {"--lfw-root": lfw_root, "--center-crop": center_crop}
+        given = [flag for flag, value in options.items() if value is not None]
+        if given:
+            raise DataError(
+                f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to LFW "
+                f"pairs only: add --lfw-pairs FILE, or drop {'it' if len(given) == 1 else 'them'} "
+                "to score the run's held-out identities"
+            )
     run = RunDir(run_path)
     if not run.config.exists():
         raise CheckpointError(f"{run_path} is not a run directory (no config.toml)")

@@ -249,3 +249,14 @@ def test_a_centralized_run_is_scored_with_its_saved_backbone(tmp_path: Path) -> 
         assert result[key] == pytest.approx(summary["held_out"][key], abs=1e-9), key
     with pytest.raises(CheckpointError, match="centralized run: it keeps only its final"):
         evaluate_run(run_dir, round_=1)
+
+
+def test_lfw_options_without_a_pairs_file_are_refused(tmp_path: Path) -> None:
+    from fl_secure.errors import DataError
+
+    _run(tmp_path)
+    with pytest.raises(DataError, match="--lfw-root applies to LFW pairs only: add --lfw-pairs"):
+        evaluate_run(tmp_path, lfw_root=tmp_path)
+    with pytest.raises(DataError, match="--lfw-root and --center-crop apply to LFW pairs only"):
+        evaluate_run(tmp_path, lfw_root=tmp_path, center_crop=0)
+    assert evaluate_run(tmp_path)["round"] == 3  # the held-out identities, as before
