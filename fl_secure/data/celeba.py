@@ -96,7 +96,8 @@ def read_identity_file(path: str | Path) -> dict[str, int]:
     identities: dict[str, int] = {}
     for i, line in enumerate(_lines(p)):
         parts = line.split()
-        if len(parts) != 2 or not parts[1].lstrip("-").isdigit():
+        number = parts[1].lstrip("-") if len(parts) == 2 else ""
+        if not (number.isascii() and number.isdigit()):  # isdigit alone accepts '²'
             raise DataError(f"{p} line {i + 1}: expected 'filename identity', got {line!r}")
         if parts[0] in identities:
             raise DataError(f"{p} line {i + 1}: {parts[0]} is listed twice")

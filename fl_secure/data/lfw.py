@@ -85,8 +85,13 @@ def image_path(root: str | Path, name: str, index: int) -> Path:
     return Path(root) / name / f"{name}_{index:04d}.jpg"
 
 
+def _is_decimal(token: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also accepts '²' or '٣', which ``int`` refuses."""
+    return token.isascii() and token.isdigit()
+
+
 def _index(token: str, where: str) -> int:
-    if not token.isdigit() or int(token) < 1:
+    if not _is_decimal(token) or int(token) < 1:
         raise DataError(f"{where}: image index must be a positive integer, got {token!r}")
     return int(token)
 
@@ -110,9 +115,9 @@ def read_pairs(path: str | Path) -> PairsProtocol:
     if not lines:
         raise DataError(f"pairs file {path} is empty")
     header = lines[0].split()
-    if len(header) == 1 and header[0].isdigit():
+    if len(header) == 1 and _is_decimal(header[0]):
         folds, per_fold = 1, int(header[0])
-    elif len(header) == 2 and all(t.isdigit() for t in header):
+    elif len(header) == 2 and all(_is_decimal(t) for t in header):
         folds, per_fold = int(header[0]), int(header[1])
     else:
         raise DataError(

@@ -164,3 +164,12 @@ def test_bad_celeba_files_are_refused(tmp_path: Path) -> None:
     (tmp_path / "run.toml").write_text('[data]\nsource = "celeba"\npath = "imgs"\n')
     with pytest.raises(ConfigError, match="data.attributes_file"):
         load_config(tmp_path / "run.toml")
+
+
+def test_an_identity_number_with_a_non_ascii_digit_is_named(tmp_path: Path) -> None:
+    # '²' passes str.isdigit but not int(): a DataError naming the line, not a traceback
+    (tmp_path / "id.txt").write_text("a.jpg 7\nb.jpg \u00b2\n")
+    with pytest.raises(DataError, match=r"id.txt line 2: expected 'filename identity', got"):
+        read_identity_file(tmp_path / "id.txt")
+    (tmp_path / "id.txt").write_text("a.jpg 7\nb.jpg -3\n")
+    assert read_identity_file(tmp_path / "id.txt") == {"a.jpg": 7, "b.jpg": -3}

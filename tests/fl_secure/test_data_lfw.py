@@ -90,6 +90,14 @@ def test_load_dev_test_pair_images() -> None:
         ("1\nA 1 2\nA 1 2\n", "line 3: expected a different-person pair"),
         ("1\nA 1 x\nA 1 B 2\n", "line 2: image index must be a positive integer, got 'x'"),
         ("1\nA 0 2\nA 1 B 2\n", "line 2: image index must be a positive integer, got '0'"),
+        # digits str.isdigit accepts but int() does not: named with the line, no traceback
+        (
+            "1\nA 1 \u00b2\nA 1 B 2\n",
+            "line 2: image index must be a positive integer, got '\u00b2'",
+        ),
+        ("1\nA 1 2\nA 1 B \u00b9\n", "line 3: image index must be a positive integer"),
+        ("\u00b2\nA 1 2\nA 1 B 2\n", "line 1: expected 'N'"),
+        ("1 \u00b9\nA 1 2\nA 1 B 2\n", "line 1: expected 'N'"),
         ("1\nA 1 2\nA 1 A 2\n", "line 3: a different-person pair names 'A' twice"),
         ("2 1\nA 1 2\nA 1 B 2\nC 1 2\nC 1 2\n", "line 5: expected a different-person pair"),
     ],
