@@ -10,7 +10,7 @@ An experiment file names a base run config and the grid::
     seeds = [0, 1, 2]
     set = ["train.rounds=5"]             # overrides applied to every run (relative file
                                          # paths in them: from this file's folder, as base)
-    far = "1e-1"                         # FAR of the client-group tables (1e-1, 1e-2, 1e-3)
+    far = "1e-1"                         # FAR of the client-group tables ("1e-1" or "1e-2")
 
 An algorithm entry may carry its own overrides after ``+``: ``"hfmaml+embedding_reg=1"``
 runs ``hfmaml`` with ``algorithm.embedding_reg = 1`` (a bare key is an ``[algorithm]`` key,
@@ -168,9 +168,12 @@ def load_experiment(path: str | Path) -> Experiment:
             "'/', '\\' or control characters, not starting with '.' or a space (the results "
             "go to runs/experiments/NAME)"
         )
-    far = str(table.get("far", "1e-1"))
-    if far not in GROUP_FARS:
-        raise ConfigError(f"experiment.far = {far!r}; allowed: {', '.join(GROUP_FARS)}")
+    far = table.get("far", "1e-1")
+    if far not in GROUP_FARS:  # the text names the table columns: "1e-1", not 0.1
+        raise ConfigError(
+            f"experiment.far = {far!r}; allowed: {', '.join(GROUP_FARS)} (as strings, the "
+            "columns' names)"
+        )
     return Experiment(
         name=name,
         base=(p.parent / str(table["base"])).resolve(),

@@ -116,6 +116,21 @@ def test_variants_are_checked(tmp_path: Path) -> None:
     )
     with pytest.raises(ConfigError, match="experiment.far = '0.1'; allowed: 1e-1, 1e-2"):
         load_experiment(tmp_path / "far.toml")
+    # the module's documentation lists exactly the FARs the code allows
+    import fl_secure.experiment as module
+
+    assert 'FAR of the client-group tables ("1e-1" or "1e-2")' in (module.__doc__ or "")
+    assert module.GROUP_FARS == ("1e-1", "1e-2")
+    for text, message in (
+        ('far = "1e-3"', "experiment.far = '1e-3'; allowed: 1e-1, 1e-2"),  # no such column
+        ("far = 1e-1", r"experiment.far = 0.1; allowed: 1e-1, 1e-2 \(as strings"),  # a float
+    ):
+        (tmp_path / "far.toml").write_text(
+            '[experiment]\nbase = "base.toml"\nalgorithms = ["fedavg"]\npartitions = ["equal"]\n'
+            f"seeds = [0]\n{text}\n"
+        )
+        with pytest.raises(ConfigError, match=message):
+            load_experiment(tmp_path / "far.toml")
 
 
 def test_bad_experiment_files_are_refused(tmp_path: Path) -> None:
