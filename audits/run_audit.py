@@ -989,6 +989,8 @@ def markdown_table(all_results: Sequence[dict[str, Any]]) -> str:
         canary = results["attacks"].get("canary", {})
         acc = canary.get("accountant_epsilon")
         cap = " (audit cap)" if canary.get("at_audit_cap") else ""
+        if canary.get("can_test_accountant") is False:  # no outcome could have passed it
+            cap += f", cannot test: at most {canary['largest_bound_this_audit_can_show']:.2f}"
         eps = (
             f"{canary['epsilon_lower_bound']:.2f}{cap} ({'none' if acc is None else f'{acc:.2f}'})"
             if canary
