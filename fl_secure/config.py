@@ -305,10 +305,15 @@ class ServerConfig:
     # seconds an upload may send nothing before it is cancelled (a stalled client would
     # otherwise hold one of the max_concurrent_uploads slots); uploads also end with the round
     upload_idle_timeout: float = 60.0
+    # rows a client's uploaded head may have (FedGC: one per identity it trains on); 0 = the
+    # identities of the server's own data plan, right for the embedded mode; a standalone
+    # server whose sites bring their own data sets it to their largest identity count
+    max_head_rows: int = 0
 
     def __post_init__(self) -> None:
         """Check ranges."""
         _check(self.min_clients >= 1, "server.min_clients", "an integer >= 1")
+        _check(self.max_head_rows >= 0, "server.max_head_rows", "an integer >= 0")
         _check(self.clients_per_round >= 0, "server.clients_per_round", "an integer >= 0")
         _check(0 <= self.sample_rate <= 1, "server.sample_rate", "a number in [0, 1]")
         _check(0 < self.round_timeout <= MAX_TIMEOUT, "server.round_timeout", _TIMEOUT_RANGE)

@@ -455,8 +455,15 @@ class Coordinator:
         ):
             raise ProtocolError(f"the head of {client_id} does not fit this run's head")
         rows = {int(np.asarray(a).shape[0]) for a in head.values()}
-        if len(rows) != 1 or not 1 <= rows.pop() <= max(self.settings.max_head_rows, 1):
-            raise ProtocolError(f"the head of {client_id} has inconsistent or too many rows")
+        if len(rows) != 1:
+            raise ProtocolError(f"the head of {client_id} has tensors of different row counts")
+        count, most = rows.pop(), max(self.settings.max_head_rows, 1)
+        if not 1 <= count <= most:
+            raise ProtocolError(
+                f"the head of {client_id} has {count} rows; this run takes 1 to {most} "
+                "(server.max_head_rows; default: the identities of the server's data plan, "
+                "which sites that bring their own data may exceed)"
+            )
 
     def secagg_exchange(
         self, client_id: str, round_: int, nonce: bytes, stage: int, payload: bytes

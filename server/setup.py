@@ -182,7 +182,7 @@ def build_server(
         run_config_toml=config_to_toml(sent),
         config_sha256=config_fingerprint(config),
         head_specs=head_specs,
-        max_head_rows=len(plan.train_identities),
+        max_head_rows=s.max_head_rows or len(plan.train_identities),
         ckks_public_context=ckks_public,
     )
     coordinator = Coordinator(

@@ -140,3 +140,27 @@ def test_a_head_that_does_not_fit_is_refused(tmp_path: Path) -> None:
     for bad in (np.zeros((11, 4), np.float32), np.zeros((3, 5), np.float32)):
         with pytest.raises(ProtocolError, match="head of client-1"):
             coord._check_head("client-1", OrderedDict([(WEIGHT, bad)]))
+    with pytest.raises(ProtocolError, match="has 11 rows; this run takes 1 to 10 \\(server.max"):
+        coord._check_head("client-1", OrderedDict([(WEIGHT, np.zeros((11, 4), np.float32))]))
+
+
+def test_a_standalone_server_takes_heads_as_large_as_server_max_head_rows(tmp_path: Path) -> None:
+    from fl_secure.config import config_from_dict
+    from server.setup import build_server
+
+    # Prepare: FedGC whose server plan has few identities; sites bring their own data
+    config = {"algorithm": {"name": "fedgc"}, "partition": {"num_clients": 2},
+              "model": {"backbone": "cnn-small", "embedding_size": 8}}  # fmt: skip
+    enrolled = {"client-0", "client-1"}
+    default = build_server(config_from_dict(config), RunDir(tmp_path / "a"), enrolled=enrolled)
+    identities = len(default.plan.train_identities)
+    # Execute: the same with server.max_head_rows set past the plan's identities
+    config["server"] = {"max_head_rows": identities + 500}
+    larger = build_server(config_from_dict(config), RunDir(tmp_path / "b"), enrolled=enrolled)
+    # Assert: the default is the plan's count; the setting replaces it
+    assert default.coordinator.settings.max_head_rows == identities
+    assert larger.coordinator.settings.max_head_rows == identities + 500
+    head = OrderedDict([(WEIGHT, np.zeros((identities + 500, 8), np.float32))])
+    larger.coordinator._check_head("client-0", head)
+    with pytest.raises(ProtocolError, match="server.max_head_rows"):
+        default.coordinator._check_head("client-0", head)
