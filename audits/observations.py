@@ -126,7 +126,7 @@ def load_run(path: Path) -> RunContext:
     checkpoint = CheckpointStore(run.checkpoints).latest()
     if checkpoint is None:
         raise CheckpointError(f"{path} has no checkpoint")
-    strategy = get_strategy(config.algorithm.name, config.algorithm)
+    strategy = get_strategy(config.algorithm.name, config.algorithm, head=config.model.head)
     plan = plan_federation(config)
     classes = len(plan.train_identities) if strategy.shares_head else 1
     model = build_model(config.model, classes, config.data.image_size, config.run.seed)

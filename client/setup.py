@@ -69,7 +69,9 @@ def trainer_factory(
                 "the client with --accept-seeded-noise)"
             )
         torch.set_num_threads(threads or run_config.train.threads)
-        strategy = get_strategy(run_config.algorithm.name, run_config.algorithm)
+        strategy = get_strategy(
+            run_config.algorithm.name, run_config.algorithm, head=run_config.model.head
+        )
         if source.plan_index >= 0:
             cfg = source.local_config or run_config
             plan = plan_federation(cfg)
@@ -134,7 +136,9 @@ def build_local_trainer(
 
     Shared by the gRPC client and the in-process simulation, so both train identically.
     """
-    strategy = get_strategy(run_config.algorithm.name, run_config.algorithm)
+    strategy = get_strategy(
+        run_config.algorithm.name, run_config.algorithm, head=run_config.model.head
+    )
     classes = strategy.num_head_classes(len(identities), np.unique(train.labels.numpy()))
     model: FaceModel
     if isinstance(strategy, FedAffect):  # encoder f, relation g (head slot), private p

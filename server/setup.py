@@ -110,7 +110,7 @@ def build_server(
     cert_dir: Path | None = None,
 ) -> ServerSide:
     """Initial shared parameters (same seed as the clients), evaluator and coordinator."""
-    strategy = get_strategy(config.algorithm.name, config.algorithm)
+    strategy = get_strategy(config.algorithm.name, config.algorithm, head=config.model.head)
     plan = plan or plan_federation(config)
     manifest = {
         "kind": config.partition.kind,

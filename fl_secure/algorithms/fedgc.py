@@ -26,13 +26,15 @@ about (number of other clients' classes) times larger.
 
 Choices made here, where the paper is silent:
 
-- Rows are L2-normalised inside Reg (``W -> W / ||W||``, gradient through the
-  normalisation, so the step turns rows and does not rescale them), for every head kind:
-  this framework's margin heads only ever use the direction of a class embedding
+- With a margin head (CosFace, ArcFace) rows are L2-normalised inside Reg
+  (``W -> W / ||W||``, gradient through the normalisation, so the step turns rows and does
+  not rescale them): those heads only ever use the direction of a class embedding
   (``CosineClassifier``), and the paper's Remark says margin variants follow "with minor
   modification". With normalised rows the numerator ``e^{W'^T W'} = e`` is constant, so Reg
-  depends on cross-client cosines only (no logit scale ``s`` is applied). ``normalize=False``
-  gives Eq. 5 verbatim (the tests check both); the strategies always normalise.
+  depends on cross-client cosines only (no logit scale ``s`` is applied). With a softmax
+  head (``model.head = "softmax"``, the paper's Softmax-FedGC, whose logits depend on the
+  row norms) Reg is Eq. 5 verbatim on the raw rows (``normalize=False``; the tests check
+  both against the equation).
 - ``eta`` is the round's learning rate (the one the task carries); ``lambda`` defaults to 20,
   the best of the paper's Table 2.
 - Only the cohort's embeddings are concatenated (every client in full participation, as in
@@ -140,8 +142,9 @@ class FedGC(Strategy):
     uploads_head: ClassVar[bool] = True
     regularizer: ClassVar[Regularizer] = "softmax"
 
-    def __init__(self, reg_lambda: float = 20.0) -> None:
+    def __init__(self, reg_lambda: float = 20.0, *, normalize: bool = True) -> None:
         self.reg_lambda = reg_lambda
+        self.normalize = normalize  # False for a softmax head: Eq. 5 on the raw rows
 
     def describe(self) -> str:
         """One line for logs and reports."""
@@ -161,6 +164,7 @@ class FedGC(Strategy):
             [np.asarray(heads[c][WEIGHT]) for c in order],
             step=self.reg_lambda * learning_rate,
             regularizer=self.regularizer,
+            normalize=self.normalize,
         )
         out: dict[str, Tensors] = {}
         for client, weight in zip(order, corrected, strict=True):

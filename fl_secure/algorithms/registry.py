@@ -31,16 +31,21 @@ ALGORITHMS: dict[str, type[Strategy]] = {
 }
 
 
-def get_strategy(name: str, params: AlgorithmConfig | None = None) -> Strategy:
+def get_strategy(
+    name: str, params: AlgorithmConfig | None = None, *, head: str | None = None
+) -> Strategy:
     """A strategy instance by name, with the run's algorithm settings.
 
-    Unknown names list the allowed ones.
+    ``head``: the run's ``model.head``; FedGC regularizes a softmax head's raw class
+    embeddings (Eq. 5 verbatim) and a margin head's directions. Unknown names list the
+    allowed ones.
     """
     if name in ("hfmaml", "hfmaml-global") and params is not None:
         cls = HFMAMLGlobal if name == "hfmaml-global" else HFMAML
         return cls(params.alpha, params.beta, params.delta, params.embedding_reg)
     if name in ("fedgc", "fedcos") and params is not None:
-        return (FedCos if name == "fedcos" else FedGC)(params.reg_lambda)
+        cls_gc = FedCos if name == "fedcos" else FedGC
+        return cls_gc(params.reg_lambda, normalize=head != "softmax")
     if name == "adafedfr" and params is not None:
         return AdaFedFR(params.num_negatives)
     if name == "fedfr-public" and params is not None:

@@ -150,6 +150,27 @@ def test_strategy_step_changes_only_the_class_embeddings() -> None:
         assert out[client][WEIGHT].dtype == np.float32
 
 
+def test_a_softmax_head_gets_eq5_on_its_raw_rows_and_a_margin_head_on_directions() -> None:
+    # Prepare: rows of different norms (a softmax head's logits depend on them)
+    rng = np.random.default_rng(7)
+    weights = [w * rng.uniform(0.5, 2.0, size=(len(w), 1)) for w in _heads(3)]
+    heads = {f"c{k}": OrderedDict([(WEIGHT, w)]) for k, w in enumerate(weights)}
+    step, lr = 0.05, 0.05 / 20.0
+    # Execute: the strategies a run builds for each head kind
+    softmax = get_strategy("fedgc", AlgorithmConfig(), head="softmax")
+    cosface = get_strategy("fedgc", AlgorithmConfig(), head="cosface")
+    raw = softmax.server_heads(heads, learning_rate=lr, round_=1)
+    directions = cosface.server_heads(heads, learning_rate=lr, round_=1)
+    # Assert: softmax = W - step * Eq. 11 (Eq. 5 verbatim); cosface = the normalised step
+    expected = np.concatenate(weights) - step * _eq11_gradient(weights)
+    got = np.concatenate([raw[f"c{k}"][WEIGHT] for k in range(3)])
+    np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12)
+    normalised = correct_embeddings(weights, step=step, normalize=True)
+    for k in range(3):
+        np.testing.assert_array_equal(directions[f"c{k}"][WEIGHT], normalised[k])
+    assert not np.allclose(got, np.concatenate(normalised))
+
+
 def test_fedgc_is_fedpe_on_the_client_with_heads_uploaded() -> None:
     # Prepare
     model = build_model(ModelConfig(backbone="cnn-small", embedding_size=8), 3, 32, 0)
