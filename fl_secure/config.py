@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from fl_secure.errors import ConfigError
-from fl_secure.models.heads import HeadKind
+from fl_secure.models.heads import DEFAULT_SCALE_MARGIN, HeadKind
 
 DataSource = Literal["synthetic", "folders", "celeba"]
 PartitionKind = Literal["equal", "lognormal", "dirichlet", "attribute", "domain"]
@@ -166,15 +166,22 @@ class ModelConfig:
     backbone: str = "cnn"  # short name: cnn, cnn-small, resnet18, resnet18-bn
     embedding_size: int = 512
     head: HeadKind = "cosface"
-    scale: float = 30.0  # s of the margin head
-    margin: float = 0.4  # m of the margin head (CosFace m3 / ArcFace m2)
+    # s and m of the margin head (CosFace m3 / ArcFace m2); unset (0 and -1): the head's own
+    # defaults, CosFace s 30, m 0.4 (AdaFedFR) and ArcFace s 8, m 0.5 (HF-MAML)
+    scale: float = 0.0
+    margin: float = -1.0
     pretrained: str = ""  # local safetensors file with backbone weights ("" = random init)
 
     def __post_init__(self) -> None:
-        """Check ranges."""
+        """Resolve the head's default scale and margin; check ranges."""
+        default_s, default_m = DEFAULT_SCALE_MARGIN.get(self.head, DEFAULT_SCALE_MARGIN["cosface"])
+        scale = default_s if self.scale == 0.0 else self.scale
+        margin = default_m if self.margin == -1.0 else self.margin
+        object.__setattr__(self, "scale", scale)
+        object.__setattr__(self, "margin", margin)
         _check(self.embedding_size > 0, "model.embedding_size", "an integer > 0")
-        _check(self.scale > 0, "model.scale", "a number > 0")
-        _check(0 <= self.margin < 1.5, "model.margin", "a number in [0, 1.5)")
+        _check(scale > 0, "model.scale", "a number > 0 (0: the head's default)")
+        _check(0 <= margin < 1.5, "model.margin", "a number in [0, 1.5) (-1: the head's default)")
 
 
 @dataclass(frozen=True)

@@ -255,3 +255,19 @@ def test_cohort_settings_that_no_round_could_meet_are_refused() -> None:
 def test_a_negative_run_seed_is_named() -> None:
     with pytest.raises(ConfigError, match=r"run.seed: invalid value; allowed: an integer in \[0"):
         config_from_dict({"run": {"seed": -1}})
+
+
+def test_an_unset_scale_and_margin_are_the_heads_own_defaults() -> None:
+    from fl_secure.models.heads import CombinedMargin
+    from fl_secure.training import build_model
+
+    # ArcFace as HF-MAML ran it (s 8, m 0.5), CosFace as AdaFedFR (s 30, m 0.4)
+    arc = config_from_dict({"model": {"head": "arcface", "backbone": "cnn-small"}}).model
+    cos = config_from_dict({"model": {"backbone": "cnn-small"}}).model
+    assert (arc.scale, arc.margin) == (8.0, 0.5) and (cos.scale, cos.margin) == (30.0, 0.4)
+    margin = build_model(arc, 3, 32, 0).head.margin
+    assert isinstance(margin, CombinedMargin) and (margin.s, margin.m2) == (8.0, 0.5)
+    # what a config sets is kept; the resolved config (and so its fingerprint) names values
+    set_ = config_from_dict({"model": {"head": "arcface", "scale": 16.0}}).model
+    assert (set_.scale, set_.margin) == (16.0, 0.5)
+    assert "scale = 30.0" in config_to_toml(config_from_dict({}))
