@@ -744,22 +744,19 @@ class Coordinator:
                     "round record, remove it, and --resume"
                 )
                 if self.privacy is not None:
-                    counted = self.privacy.discard_sum(
-                        number, len(rnd.cohort), len(rnd.secure.survivors()), attempt, reason
-                    )
-                    self.privacy.note(
-                        number,
-                        f"{reason}. The discarded sum was released to nobody else; "
-                        + (
-                            "it is counted in epsilon like a round (ledger kind discarded_sum)"
-                            if counted
-                            else "under central noise the server is trusted with it"
-                            if self.privacy.unit == "client"
-                            else "each client's own accountant counted its steps"
-                        ),
-                    )
+                    survivors = len(rnd.secure.survivors())
+                    if self.privacy.discard_sum(
+                        number, len(rnd.cohort), survivors, attempt, reason
+                    ):
+                        how = "it is counted in epsilon like a round (ledger kind discarded_sum)"
+                    elif self.privacy.unit == "client":
+                        how = "under central noise the server is trusted with it"
+                    else:
+                        how = "each client's own accountant counted its steps"
+                    released = "The discarded sum was released to nobody else"
+                    self.privacy.note(number, f"{reason}. {released}; {how}")
                 raise RoundAborted(reason)
-            if kind is TaskKind.TRAIN and rnd.secure is None and self.privacy is not None:
+            if kind is TaskKind.TRAIN and rnd.secure is None:
                 self._account_failed_attempt(number, attempt, rnd, needed)
             if secure_error:
                 last_secure_error = secure_error
