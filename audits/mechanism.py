@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any
 
 import numpy as np
 import torch
@@ -150,7 +150,7 @@ def mechanism_of_run(summary: dict[str, Any], *, num_clients: int, min_clients: 
     )
 
 
-class OneHotCanaries(Sequence[np.ndarray]):
+class OneHotCanaries:
     """Canary updates ``norm * e_i`` for coordinates ``i`` of ``[0, dim)``, built one at a time.
 
     A round of ``k`` canaries over ``d`` coordinates held as a dense ``[k, d]`` array takes
@@ -164,16 +164,11 @@ class OneHotCanaries(Sequence[np.ndarray]):
     def __len__(self) -> int:
         return len(self.coordinates)
 
-    @overload
-    def __getitem__(self, index: int) -> np.ndarray: ...
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[np.ndarray]: ...
-    def __getitem__(self, index: int | slice) -> np.ndarray | Sequence[np.ndarray]:
-        if isinstance(index, slice):
-            return OneHotCanaries(self.coordinates[index], self.dim, self.norm)
-        row = np.zeros(self.dim, dtype=np.float32)
-        row[self.coordinates[index]] = self.norm
-        return row
+    def __iter__(self) -> Iterator[np.ndarray]:
+        for i in self.coordinates:
+            row = np.zeros(self.dim, dtype=np.float32)
+            row[i] = self.norm
+            yield row
 
 
 def release_round(
@@ -199,9 +194,7 @@ def release_round(
         # central noise (no honest noise shares) and no canary sampled: the round still
         # releases; a zero update stands for the honest clients the real round has
         agg.add(zero, 1.0)
-    share = 0.0
-    if c is not None and mech.placement in ("local", "distributed"):
-        share = client_noise_std(mech.placement, mech.noise_multiplier, c, mech.min_survivors)
+    share = _share_std(mech)
     for _ in range(mech.honest_clients):
         agg.add(add_gaussian(zero, share, source) if share > 0 else zero, 1.0)
     for row in canaries:
@@ -215,6 +208,14 @@ def release_round(
     return out
 
 
+def _share_std(mech: Mechanism) -> float:
+    """Noise std each honest client adds to its update (``local``/``distributed``; else 0)."""
+    c = mech.clip_norm
+    if c is None or mech.placement not in ("local", "distributed"):
+        return 0.0
+    return client_noise_std(mech.placement, mech.noise_multiplier, c, mech.min_survivors)
+
+
 def release_std(mech: Mechanism) -> float:
     """Std of the noise on one released coordinate: the honest shares' or the central noise.
 
@@ -226,8 +227,7 @@ def release_std(mech: Mechanism) -> float:
         return 0.0
     if mech.placement == "central":
         return z * c / mech.denominator
-    share = client_noise_std(mech.placement, z, c, mech.min_survivors)
-    return math.sqrt(mech.honest_clients) * share / mech.denominator
+    return math.sqrt(mech.honest_clients) * _share_std(mech) / mech.denominator
 
 
 def canary_scores(
