@@ -39,6 +39,7 @@ from fl_secure.tls import channel_credentials, warn_insecure
 from fl_secure.tls.identity import load_signing_key, load_signing_registry
 from fl_secure.v1 import transport_pb2 as pb
 from fl_secure.v1 import transport_pb2_grpc as pb_grpc
+from privacy.site_ledger import SiteLedger
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class FlClient:
         *,
         max_wait: float = 600.0,
         sleep: Callable[[float], None] = time.sleep,
+        site: SiteLedger | None = None,
     ) -> None:
         self.conn = conn
         self.trainer_factory = trainer_factory
@@ -124,12 +126,13 @@ class FlClient:
         self._attend: Any = None  # the open attendance call of the current secure round
         self.last_round = 0
         self.rounds_done = 0
-        #: Training tasks whose update left this client, (round, nonce): never answered twice.
-        self._released: set[tuple[int, bytes]] = set()
-        self._attempts: dict[int, int] = {}  # updates released per round
-        #: The run config of the first join: every later round's protection is held to it.
+        #: Every training update that left this site (persisted in its state folder when it
+        #: has one): tasks are never answered twice, and the site's own epsilon is kept.
+        self.site = site if site is not None else SiteLedger(None)
+        #: The run config and run id of the first join: every later round is held to them.
         self._run_config: Config | None = None
         self._run_config_toml: str | None = None
+        self._run_id = ""
         self._unreachable_since: float | None = None  # start of the current outage
         self._metadata = ((INSECURE_ID_HEADER, conn.client_id),) if conn.insecure else ()
 
@@ -179,7 +182,7 @@ class FlClient:
             raise TlsError(
                 f"server knows this client as {reply.client_id!r}, not {self.conn.client_id!r}"
             )
-        self._hold_run_config(reply.run_config_toml)
+        self._hold_run_config(reply.run_config_toml, reply.run_id)
         self._unreachable_since = None  # reached: a later outage gets max_wait of its own
         self._load_signing_keys()
         if self.trainer is None:
@@ -208,6 +211,8 @@ class FlClient:
                 refusal = self._refuse_training(task)
                 if refusal:
                     log.error("round %d: training task refused: %s", task.round, refusal)
+                    if task.secagg_setup:  # so that the cohort does not wait for this site
+                        self._withdraw(stub, task, pb.WITHDRAW_REASON_DECLINED)
                     self.sleep(1.0)  # a server that insists is not answered in a tight loop
                     continue
             self._do_task(stub, task)
@@ -217,52 +222,49 @@ class FlClient:
 
         Each update this client releases spends privacy; the server's ledger counts one
         release per round. So a task already answered, an older round, or more attempts of a
-        round than the run's ``server.max_retries`` allows are refused. (The local settings'
-        ranges are checked when the task is read: :func:`fl_secure.serde.check_training`.)
+        round than the run's ``server.max_retries`` allows are refused, and so is an update
+        past the site's own epsilon budget (:class:`privacy.site_ledger.SiteLedger`, which
+        keeps the releases across restarts). (The local settings' ranges are checked when the
+        task is read: :func:`fl_secure.serde.check_training`.)
         """
-        if (task.round, task.nonce) in self._released:
-            return "this client already sent its update for this task (a replayed task)"
-        if task.round < self.last_round:
-            return f"round {task.round} is older than round {self.last_round}, already done"
-        config = self._run_config
-        if config is None:
-            return ""
-        attempts = 1 + config.server.max_retries
-        if self._attempts.get(task.round, 0) >= attempts:
-            return (
-                f"this client already sent {attempts} updates for round {task.round}, as many "
-                f"as server.max_retries = {config.server.max_retries} allows"
-            )
-        return ""
+        return self.site.refusal(
+            self._run_config, self._run_id, task.round, task.nonce, last_round=self.last_round
+        )
 
-    def _hold_run_config(self, run_config_toml: str) -> None:
-        """Keep the run config of the first join; refuse another one on a later join.
+    def _hold_run_config(self, run_config_toml: str, run_id: str = "") -> None:
+        """Keep the run config and id of the first join; refuse others on a later join.
 
         Each round's secure-aggregation setup is then checked against it
         (:func:`privacy.secagg_session.check_setup`), so a later message cannot weaken the
         protection this client joined under (drop the masking or the noise, lower the
         threshold).
 
+        The run id keys this site's releases (:meth:`_refuse_training`): a server that
+        changed it between joins would start the per-round limits afresh.
+
         Raises:
             ConfigError: the config is not valid.
-            ProtocolError: the server sends another config than at the first join.
+            ProtocolError: the server sends another config or run id than at the first join.
+            PrivacyError: the run cannot keep the site's own epsilon budget.
         """
         import tomllib
 
         from fl_secure.config import config_from_dict
 
         if self._run_config_toml is not None:
-            if run_config_toml != self._run_config_toml:
+            if run_config_toml != self._run_config_toml or run_id != self._run_id:
                 raise ProtocolError(
-                    "the server's run config differs from the one this client joined under; "
-                    "restart the client to join the new run"
+                    f"the server's run {'config' if run_id == self._run_id else 'id'} differs "
+                    "from the one this client joined under; restart the client to join the "
+                    "new run"
                 )
             return
         try:
             config = config_from_dict(tomllib.loads(run_config_toml))
         except (tomllib.TOMLDecodeError, FlSecureError) as exc:
             raise ConfigError(f"the server sent an invalid run config: {exc}") from exc
-        self._run_config, self._run_config_toml = config, run_config_toml
+        self.site.check_run(config)
+        self._run_config, self._run_config_toml, self._run_id = config, run_config_toml, run_id
 
     def _load_signing_keys(self) -> None:
         """Load this site's signing key at join when the run masks updates (SecAgg/SecAgg+).
@@ -329,6 +331,8 @@ class FlClient:
         header = UpdateHeader(
             round=task.round, nonce=task.nonce, num_examples=examples, metrics=metrics
         )
+        if task.kind is TaskKind.TRAIN:
+            self._count_release(task)  # before it may leave: a failed upload is counted too
         try:
             reply = stub.SubmitUpdate(
                 serde.update_to_chunks(header, update), metadata=self._metadata, timeout=600
@@ -342,16 +346,28 @@ class FlClient:
                 log.warning("round %d: update refused: %s", task.round, exc.details())
                 return
             raise
-        if task.kind is TaskKind.TRAIN:
-            self._count_release(task)
         self.last_round = task.round
         self.rounds_done += 1
 
     def _count_release(self, task: Task) -> None:
-        """Remember that this training task's update left this client."""
-        if (task.round, task.nonce) not in self._released:
-            self._released.add((task.round, task.nonce))
-            self._attempts[task.round] = self._attempts.get(task.round, 0) + 1
+        """Count this training task's update in the site ledger, before it may leave.
+
+        Saved before the upload starts, so a crash or a failed upload never leaves a release
+        uncounted.
+        """
+        if self._run_config is None:  # pragma: no cover - _session holds it before any task
+            raise RuntimeError("a release before the run config was held")
+        row = self.site.record(self._run_config, self._run_id, task.round, task.nonce)
+        if row is not None and row.unit == "client":
+            log.info(
+                "round %d: site ledger: %d releases; this site's epsilon against the server "
+                "%.4g (%.4g if the other sites collude), delta %g",
+                task.round,
+                len(self.site.releases),
+                self.site.epsilon(colluding_peers=False),
+                self.site.epsilon(colluding_peers=True),
+                self.site.delta,
+            )
 
     def _secure_round(
         self,
@@ -482,6 +498,7 @@ class FlClient:
                 # client_secure_update reads the reply only after upload() returned.
                 pending[MASKED] = start(MASKED, b"")
             try:
+                self._count_release(task)  # before the masked (or encrypted) update may leave
                 stub.SubmitUpdate(
                     serde.update_to_chunks(header, tensors), metadata=self._metadata, timeout=600
                 )
@@ -490,7 +507,6 @@ class FlClient:
                 if call is not None:
                     call.cancel()
                 raise
-            self._count_release(task)  # the masked (or encrypted) update has left
 
         try:
             if ckks:

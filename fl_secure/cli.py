@@ -329,6 +329,23 @@ def cmd_client(args: argparse.Namespace) -> int:
 
     if args.config is not None and args.plan_index is None:
         raise FlSecureError("--config needs --plan-index N (which share of the plan is mine)")
+    from privacy.site_ledger import SiteLedger
+
+    # the site ledger first: a budget without a folder to keep it in is refused at once
+    site = SiteLedger(
+        args.state_dir,
+        max_epsilon=args.max_epsilon,
+        delta=args.delta,
+        colluding_peers=args.assume_colluding_peers,
+    )
+    if site.releases:
+        logging.getLogger("client.app").info(
+            "site ledger %s: %d releases so far, epsilon against the server %.4g (delta %g)",
+            site.path,
+            len(site.releases),
+            site.epsilon(),
+            site.delta,
+        )
     if args.data is not None:
         # a mistyped or empty --data is named now, not after the server has taken the
         # client into a round (the images are decoded after joining, at the run's size)
@@ -359,7 +376,7 @@ def cmd_client(args: argparse.Namespace) -> int:
         threads=args.threads,
         accept_seeded_noise=args.accept_seeded_noise,
     )
-    client = FlClient(conn, make)
+    client = FlClient(conn, make, site=site)
     import grpc
 
     from client.app import explain_rpc_error
@@ -514,7 +531,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every sub-command."""
-    from privacy.cli import positive_int
+    from privacy.cli import number_arg, positive_int
 
     parser = argparse.ArgumentParser(
         prog="fl-secure",
@@ -611,6 +628,25 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="join a run with privacy.secure_rng = false, whose DP noise the server could "
         "reproduce and subtract (reproducible tests on your own machine only)",
+    )
+    p.add_argument(
+        "--max-epsilon",
+        type=number_arg("--max-epsilon", lambda e: e > 0, "> 0"),
+        help="this site's own client-level budget against the server (needs --state-dir, "
+        "where the site ledger is kept): an update that would bring it above this is not sent, "
+        "and a run that cannot keep it (no DP, central noise, example level) is not joined",
+    )
+    p.add_argument(
+        "--delta",
+        type=number_arg("--delta", lambda d: 0 < d < 1, "in (0, 1)"),
+        default=1e-5,
+        help="delta of the site's epsilon (default: 1e-5); the site's choice, not the server's",
+    )
+    p.add_argument(
+        "--assume-colluding-peers",
+        action="store_true",
+        help="hold --max-epsilon against this site's own noise share alone (the server and "
+        "every other site collude), not the noise of the sum",
     )
     common(p)
     p.set_defaults(func=cmd_client)

@@ -32,7 +32,9 @@ from privacy.ledger import (
 )
 
 
-def _number(flag: str, ok: Callable[[float], bool], allowed: str) -> Callable[[str], float]:
+def number_arg(flag: str, ok: Callable[[float], bool], allowed: str) -> Callable[[str], float]:
+    """An argparse ``type`` for a finite number meeting ``ok`` whose error names ``flag``."""
+
     def parse(text: str) -> float:
         try:
             value = float(text)
@@ -64,14 +66,14 @@ def _common(p: argparse.ArgumentParser, default_accountant: str | None) -> None:
     p.add_argument(
         "--sample-rate",
         required=True,
-        type=_number("--sample-rate", lambda q: 0 < q <= 1, "in (0, 1]"),
+        type=number_arg("--sample-rate", lambda q: 0 < q <= 1, "in (0, 1]"),
         help="sampling rate q per step (Poisson rate, or cohort / population for fixed_size)",
     )
     p.add_argument("--steps", required=True, type=positive_int("--steps"), help="number of steps T")
     p.add_argument(
         "--delta",
         required=True,
-        type=_number("--delta", lambda d: 0 < d < 1, "in (0, 1)"),
+        type=number_arg("--delta", lambda d: 0 < d < 1, "in (0, 1)"),
         help="target delta",
     )
     p.add_argument(
@@ -99,7 +101,7 @@ def _common(p: argparse.ArgumentParser, default_accountant: str | None) -> None:
 
 
 def add_privacy_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``privacy {epsilon,calibrate}`` to ``subparsers`` (from ``add_subparsers``)."""
+    """Add ``privacy {epsilon,calibrate,ledger,site}`` to ``subparsers`` (``add_subparsers``)."""
     p: argparse.ArgumentParser = subparsers.add_parser(
         "privacy", help="privacy accounting: epsilon of a schedule, noise for a budget"
     )
@@ -109,7 +111,7 @@ def add_privacy_parser(subparsers: Any) -> argparse.ArgumentParser:
     e.add_argument(
         "--noise-multiplier",
         required=True,
-        type=_number("--noise-multiplier", lambda z: z > 0, "> 0"),
+        type=number_arg("--noise-multiplier", lambda z: z > 0, "> 0"),
         help="noise standard deviation / clipping norm",
     )
     _common(e, default_accountant=None)
@@ -119,7 +121,7 @@ def add_privacy_parser(subparsers: Any) -> argparse.ArgumentParser:
     c.add_argument(
         "--target-epsilon",
         required=True,
-        type=_number("--target-epsilon", lambda x: x > 0, "> 0"),
+        type=number_arg("--target-epsilon", lambda x: x > 0, "> 0"),
         help="privacy budget to meet",
     )
     _common(c, default_accountant=DEFAULT_CLIENT_LEVEL)
@@ -136,7 +138,58 @@ def add_privacy_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     g.set_defaults(func=cmd_ledger)
+
+    t = sub.add_parser(
+        "site",
+        help="a site's own ledger: its releases and its epsilon against the server",
+        description="Read the site ledger a client keeps in its --state-dir (one row per "
+        "update that left the site) and print the site's client-level epsilon against the "
+        "server: exact composition of Gaussian releases, no amplification by the server's "
+        "sampling; with honest peers, and if every other site colludes with the server.",
+    )
+    t.add_argument("--state-dir", type=Path, required=True, help="the client's --state-dir")
+    t.add_argument(
+        "--delta",
+        type=number_arg("--delta", lambda d: 0 < d < 1, "in (0, 1)"),
+        default=1e-5,
+        help="delta of the figures (default: 1e-5)",
+    )
+    t.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    t.set_defaults(func=cmd_site)
     return p
+
+
+def cmd_site(args: argparse.Namespace) -> int:
+    """``privacy site``: the site ledger's summary."""
+    from privacy.site_ledger import FILE_NAME, SiteLedger
+
+    if not (args.state_dir / FILE_NAME).is_file():
+        sys.stderr.write(f"error: {args.state_dir / FILE_NAME} does not exist\n")
+        return 2
+    try:
+        summary = SiteLedger(args.state_dir, delta=args.delta).summary()
+    except PrivacyError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+    if args.json:
+        sys.stdout.write(json.dumps(summary, sort_keys=True) + "\n")
+        return 0
+    from fl_secure.report.build import round_up
+
+    runs = ", ".join(f"{run} ({n})" for run, n in summary["releases_by_run"].items())
+    sys.stdout.write(
+        f"{summary['releases']} updates released: {runs or 'none'}\n"
+        f"epsilon against the server = {round_up(summary['epsilon'], 5)} at delta = "
+        f"{summary['delta']:g} (peers honest)\n"
+        f"  if every other site colludes: {round_up(summary['epsilon_colluding_peers'], 5)}\n"
+        f"  {summary['accounting']}; adjacency {summary['adjacency']}\n"
+    )
+    if summary["releases_without_client_level_noise"]:
+        sys.stdout.write(
+            f"  {summary['releases_without_client_level_noise']} release(s) carried no "
+            "client-level noise against the server (no DP, example level or central noise)\n"
+        )
+    return 0
 
 
 def cmd_ledger(args: argparse.Namespace) -> int:

@@ -62,6 +62,14 @@ class ClientPrivacy:
         if self.cfg.unit == "example":
             self._plan_example_level(config, num_examples)
             self._load()
+        elif self.cfg.noise_placement != "central" and not self.noise_multiplier > 0:
+            # 0 means "calibrate" in a config file; the server calibrates it and sends the
+            # result (server.setup._config_for_clients). Taken as it is, it is no noise at all.
+            raise PrivacyError(
+                "the run config came without a calibrated privacy.noise_multiplier (0): this "
+                f"site would add no {self.cfg.noise_placement} noise to its client-level "
+                "updates; refusing to train"
+            )
         if not self.source.secure:
             log.warning("DP noise is NOT from a CSPRNG: %s", self.source.description)
 

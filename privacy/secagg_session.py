@@ -71,6 +71,7 @@ WITHDRAW_REASONS = {
     4: "too few of its neighbours took part to reach the threshold",
     5: "a call to the server failed",
     6: "an unexpected local error",
+    7: "the site's own policy declined the round, such as its privacy budget",
 }
 
 

@@ -155,6 +155,8 @@ class _WithdrawReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Withdr
     """a call to the server failed"""
     WITHDRAW_REASON_OTHER: _WithdrawReason.ValueType  # 6
     """an unexpected local error"""
+    WITHDRAW_REASON_DECLINED: _WithdrawReason.ValueType  # 7
+    """the site's own policy declined the round (its budget)"""
 
 class WithdrawReason(_WithdrawReason, metaclass=_WithdrawReasonEnumTypeWrapper):
     """Why a client withdraws (with SECAGG_STAGE_WITHDRAW): a category of its own failure, never
@@ -174,6 +176,8 @@ WITHDRAW_REASON_TRANSPORT: WithdrawReason.ValueType  # 5
 """a call to the server failed"""
 WITHDRAW_REASON_OTHER: WithdrawReason.ValueType  # 6
 """an unexpected local error"""
+WITHDRAW_REASON_DECLINED: WithdrawReason.ValueType  # 7
+"""the site's own policy declined the round (its budget)"""
 Global___WithdrawReason: _TypeAlias = WithdrawReason  # noqa: Y015
 
 @_typing.final

@@ -83,3 +83,33 @@ def test_ledger_verify_checks_the_head_summary_json_recorded(
     (tmp_path / "summary.json").write_text("{not json")
     assert main(verify) == 1
     assert "summary.json: unreadable" in capsys.readouterr().out
+
+
+def test_site_prints_the_site_ledger_and_a_client_budget_needs_a_state_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fl_secure.config import config_from_dict
+    from privacy.site_ledger import SiteLedger
+
+    # Prepare: three local-noise releases at z = 1.25 in the site's state folder
+    config = config_from_dict({"privacy": {"unit": "client", "noise_multiplier": 1.25}})
+    site = SiteLedger(tmp_path)
+    for round_ in (1, 2, 3):
+        site.record(config, "run-x", round_, bytes([round_]) * 16)
+    # Execute / Assert: the JSON figures are the ledger's, the text names the run
+    assert main(["privacy", "site", "--state-dir", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["releases"] == 3 and out["releases_by_run"] == {"run-x": 3}
+    assert out["epsilon"] == pytest.approx(site.epsilon()) and out["delta"] == 1e-5
+    assert main(["privacy", "site", "--state-dir", str(tmp_path), "--delta", "1e-6"]) == 0
+    text = capsys.readouterr().out
+    assert "3 updates released: run-x (3)" in text and "at delta = 1e-06" in text
+    assert main(["privacy", "site", "--state-dir", str(tmp_path / "none")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    # a budget without a state folder is refused before the client dials (port 1 would hang)
+    base = ["client", "--server", "127.0.0.1:1", "--id", "site-a", "--insecure", "--quiet"]
+    assert main([*base, "--max-epsilon", "4"]) == 2
+    assert "needs a state folder (--state-dir)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*base, "--max-epsilon", "0"])
+    assert "--max-epsilon must be > 0, got 0" in capsys.readouterr().err

@@ -9,6 +9,7 @@ import time
 from collections import OrderedDict
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -235,3 +236,109 @@ def test_a_ckks_round_in_a_masked_run_is_refused_before_any_stage(tmp_path: Path
         (pb.SECAGG_STAGE_WITHDRAW, pb.WITHDRAW_REASON_MESSAGE_REFUSED)
     ]
     assert client.rounds_done == 0
+
+
+def _replaying_stub(config_toml: str, task: Task, run_id: str = "run", times: int = 3) -> Any:
+    """A server stub that hands out ``task`` ``times`` times, then finishes."""
+    import numpy as np
+
+    from fl_secure.v1 import transport_pb2 as pb
+
+    params = OrderedDict(w=np.zeros(3, np.float32))
+
+    class Stub:
+        polls = 0
+        uploads = 0
+        withdrawals: list[int] = []
+
+        def Join(self, request, metadata, timeout):  # noqa: N802 - the gRPC method name
+            return serde.join_reply_to_proto(
+                JoinReply("client-0", run_id, __version__, config_toml)
+            )
+
+        def PollTask(self, request, metadata, timeout):  # noqa: N802
+            self.polls += 1
+            if self.polls > times:
+                return serde.task_to_proto(Task(kind=TaskKind.FINISHED, message="done"))
+            return serde.task_to_proto(task)
+
+        def GetParameters(self, request, metadata, timeout):  # noqa: N802
+            return iter(list(serde.parameters_to_chunks(1, params)))
+
+        def SubmitUpdate(self, chunks, metadata, timeout):  # noqa: N802
+            list(chunks)
+            self.uploads += 1
+            return pb.SubmitReply(message="ok")
+
+        def SecAggExchange(self, message, metadata, timeout):  # noqa: N802
+            self.withdrawals.append(message.withdraw_reason)
+            return pb.SecAggMessage()
+
+    return Stub()
+
+
+class _Trainer:
+    num_examples = 5
+
+    def __init__(self) -> None:
+        self.trained = 0
+
+    def train(self, shared: Any, training: Any) -> Any:
+        import numpy as np
+
+        self.trained += 1
+        return OrderedDict(w=np.ones(3, np.float32)), 5, {}
+
+
+def test_a_restarted_client_still_refuses_a_task_it_answered(tmp_path: Path) -> None:
+    from privacy.site_ledger import SiteLedger
+
+    # Prepare: a plain run; the client answers round 1, and its process is restarted
+    config = config_from_dict(
+        {"partition": {"num_clients": 3}, "server": {"min_clients": 2},
+         "train": {"rounds": 4, "lr": 0.1, "lr_schedule": "cosine"}}
+    )  # fmt: skip
+    task = _train_task(1, b"r" * 16)
+    conn = Connection("localhost:1", "client-0")
+    first = _Trainer()
+    client = FlClient(conn, lambda r: first, sleep=lambda s: None, site=SiteLedger(tmp_path))  # type: ignore[arg-type,return-value]
+    client._session(_replaying_stub(config_to_toml(config), task, times=1), Backoff())
+    assert first.trained == 1
+    # Execute: the restarted process (a new FlClient on the same state folder) gets it again
+    second = _Trainer()
+    restarted = FlClient(conn, lambda r: second, sleep=lambda s: None, site=SiteLedger(tmp_path))  # type: ignore[arg-type,return-value]
+    stub = _replaying_stub(config_to_toml(config), task, times=2)
+    assert restarted._session(stub, Backoff()) == "done"
+    # Assert: nothing trained, nothing sent; a new run id on a later join is refused
+    assert second.trained == 0 and stub.uploads == 0
+    with pytest.raises(ProtocolError, match="run id differs"):
+        restarted._session(_replaying_stub(config_to_toml(config), task, "other"), Backoff())
+
+
+def test_a_site_budget_stops_releases_and_withdraws_from_a_secure_round(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from privacy.site_ledger import SiteLedger
+
+    # Prepare: z = 1 per release; one release alone spends epsilon 4.4 at delta 1e-5
+    config = config_from_dict(
+        {"partition": {"num_clients": 3}, "server": {"min_clients": 2},
+         "privacy": {"unit": "client", "noise_multiplier": 1.0},
+         "secure_aggregation": {"scheme": "ckks"}}
+    )  # fmt: skip
+    task = dataclasses.replace(_train_task(1, b"s" * 16), secagg_setup=b"setup")
+    trainer = _Trainer()
+    site = SiteLedger(tmp_path, max_epsilon=4.0)
+    client = FlClient(
+        Connection("localhost:1", "client-0"), lambda r: trainer, sleep=lambda s: None, site=site
+    )  # type: ignore[arg-type,return-value]
+    stub = _replaying_stub(config_to_toml(config), task, times=1)
+    # Execute
+    with caplog.at_level("ERROR", logger="client.app"):
+        assert client._session(stub, Backoff()) == "done"
+    # Assert: refused before any stage, with the reason the server is told
+    from fl_secure.v1 import transport_pb2 as pb
+
+    assert "above its budget of 4" in caplog.text
+    assert trainer.trained == 0 and stub.uploads == 0
+    assert stub.withdrawals == [pb.WITHDRAW_REASON_DECLINED]

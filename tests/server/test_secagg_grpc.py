@@ -25,6 +25,7 @@ from fl_secure.runs import RunDir
 from fl_secure.tls import init_certificates
 from fl_secure.tls.identity import load_signing_registry
 from privacy.ckks_session import load_public_context, write_ckks_keys
+from privacy.site_ledger import SiteLedger
 from server.app import load_enrollment, start_server
 from server.coordinator import Coordinator, CoordinatorSettings
 
@@ -136,6 +137,7 @@ def _run(
     failing: set[int],
     *,
     min_clients: int | None = None,
+    sites: dict[int, SiteLedger] | None = None,
     **kw,
 ) -> Coordinator:
     coord, server, port, certs = _serve(
@@ -157,6 +159,7 @@ def _run(
             Connection(f"localhost:{port}", f"client-{i}", cert_dir=certs),
             lambda reply, t=trainer: t,  # type: ignore[misc]
             max_wait=20.0,
+            site=(sites or {}).get(i),
         )
         th = threading.Thread(target=lambda c=client: _quiet(c.run), daemon=True)
         th.start()
@@ -332,6 +335,30 @@ def test_an_abort_names_the_clients_that_withdrew(tmp_path: Path) -> None:
         "; in the last attempt client-1, client-2, client-3: "
         "secure aggregation: withdrew at masked input (local training failed)"
     ), coord.stop_reason
+
+
+def test_a_site_over_its_own_budget_withdraws_before_the_key_stages(tmp_path: Path) -> None:
+    from privacy.session import open_server_privacy
+
+    # Prepare: local client-level noise z = 0.05 (one release alone: epsilon ~ 1e3); client-3
+    # holds a budget of 1 against the server. The clock is frozen: no deadline can end the
+    # round, only the withdrawal
+    privacy = open_server_privacy(
+        PrivacyConfig(unit="client", noise_placement="local", noise_multiplier=0.05),
+        tmp_path / "ledger.sqlite", "secagg-test", rounds=1, population=4,
+        clients_per_round=0, sample_rate=0.0, min_survivors=3,
+    )  # fmt: skip
+    site = SiteLedger(tmp_path / "site-3", max_epsilon=1.0)
+    # Execute
+    coord = _run(tmp_path, [0.5, 1.0, -0.25, 2.0], set(), min_clients=3, privacy=privacy,
+                 sites={3: site})  # fmt: skip
+    # Assert: the round went on with the other three; client-3 sent nothing and said why
+    assert coord.status == "completed", coord.stop_reason
+    assert coord.events[-1]["failed"] == {
+        "client-3": "secure aggregation: withdrew at advertise keys "
+        "(the site's own policy declined the round, such as its privacy budget)"
+    }
+    assert site.releases == [] and not (tmp_path / "site-3" / "site_ledger.json").exists()
 
 
 def test_distributed_discrete_gaussian_noise_on_the_secure_sum(tmp_path: Path) -> None:

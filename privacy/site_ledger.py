@@ -1,0 +1,373 @@
+"""A site's own record of the updates it released, and its epsilon against the server.
+
+The server's ledger (:mod:`privacy.ledger`) states the run's guarantee as the server computes
+it: with amplification by the cohort sampling the server itself performs, and from a run
+config the server wrote. A site that does not want to take the server's word keeps this
+ledger in its state folder (``fl-secure client --state-dir``): one row per update that left
+the site, counted before the upload starts (an update that may have left is counted).
+
+From it the site computes its client-level epsilon **against the server**, which knows who
+it sampled: no amplification, each release a Gaussian mechanism of sensitivity ``C``
+(zero-out adjacency, as the server's accountant) and noise ``z C``. A composition of
+Gaussian mechanisms with multipliers ``z_i`` is exactly one Gaussian mechanism with
+``mu = sqrt(sum_i 1 / z_i^2)`` (Dong, Roth & Su, "Gaussian Differential Privacy", JRSS-B
+2022, Corollary 3.3), whose (epsilon, delta) curve is exact (Balle & Wang, ICML 2018,
+Theorem 8; Dong et al. Corollary 2.13):
+
+    delta(epsilon) = Phi(-epsilon / mu + mu / 2) - e^epsilon Phi(-epsilon / mu - mu / 2).
+
+No accountant's discretisation enters: this is the tight curve of the releases.
+
+Two figures, by what the site trusts:
+
+* ``epsilon`` (peers honest): the released sum carries the noise of at least the round's
+  threshold of honest sites. ``local`` placement: ``z`` from this site alone already;
+  ``distributed``: ``z`` once ``t`` shares are in (secure aggregation unmasks no fewer).
+  The distributed discrete Gaussian is accounted as the continuous one (as the server does).
+* ``epsilon_colluding_peers``: the server and every other site collude and subtract their
+  own noise; only this site's share protects it: ``z`` (local) or ``z / sqrt(t)``
+  (distributed).
+
+A release without client-level noise (a non-private run, example-level DP-SGD, central noise,
+which the server adds after it has seen the sum) makes the client-level figures unbounded.
+Example-level DP-SGD keeps its own accountant (:class:`privacy.client_side.ClientPrivacy`),
+whose sampling the server does not see.
+
+The same rows also let a restarted client keep refusing tasks it already answered
+(:meth:`SiteLedger.refusal`): a replayed task, an older round, more attempts of a round than
+``server.max_retries`` allows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from fl_secure.config import Config
+from fl_secure.errors import PrivacyError
+from fl_secure.runs import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+FORMAT = "fl-secure site ledger"
+VERSION = 1
+FILE_NAME = "site_ledger.json"
+
+
+def gaussian_epsilon(mu: float, delta: float) -> float:
+    """Exact epsilon at ``delta`` of a ``mu``-GDP mechanism (one Gaussian, ``mu = 1 / z``).
+
+    ``mu = 0`` releases nothing (epsilon 0); ``mu = inf`` is a release without noise.
+    """
+    if not 0 < delta < 1:
+        raise PrivacyError(f"delta must be in (0, 1), not {delta!r}")
+    if not mu >= 0:
+        raise PrivacyError(f"mu must be >= 0, not {mu!r}")
+    if mu == 0:
+        return 0.0
+    if math.isinf(mu):
+        return math.inf
+    from scipy.optimize import brentq
+    from scipy.special import log_ndtr
+
+    def excess(eps: float) -> float:  # delta(eps) - delta, decreasing in eps
+        first = math.exp(log_ndtr(-eps / mu + mu / 2))
+        second = math.exp(eps + log_ndtr(-eps / mu - mu / 2))
+        return first - second - delta
+
+    if excess(0.0) <= 0:
+        return 0.0
+    hi = 1.0
+    while excess(hi) > 0:
+        hi *= 2
+        if hi > 1e6:  # pragma: no cover - mu would be astronomically large
+            return math.inf
+    return float(brentq(excess, 0.0, hi, xtol=1e-12, rtol=1e-12))
+
+
+def composed_mu(noise_multipliers: Iterable[float]) -> float:
+    """``mu`` of the composition of Gaussian releases with these multipliers (``inf``: none)."""
+    total = 0.0
+    for z in noise_multipliers:
+        if not z > 0:
+            return math.inf
+        total += 1.0 / (z * z)
+    return math.sqrt(total)
+
+
+@dataclass(frozen=True)
+class Release:
+    """One update that left the site.
+
+    Attributes:
+        run_id: The run (the server's id for it, from the join).
+        round: The round.
+        nonce: The task's nonce (hex): one attempt of the round.
+        unit: The run's ``privacy.unit`` ("none", "client", "example").
+        placement: ``privacy.noise_placement``.
+        scheme: ``secure_aggregation.scheme``.
+        noise_multiplier: Client level: ``z`` of the released sum with honest peers; 0 when
+            the release carries no client-level noise against the server.
+        own_noise_multiplier: Client level: ``z`` of this site's own noise alone (0: none).
+        time: When it was recorded (UTC, ISO 8601).
+    """
+
+    run_id: str
+    round: int
+    nonce: str
+    unit: str
+    placement: str
+    scheme: str
+    noise_multiplier: float
+    own_noise_multiplier: float
+    time: str
+
+    @classmethod
+    def from_dict(cls, row: Mapping[str, Any], where: str) -> Release:
+        """A row read back from the file; PrivacyError names a damaged one."""
+        types = {
+            "run_id": str,
+            "round": int,
+            "nonce": str,
+            "unit": str,
+            "placement": str,
+            "scheme": str,
+            "noise_multiplier": (int, float),
+            "own_noise_multiplier": (int, float),
+            "time": str,
+        }
+        if not isinstance(row, Mapping) or set(row) != set(types):
+            raise PrivacyError(f"{where}: a release row must have exactly the keys {sorted(types)}")
+        for key, kind in types.items():
+            value = row[key]
+            if isinstance(value, bool) or not isinstance(value, kind):  # type: ignore[arg-type]
+                raise PrivacyError(f"{where}: release field {key!r} has the wrong type")
+        for key in ("noise_multiplier", "own_noise_multiplier"):
+            if not (math.isfinite(row[key]) and row[key] >= 0):
+                raise PrivacyError(f"{where}: release field {key!r} is not a finite number >= 0")
+        return cls(**{k: row[k] for k in types})
+
+
+def release_for(config: Config, run_id: str, round_: int, nonce: bytes) -> Release:
+    """The row of a release under ``config`` (the run config this site joined under)."""
+    p, s = config.privacy, config.secure_aggregation
+    z = own = 0.0
+    if p.unit == "client" and p.noise_placement in ("local", "distributed"):
+        z = p.noise_multiplier
+        own = z
+        if p.noise_placement == "distributed":
+            own = z / math.sqrt(config.server.min_clients)
+    return Release(
+        run_id=run_id,
+        round=round_,
+        nonce=nonce.hex(),
+        unit=p.unit,
+        placement=p.noise_placement,
+        scheme=s.scheme,
+        noise_multiplier=float(z),
+        own_noise_multiplier=float(own),
+        time=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+
+
+class SiteLedger:
+    """The site's releases: kept in ``state_dir/site_ledger.json`` (in memory without one).
+
+    Args:
+        state_dir: The client's state folder, or None (nothing survives a restart).
+        max_epsilon: The site's own budget: a release that would bring :meth:`epsilon` above
+            it is refused (None: no budget, the figures are only kept and logged).
+        delta: The delta of the site's figures (the site's choice, not the server's).
+        colluding_peers: Hold the budget against ``epsilon_colluding_peers`` instead.
+
+    Raises:
+        PrivacyError: the file is damaged (it is left as it is), or a budget is asked for
+            without a state folder to keep it in.
+    """
+
+    def __init__(
+        self,
+        state_dir: Path | None,
+        *,
+        max_epsilon: float | None = None,
+        delta: float = 1e-5,
+        colluding_peers: bool = False,
+    ) -> None:
+        if max_epsilon is not None and not (max_epsilon > 0 and math.isfinite(max_epsilon)):
+            raise PrivacyError(f"the site's epsilon budget must be a number > 0, not {max_epsilon}")
+        if not 0 < delta < 1:
+            raise PrivacyError(f"the site's delta must be in (0, 1), not {delta}")
+        if max_epsilon is not None and state_dir is None:
+            raise PrivacyError(
+                "a site epsilon budget needs a state folder (--state-dir) to keep its ledger "
+                "in: without one a restarted client would start the budget afresh"
+            )
+        self.path = state_dir / FILE_NAME if state_dir is not None else None
+        self.max_epsilon = max_epsilon
+        self.delta = delta
+        self.colluding_peers = colluding_peers
+        self.releases: list[Release] = []
+        self._load()
+
+    # ------------------------------------------------------------ persistence
+    def _load(self) -> None:
+        if self.path is None or not self.path.exists():
+            return
+        where = str(self.path)
+        try:
+            doc = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise PrivacyError(
+                f"the site ledger {where} cannot be read ({exc}); it is left as it is: restore "
+                "it from a backup (starting a new one forgets what this site has released)"
+            ) from exc
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise PrivacyError(f"{where} is not a site ledger (format {FORMAT!r} expected)")
+        if doc.get("version") != VERSION:
+            raise PrivacyError(f"{where}: site ledger version {doc.get('version')!r} is unknown")
+        rows = doc.get("releases")
+        if not isinstance(rows, list):
+            raise PrivacyError(f"{where}: 'releases' must be a list")
+        self.releases = [Release.from_dict(row, where) for row in rows]
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(
+            self.path,
+            {
+                "format": FORMAT,
+                "version": VERSION,
+                "releases": [asdict(r) for r in self.releases],
+            },
+        )
+
+    # ------------------------------------------------------------ figures
+    @staticmethod
+    def _epsilon(releases: Iterable[Release], delta: float, *, own: bool) -> float:
+        rows = list(releases)
+        if not rows:
+            return 0.0
+        mu = composed_mu(r.own_noise_multiplier if own else r.noise_multiplier for r in rows)
+        return gaussian_epsilon(mu, delta)
+
+    def epsilon(
+        self, *, colluding_peers: bool | None = None, extra: Release | None = None
+    ) -> float:
+        """The site's client-level epsilon at :attr:`delta` over every release (+ ``extra``)."""
+        own = self.colluding_peers if colluding_peers is None else colluding_peers
+        rows = [*self.releases, *([extra] if extra else [])]
+        return self._epsilon(rows, self.delta, own=own)
+
+    def summary(self) -> dict[str, Any]:
+        """What the site can show: releases by run and unit, and both epsilon figures."""
+        runs: dict[str, int] = {}
+        units: dict[str, int] = {}
+        for r in self.releases:
+            runs[r.run_id] = runs.get(r.run_id, 0) + 1
+            units[r.unit] = units.get(r.unit, 0) + 1
+        unbounded = sum(1 for r in self.releases if r.noise_multiplier == 0)
+        return {
+            "releases": len(self.releases),
+            "releases_by_run": runs,
+            "releases_by_unit": units,
+            "releases_without_client_level_noise": unbounded,
+            "delta": self.delta,
+            "epsilon": self.epsilon(colluding_peers=False),
+            "epsilon_colluding_peers": self.epsilon(colluding_peers=True),
+            "max_epsilon": self.max_epsilon,
+            "budget_against": "colluding_peers" if self.colluding_peers else "peers_honest",
+            "adjacency": "zero-out (one site's whole update)",
+            "accounting": "exact: composed Gaussian mechanisms (GDP), no sampling amplification",
+        }
+
+    # ------------------------------------------------------------ policy
+    def check_run(self, config: Config) -> None:
+        """Refuse to join a run that cannot keep this site's budget at all.
+
+        Raises:
+            PrivacyError: a budget is set and the run's releases would carry no client-level
+                noise against the server (no DP, central noise, example level), or a client
+                level run came without its calibrated noise multiplier.
+        """
+        if self.max_epsilon is None:
+            return
+        p = config.privacy
+        if p.unit != "client":
+            raise PrivacyError(
+                f"this site holds a client-level epsilon budget ({self.max_epsilon:g}), and the "
+                f"run's privacy.unit is {p.unit!r}: its updates would leave without client-level "
+                "noise; refusing to join"
+            )
+        if p.noise_placement == "central":
+            raise PrivacyError(
+                "this site holds an epsilon budget against the server, and the run's noise is "
+                "central: the server adds it after it has seen the sum; refusing to join"
+            )
+        if not p.noise_multiplier > 0:
+            raise PrivacyError(
+                "the run config came without a calibrated privacy.noise_multiplier; refusing "
+                "to join"
+            )
+
+    def refusal(
+        self, config: Config | None, run_id: str, round_: int, nonce: bytes, *, last_round: int
+    ) -> str:
+        """Why the site will not release an update for this task ("" if it will)."""
+        mine = [r for r in self.releases if r.run_id == run_id]
+        if any(r.round == round_ and r.nonce == nonce.hex() for r in mine):
+            return "this client already sent its update for this task (a replayed task)"
+        last = max([last_round, *(r.round for r in mine)])
+        if round_ < last:
+            return f"round {round_} is older than round {last}, already done"
+        if config is None:
+            return ""
+        attempts = 1 + config.server.max_retries
+        if sum(1 for r in mine if r.round == round_) >= attempts:
+            return (
+                f"this client already sent {attempts} updates for round {round_}, as many "
+                f"as server.max_retries = {config.server.max_retries} allows"
+            )
+        if self.max_epsilon is not None:
+            after = self.epsilon(extra=release_for(config, run_id, round_, nonce))
+            if after > self.max_epsilon * (1 + 1e-12):
+                return (
+                    f"another update would bring this site's epsilon against the server to "
+                    f"{after:.4g} (delta {self.delta:g}), above its budget of {self.max_epsilon:g}"
+                )
+        return ""
+
+    def record(self, config: Config, run_id: str, round_: int, nonce: bytes) -> Release | None:
+        """Count a release (saved before the caller uploads); None if it was counted already."""
+        if any(r.run_id == run_id and r.round == round_ and r.nonce == nonce.hex()
+               for r in self.releases):  # fmt: skip
+            return None
+        row = release_for(config, run_id, round_, nonce)
+        self.releases.append(row)
+        try:
+            self._save()
+        except OSError as exc:
+            self.releases.pop()
+            raise PrivacyError(f"cannot write the site ledger {self.path}: {exc}") from exc
+        return row
+
+    def attempts(self, run_id: str, round_: int) -> int:
+        """Updates this site released for one round of one run."""
+        return sum(1 for r in self.releases if r.run_id == run_id and r.round == round_)
+
+
+__all__ = [
+    "FILE_NAME",
+    "Release",
+    "SiteLedger",
+    "composed_mu",
+    "gaussian_epsilon",
+    "release_for",
+]

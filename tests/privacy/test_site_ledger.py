@@ -1,0 +1,170 @@
+"""A site's own ledger: exact Gaussian composition, persistence, its budget against the server."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from dp_accounting import dp_event
+from dp_accounting.pld import pld_privacy_accountant
+from scipy import stats
+
+from fl_secure.config import Config, config_from_dict
+from fl_secure.errors import PrivacyError
+from privacy.client_side import ClientPrivacy
+from privacy.site_ledger import FILE_NAME, SiteLedger, composed_mu, gaussian_epsilon
+
+
+def _pld_epsilon(multipliers: list[float], delta: float) -> float:
+    """dp_accounting's PLD accountant over Gaussian releases (no sampling)."""
+    acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    for z in multipliers:
+        acc.compose(dp_event.GaussianDpEvent(z))
+    return float(acc.get_epsilon(delta))
+
+
+def _config(scheme: str = "none", **privacy: object) -> Config:
+    return config_from_dict(
+        {"partition": {"num_clients": 6}, "server": {"min_clients": 4, "max_retries": 1},
+         "privacy": {"unit": "client", "noise_multiplier": 1.0, **privacy},
+         "secure_aggregation": {"scheme": scheme}}
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("multipliers", "delta"),
+    [([1.0], 1e-5), ([1.0, 2.0, 0.8], 1e-5), ([3.0] * 40, 1e-6), ([0.7, 5.0, 1.3, 1.3], 1e-3)],
+)
+def test_composed_gaussian_epsilon_matches_dp_accounting_pld(
+    multipliers: list[float], delta: float
+) -> None:
+    # Execute: the closed form (GDP composition, exact curve)
+    eps = gaussian_epsilon(composed_mu(multipliers), delta)
+    # Assert: dp_accounting's PLD accountant agrees to its discretisation (1e-4)
+    assert eps == pytest.approx(_pld_epsilon(multipliers, delta), rel=1e-5, abs=1e-4)
+
+
+def test_the_epsilon_found_meets_delta_on_the_exact_curve() -> None:
+    # Assert: at the returned epsilon, Balle & Wang's delta(epsilon) is the asked delta
+    mu = composed_mu([0.9, 1.1, 2.0])
+    eps = gaussian_epsilon(mu, 1e-6)
+    n = stats.norm
+    delta = n.cdf(-eps / mu + mu / 2) - math.exp(eps) * n.cdf(-eps / mu - mu / 2)
+    assert delta == pytest.approx(1e-6, rel=1e-6)
+    assert gaussian_epsilon(0.0, 1e-5) == 0.0  # nothing released
+    assert gaussian_epsilon(composed_mu([1.0, 0.0]), 1e-5) == math.inf  # an un-noised release
+    with pytest.raises(PrivacyError, match="delta"):
+        gaussian_epsilon(1.0, 0.0)
+
+
+def test_releases_survive_a_restart_and_tasks_are_not_answered_twice(tmp_path: Path) -> None:
+    # Prepare: max_retries = 1 (two attempts per round); round 2 answered once, then restart
+    config = _config()
+    site = SiteLedger(tmp_path)
+    assert site.refusal(config, "run-a", 2, b"a" * 16, last_round=0) == ""
+    site.record(config, "run-a", 2, b"a" * 16)
+    # Execute: a restarted client reads the same folder
+    again = SiteLedger(tmp_path)
+    # Assert: the replay, a third attempt and an older round are refused after the restart
+    assert "replayed task" in again.refusal(config, "run-a", 2, b"a" * 16, last_round=0)
+    assert again.refusal(config, "run-a", 2, b"b" * 16, last_round=0) == ""
+    again.record(config, "run-a", 2, b"b" * 16)
+    assert "already sent 2 updates for round 2" in SiteLedger(tmp_path).refusal(
+        config, "run-a", 2, b"c" * 16, last_round=0
+    )
+    assert "older than round 2" in again.refusal(config, "run-a", 1, b"d" * 16, last_round=0)
+    assert again.refusal(config, "run-b", 1, b"d" * 16, last_round=0) == ""  # another run
+    assert again.record(config, "run-a", 2, b"b" * 16) is None  # counted once
+    assert [r.round for r in SiteLedger(tmp_path).releases] == [2, 2]
+
+
+def test_the_budget_allows_exactly_the_releases_the_reference_accountant_allows(
+    tmp_path: Path,
+) -> None:
+    # Prepare: z = 1.5, local noise, a site budget of 4 at delta 1e-5
+    config = _config(noise_multiplier=1.5)
+    site = SiteLedger(tmp_path, max_epsilon=4.0, delta=1e-5)
+    expected = 0
+    while _pld_epsilon([1.5] * (expected + 1), 1e-5) <= 4.0:
+        expected += 1
+    # Execute: one round after another until the site refuses
+    for round_ in range(1, 100):
+        refusal = site.refusal(config, "run", round_, bytes([round_]) * 16, last_round=0)
+        if refusal:
+            break
+        site.record(config, "run", round_, bytes([round_]) * 16)
+    # Assert: as many releases as dp_accounting's PLD allows, then a refusal that says why
+    assert len(site.releases) == expected > 0
+    assert "above its budget of 4" in refusal
+    assert site.epsilon() <= 4.0 < site.epsilon(extra=site.releases[-1])
+    assert "above its budget" in SiteLedger(tmp_path, max_epsilon=4.0).refusal(
+        config, "run", 99, b"z" * 16, last_round=0
+    )  # and after a restart
+
+
+def test_with_colluding_peers_only_the_sites_own_noise_share_counts(tmp_path: Path) -> None:
+    # Prepare: distributed noise, z = 2 for the sum of t = 4 shares: each share z / 2
+    config = _config("secagg", noise_multiplier=2.0, noise_placement="distributed")
+    site = SiteLedger(tmp_path)
+    for round_ in range(1, 6):
+        site.record(config, "run", round_, bytes([round_]) * 16)
+    # Assert
+    assert site.epsilon() == pytest.approx(_pld_epsilon([2.0] * 5, 1e-5), abs=1e-4)
+    colluding = site.epsilon(colluding_peers=True)
+    assert colluding == pytest.approx(_pld_epsilon([1.0] * 5, 1e-5), abs=1e-4)
+    summary = site.summary()
+    assert summary["releases"] == 5 and summary["epsilon_colluding_peers"] == colluding
+    assert summary["releases_without_client_level_noise"] == 0
+
+
+def test_a_release_without_client_level_noise_makes_the_site_epsilon_unbounded(
+    tmp_path: Path,
+) -> None:
+    site = SiteLedger(tmp_path)
+    site.record(_config(), "run-a", 1, b"a" * 16)
+    site.record(config_from_dict({}), "run-b", 1, b"b" * 16)  # a non-private run
+    assert site.epsilon() == math.inf
+    assert site.summary()["releases_without_client_level_noise"] == 1
+
+
+@pytest.mark.parametrize(
+    ("privacy", "match"),
+    [
+        ({"unit": "none"}, "privacy.unit is 'none'"),
+        ({"unit": "example"}, "privacy.unit is 'example'"),
+        ({"noise_placement": "central"}, "noise is central"),
+        ({"noise_multiplier": 0.0, "target_epsilon": 4.0}, "without a calibrated"),
+    ],
+)
+def test_a_site_with_a_budget_refuses_a_run_that_cannot_keep_it(
+    tmp_path: Path, privacy: dict[str, object], match: str
+) -> None:
+    config = config_from_dict({"privacy": {"unit": "client", "noise_multiplier": 1.0, **privacy}})
+    with pytest.raises(PrivacyError, match=match):
+        SiteLedger(tmp_path, max_epsilon=8.0).check_run(config)
+    SiteLedger(tmp_path).check_run(config)  # without a budget it is only recorded
+
+
+def test_a_budget_needs_a_state_folder_and_a_damaged_ledger_is_left_alone(tmp_path: Path) -> None:
+    with pytest.raises(PrivacyError, match="needs a state folder"):
+        SiteLedger(None, max_epsilon=8.0)
+    path = tmp_path / FILE_NAME
+    path.write_text('{"format": "fl-secure site ledger", "version": 1, "releases": [{"run', "utf-8")
+    with pytest.raises(PrivacyError, match="cannot be read"):
+        SiteLedger(tmp_path)
+    doc = {"format": "fl-secure site ledger", "version": 1, "releases": [{"round": "1"}]}
+    path.write_text(json.dumps(doc), "utf-8")
+    with pytest.raises(PrivacyError, match="exactly the keys"):
+        SiteLedger(tmp_path)
+    assert json.loads(path.read_text("utf-8")) == doc  # not overwritten
+
+
+def test_a_client_level_config_without_its_calibrated_noise_is_refused() -> None:
+    # a config file's 0 means "calibrate"; a server that sends it on would get bare updates
+    config = config_from_dict(
+        {"privacy": {"unit": "client", "noise_multiplier": 0.0, "target_epsilon": 4.0}}
+    )
+    with pytest.raises(PrivacyError, match="without a calibrated privacy.noise_multiplier"):
+        ClientPrivacy(config, num_examples=10)
