@@ -40,6 +40,13 @@ log = logging.getLogger(__name__)
 
 #: Metrics an example-level client reports with each update (data-independent figures).
 EXAMPLE_KEYS = ("dp_epsilon", "dp_steps", "dp_noise_multiplier", "dp_sample_rate")
+#: Example level: the smallest per-step sample rate a client may state (a batch of one in a
+#: million images). Below it the task's step count ``epochs / q`` grows without bound.
+MIN_DP_SAMPLE_RATE = 1e-6
+#: Example level: the most DP-SGD steps one client's round may claim. The server's
+#: accountant composes them; at 1e5 steps per round over 20 rounds the PRV accountant takes
+#: about 3 s and 1.3 GB, and far more steps could exhaust the server's memory.
+MAX_DP_STEPS_PER_ROUND = 100_000
 #: Budget comparisons allow this relative slack (the accountants' own numerical error).
 _BUDGET_SLACK = 1e-9
 
@@ -299,8 +306,10 @@ class ServerPrivacy:
         if bad:
             raise ProtocolError(f"client {party}: {', '.join(bad)} not finite")
         q, z, steps = v["dp_sample_rate"], v["dp_noise_multiplier"], v["dp_steps"]
-        if not 0 < q <= 1:
-            raise ProtocolError(f"client {party}: dp_sample_rate = {q:g}, expected (0, 1]")
+        if not MIN_DP_SAMPLE_RATE <= q <= 1:
+            raise ProtocolError(
+                f"client {party}: dp_sample_rate = {q:g}, expected [{MIN_DP_SAMPLE_RATE:g}, 1]"
+            )
         if z < MIN_ACCOUNTED_NOISE:
             raise ProtocolError(
                 f"client {party}: dp_noise_multiplier = {z:g}, below the {MIN_ACCOUNTED_NOISE:g} "
@@ -310,11 +319,11 @@ class ServerPrivacy:
             raise ProtocolError(f"client {party}: dp_epsilon = {v['dp_epsilon']:g} < 0")
         from privacy.dpsgd import dpsgd_steps
 
-        most = dpsgd_steps(1, training, q)
+        most = min(dpsgd_steps(1, training, q), MAX_DP_STEPS_PER_ROUND)
         if steps != int(steps) or not 0 <= steps <= most:
             raise ProtocolError(
                 f"client {party}: dp_steps = {steps:g}, expected an integer in 0..{most} (the "
-                f"round's task at q = {q:g})"
+                f"round's task at q = {q:g}, at most {MAX_DP_STEPS_PER_ROUND} per round)"
             )
 
     def commit(self, round_: int, rows: list[LedgerRow]) -> dict[str, Any]:

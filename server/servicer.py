@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import grpc
 
@@ -31,7 +32,13 @@ MAX_CALLS_PER_CLIENT = 5
 
 
 class CallLimiter:
-    """Counts each client's open calls and refuses one past :data:`MAX_CALLS_PER_CLIENT`."""
+    """Counts each client's running handlers and refuses one past :data:`MAX_CALLS_PER_CLIENT`.
+
+    A handler holds its place from the moment it is admitted until it returns, not until the
+    call ends: a client that cancels its calls (its long polls, say) leaves their handlers
+    running on the server's threads until they return, so counting calls would let it hold
+    more threads than its share.
+    """
 
     def __init__(self, authenticate: Authenticator, limit: int = MAX_CALLS_PER_CLIENT) -> None:
         self._authenticate = authenticate
@@ -39,23 +46,24 @@ class CallLimiter:
         self._open: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def __call__(self, context: grpc.ServicerContext) -> str:
-        """Authenticate the call and count it until it ends (or abort it)."""
+    @contextmanager
+    def admit(self, context: grpc.ServicerContext) -> Iterator[str]:
+        """Authenticate the call and count its handler while the block runs (or abort it)."""
         client_id = self._authenticate(context)
         with self._lock:
             count = self._open.get(client_id, 0)
             if count < self._limit:
                 self._open[client_id] = count + 1
         if count >= self._limit:
-            log.warning("client %s has %d calls open; refusing another", client_id, count)
+            log.warning("client %s has %d calls running; refusing another", client_id, count)
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"client {client_id} already has {count} calls open (the limit)",
             )
-        if not context.add_callback(lambda: self._closed(client_id)):
-            self._closed(client_id)  # the call already ended: its callback will never run
-            context.abort(grpc.StatusCode.CANCELLED, "the call ended before it was served")
-        return client_id
+        try:
+            yield client_id
+        finally:
+            self._closed(client_id)
 
     def _closed(self, client_id: str) -> None:
         with self._lock:
@@ -66,7 +74,7 @@ class CallLimiter:
                 self._open.pop(client_id, None)
 
     def open_calls(self, client_id: str) -> int:
-        """How many calls ``client_id`` has open now."""
+        """How many handlers of ``client_id`` run now."""
         with self._lock:
             return self._open.get(client_id, 0)
 
@@ -76,25 +84,50 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
 
     def __init__(self, coordinator: Coordinator, authenticate: Authenticator) -> None:
         self.coordinator = coordinator
-        self.authenticate = CallLimiter(authenticate)
+        self.limiter = CallLimiter(authenticate)
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:  # noqa: N802
         """Register the calling client."""
-        client_id = self.authenticate(context)
-        reply = self.coordinator.join(client_id, int(request.num_examples))
-        return serde.join_reply_to_proto(reply)
+        with self.limiter.admit(context) as client_id:
+            return self._join(client_id, request)
 
     def PollTask(self, request: pb.PollRequest, context: grpc.ServicerContext) -> pb.Task:  # noqa: N802
         """Long poll for the caller's next task."""
-        client_id = self.authenticate(context)
-        task = self.coordinator.poll(client_id, int(request.last_round))
-        return serde.task_to_proto(task)
+        with self.limiter.admit(context) as client_id:
+            return self._poll(client_id, request)
 
     def GetParameters(  # noqa: N802
         self, request: pb.ParametersRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.ParameterChunk]:
         """Stream the global shared parameters to a cohort member."""
-        client_id = self.authenticate(context)
+        with self.limiter.admit(context) as client_id:  # held until the stream is done
+            yield from self._parameters(client_id, request, context)
+
+    def SubmitUpdate(  # noqa: N802
+        self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext
+    ) -> pb.SubmitReply:
+        """Receive, validate and aggregate one client's update."""
+        with self.limiter.admit(context) as client_id:
+            return self._submit(client_id, request_iterator, context)
+
+    def SecAggExchange(  # noqa: N802
+        self, request: pb.SecAggMessage, context: grpc.ServicerContext
+    ) -> pb.SecAggMessage:
+        """One secure-aggregation stage; answers when the stage has closed for the cohort."""
+        with self.limiter.admit(context) as client_id:
+            return self._secagg(client_id, request, context)
+
+    def _join(self, client_id: str, request: pb.JoinRequest) -> pb.JoinReply:
+        reply = self.coordinator.join(client_id, int(request.num_examples))
+        return serde.join_reply_to_proto(reply)
+
+    def _poll(self, client_id: str, request: pb.PollRequest) -> pb.Task:
+        task = self.coordinator.poll(client_id, int(request.last_round))
+        return serde.task_to_proto(task)
+
+    def _parameters(
+        self, client_id: str, request: pb.ParametersRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.ParameterChunk]:
         try:
             version, params = self.coordinator.parameters(
                 client_id, int(request.round), bytes(request.nonce)
@@ -104,11 +137,12 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         yield from serde.parameters_to_chunks(version, params)
 
-    def SubmitUpdate(  # noqa: N802
-        self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext
+    def _submit(
+        self,
+        client_id: str,
+        request_iterator: Iterator[pb.UpdateChunk],
+        context: grpc.ServicerContext,
     ) -> pb.SubmitReply:
-        """Receive, validate and aggregate one client's update."""
-        client_id = self.authenticate(context)
         first = next(request_iterator, None)
         try:
             if first is None or first.WhichOneof("kind") != "header":
@@ -121,6 +155,13 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
                 head = first.header
                 self.coordinator.record_failure(client_id, int(head.round), head.nonce, str(exc))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:  # a server fault on this header: this client alone is refused
+            log.exception("update header from %s could not be checked", client_id)
+            why = f"the server could not check this update's header ({type(exc).__name__})"
+            if first is not None and first.WhichOneof("kind") == "header":
+                head = first.header
+                self.coordinator.record_failure(client_id, int(head.round), head.nonce, why)
+            context.abort(grpc.StatusCode.INTERNAL, why)
         error: str | None = None
         try:
             reader = serde.TensorStreamReader(ticket.expected, max_bytes=ticket.max_bytes)
@@ -142,11 +183,9 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         return pb.SubmitReply(accepted=True, message=f"round {header.round} update accepted")
 
-    def SecAggExchange(  # noqa: N802
-        self, request: pb.SecAggMessage, context: grpc.ServicerContext
+    def _secagg(
+        self, client_id: str, request: pb.SecAggMessage, context: grpc.ServicerContext
     ) -> pb.SecAggMessage:
-        """One secure-aggregation stage; answers when the stage has closed for the cohort."""
-        client_id = self.authenticate(context)
         round_, nonce = int(request.round), bytes(request.nonce)
         if request.stage in (pb.SECAGG_STAGE_WITHDRAW, pb.SECAGG_STAGE_ATTEND):
             try:

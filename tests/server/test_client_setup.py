@@ -31,8 +31,10 @@ def _join(config: str) -> JoinReply:
 
 
 #: As the server sends it: with the noise multiplier it calibrated (the file says 0, calibrate).
-QUICKSTART = (EXAMPLES / "quickstart.toml").read_text().replace(
-    "target_epsilon = 8.0\n", "target_epsilon = 8.0\nnoise_multiplier = 1.5\n", 1
+QUICKSTART = (
+    (EXAMPLES / "quickstart.toml")
+    .read_text()
+    .replace("target_epsilon = 8.0\n", "target_epsilon = 8.0\nnoise_multiplier = 1.5\n", 1)
 )
 assert "noise_multiplier = 1.5" in QUICKSTART
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -251,39 +252,68 @@ def test_one_client_cannot_hold_the_servers_workers(grpc_run_factory, small_para
         call.cancel()
 
 
-def test_the_call_limiter_counts_calls_until_they_end() -> None:
+def test_the_call_limiter_counts_handlers_until_they_return() -> None:
     from server.servicer import CallLimiter
 
     class Context:  # what the limiter uses of a grpc.ServicerContext
-        def __init__(self, ended: bool = False) -> None:
-            self.callbacks: list = []
-            self.ended = ended
-
-        def add_callback(self, fn) -> bool:  # type: ignore[no-untyped-def]
-            if self.ended:  # grpc: False, and the callback never runs
-                return False
-            self.callbacks.append(fn)
-            return True
-
         def abort(self, code, details):  # type: ignore[no-untyped-def]
             raise RuntimeError(f"{code}: {details}")
 
     limiter = CallLimiter(lambda ctx: "c0", limit=2)
-    first, second, third = Context(), Context(), Context()
-    assert limiter(first) == limiter(second) == "c0"
-    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED.*already has 2 calls open"):
-        limiter(third)
-    assert limiter.open_calls("c0") == 2 and third.callbacks == []  # a refusal is not counted
-    for fn in first.callbacks:  # the call ends: its place is free again
-        fn()
-    assert limiter.open_calls("c0") == 1
-    assert limiter(third) == "c0" and limiter.open_calls("c0") == 2
-    # a call that ended (client gone) before its handler ran is not left counted
-    for fn in third.callbacks:
-        fn()
-    with pytest.raises(RuntimeError, match="CANCELLED.*ended before it was served"):
-        limiter(Context(ended=True))
-    assert limiter.open_calls("c0") == 1
+    # Execute / Assert: two handlers run; a third is refused and not counted
+    with limiter.admit(Context()) as first, limiter.admit(Context()) as second:
+        assert first == second == "c0" and limiter.open_calls("c0") == 2
+        with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED.*already has 2 calls open"):
+            with limiter.admit(Context()):
+                pass  # pragma: no cover - refused
+        assert limiter.open_calls("c0") == 2
+    assert limiter.open_calls("c0") == 0
+    # a handler that fails (an abort raises) gives its place back too
+    with pytest.raises(ValueError):
+        with limiter.admit(Context()):
+            raise ValueError("bad message")
+    assert limiter.open_calls("c0") == 0
+
+
+def test_cancelled_calls_do_not_let_a_client_hold_more_threads(
+    grpc_run_factory, small_params
+) -> None:
+    # Prepare: client-1 opens long polls and cancels each at once, over and over: its
+    # handlers keep waiting on the server's threads after their calls have ended
+    import threading
+
+    from server.servicer import MAX_CALLS_PER_CLIENT
+
+    run = grpc_run_factory(small_params, clients=2, min_clients=2)
+    coord = run.coordinator
+    running = {"now": 0, "most": 0}
+    lock = threading.Lock()
+    real_poll = coord.poll
+
+    def counting_poll(client_id: str, last_round: int):  # type: ignore[no-untyped-def]
+        with lock:
+            if client_id == "client-1":
+                running["now"] += 1
+                running["most"] = max(running["most"], running["now"])
+        try:
+            return real_poll(client_id, last_round)
+        finally:
+            with lock:
+                if client_id == "client-1":
+                    running["now"] -= 1
+
+    coord.poll = counting_poll  # type: ignore[method-assign]
+    hog, other = _stub(run, "client-1"), _stub(run, "client-0")
+    hog.Join(pb.JoinRequest(num_examples=1), timeout=5)
+    # Execute: 60 polls, cancelled in fives
+    for _ in range(12):
+        calls = [hog.PollTask.future(pb.PollRequest(), timeout=10) for _ in range(5)]
+        time.sleep(0.05)
+        for call in calls:
+            call.cancel()
+    # Assert: never more of its handlers than its share; the other client is served
+    assert other.Join(pb.JoinRequest(num_examples=1), timeout=5).client_id == "client-0"
+    assert 0 < running["most"] <= MAX_CALLS_PER_CLIENT
 
 
 def test_refusals_and_the_others_finish(tmp_path: Path, grpc_run_factory, small_params) -> None:
@@ -351,3 +381,37 @@ def test_an_unreachable_server_is_reported_once_loudly_then_explained(
     line = explain_rpc_error(err.value, conn.address)
     assert line.startswith(f"server 127.0.0.1:{port}: UNAVAILABLE: ")
     assert "is the server running" in line
+
+
+def test_a_server_fault_on_one_header_refuses_that_client_alone(
+    grpc_run_factory, small_params
+) -> None:
+    # Prepare: checking client-1's header raises something that is not a protocol error
+    run = grpc_run_factory(small_params, clients=3, min_clients=2)
+    real = run.coordinator.open_upload
+
+    def open_upload(client_id, header, **kw):  # type: ignore[no-untyped-def]
+        if client_id == "client-1":
+            raise OverflowError("cannot convert float infinity to integer")
+        return real(client_id, header, **kw)
+
+    run.coordinator.open_upload = open_upload  # type: ignore[method-assign]
+    good = [_stub(run, "client-0"), _stub(run, "client-2")]
+    for stub in good:  # online, so that the first cohort holds all three
+        stub.Join(pb.JoinRequest(num_examples=5), timeout=10)
+    bad = _stub(run, "client-1")
+    task_bad = _task(bad)
+    # Execute / Assert: a named INTERNAL error (not UNKNOWN), recorded as that client's failure
+    with pytest.raises(grpc.RpcError) as refused:
+        bad.SubmitUpdate(_chunks(task_bad, small_params), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INTERNAL
+    assert refused.value.details() == (
+        "the server could not check this update's header (OverflowError)"
+    )
+    for stub in good:  # the round goes on with the others
+        stub.SubmitUpdate(_chunks(_task(stub), small_params), timeout=10)
+    run.driver.join(timeout=30)
+    assert run.coordinator.status == "completed"
+    assert run.coordinator.events[-1]["failed"] == {
+        "client-1": "the server could not check this update's header (OverflowError)"
+    }

@@ -555,27 +555,36 @@ def test_example_level_updates_are_averaged_unweighted_whatever_count_they_claim
 
 
 @pytest.mark.parametrize(
-    ("change", "message"),
+    ("change", "message", "local_steps"),
     [
-        ({"dp_epsilon": None}, "sent no example-level accounting \\(dp_epsilon\\)"),
-        ({"dp_steps": -3.0}, "dp_steps = -3, expected an integer in 0..10"),
-        ({"dp_steps": 1e12}, "dp_steps = 1e\\+12, expected an integer in 0..10"),
-        ({"dp_steps": 2.5}, "dp_steps = 2.5"),
-        ({"dp_sample_rate": 2.0}, "dp_sample_rate = 2, expected \\(0, 1\\]"),
-        ({"dp_noise_multiplier": 0.0}, "dp_noise_multiplier = 0, below the 0.05"),
-        ({"dp_epsilon": float("nan")}, "dp_epsilon not finite"),
+        ({"dp_epsilon": None}, "sent no example-level accounting \\(dp_epsilon\\)", 10),
+        ({"dp_steps": -3.0}, "dp_steps = -3, expected an integer in 0..10", 10),
+        ({"dp_steps": 1e12}, "dp_steps = 1e\\+12, expected an integer in 0..10", 10),
+        ({"dp_steps": 2.5}, "dp_steps = 2.5", 10),
+        ({"dp_sample_rate": 2.0}, "dp_sample_rate = 2, expected \\[1e-06, 1\\]", 10),
+        ({"dp_noise_multiplier": 0.0}, "dp_noise_multiplier = 0, below the 0.05", 10),
+        ({"dp_epsilon": float("nan")}, "dp_epsilon not finite", 10),
+        # epochs (local_steps 0): 1 / q steps an epoch; a tiny q once overflowed round(1 / q)
+        # and a huge step count made the server's accountant exhaust its memory
+        ({"dp_sample_rate": 5e-324}, "dp_sample_rate = 4.94066e-324, expected \\[1e-06", 0),
+        (
+            {"dp_sample_rate": 1e-6, "dp_steps": 1e17},
+            "dp_steps = 1e\\+17, expected an integer in 0..100000 ",
+            0,
+        ),  # fmt: skip
     ],
 )
 def test_example_level_figures_the_ledger_cannot_take_are_refused_at_upload(
-    tmp_path: Path, change: dict[str, float | None], message: str
+    tmp_path: Path, change: dict[str, float | None], message: str, local_steps: int
 ) -> None:
-    # Prepare: an example-level round; the task asks for 10 local steps
+    # Prepare: an example-level round; the task asks for 10 local steps (or 1 epoch)
     from fl_secure.errors import ProtocolError
     from fl_secure.messages import LocalTraining
 
     cfg = PrivacyConfig(unit="example", noise_multiplier=1.0, delta=1e-5)
     coord = _coordinator(tmp_path, cfg, rounds=1)
-    coord.settings = dataclasses.replace(coord.settings, training=LocalTraining(local_steps=10))
+    training = LocalTraining(local_steps=local_steps, local_epochs=1)
+    coord.settings = dataclasses.replace(coord.settings, training=training)
     metrics = {"dp_epsilon": 0.5, "dp_steps": 10.0, "dp_noise_multiplier": 1.0,
                "dp_sample_rate": 0.1}  # fmt: skip
     for key, value in change.items():
