@@ -55,7 +55,13 @@ from audits.leakage import (
     recover_fc_inputs,
     span_membership,
 )
-from audits.mechanism import audit_mechanism, mechanism_of_run
+from audits.mechanism import (
+    MAX_AUTO_TRIALS,
+    MIN_AUDIT_TRIALS,
+    audit_mechanism,
+    audit_size,
+    mechanism_of_run,
+)
 from audits.observations import (
     RunContext,
     View,
@@ -89,8 +95,8 @@ class AuditSettings:
     include_images: bool = False  # grids of real (non-synthetic) faces
     public_dir: Path | None = None  # identity folders of public faces (default: held-out)
     public_center_crop: int = 0  # centre crop of the public faces before resizing (LFW: 150)
-    canaries: int = 1000
-    trials: int = 1000
+    canaries: int | None = None  # None: sized to test the run's claim (mechanism.audit_size)
+    trials: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -109,7 +115,7 @@ class AuditSettings:
             ("--canary-trials", self.trials, 2),
             ("--seed", self.seed, 0),
         ):
-            if value < low:
+            if value is not None and value < low:
                 raise ConfigError(f"{name} = {value}: need {name} >= {low}")
 
 
@@ -626,9 +632,16 @@ def _audit_held(
             min_clients=run.config.server.min_clients,
             rounds=run.config.train.rounds,
         )
-        attacks["canary"] = audit_mechanism(
-            mech, canaries=cfg.canaries, trials=cfg.trials, seed=cfg.seed
-        )
+        size = audit_size(mech)
+        attacks["canary"] = {
+            **audit_mechanism(
+                mech, canaries=cfg.canaries or size, trials=cfg.trials or size, seed=cfg.seed
+            ),
+            "size_chosen": "--canary-trials"
+            if cfg.trials is not None
+            else "to test the accountant's epsilon (at least "
+            f"{MIN_AUDIT_TRIALS}, at most {MAX_AUTO_TRIALS})",
+        }
         bar.update()
     bar.close()
     results: dict[str, Any] = {

@@ -777,11 +777,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--public-crop", type=int, default=0, help="centre crop of --public (LFW: 150)")
     p.add_argument(
         "--canary-trials",
-        type=int,
-        default=1000,
+        type=positive_int("--canary-trials"),
+        default=None,
         help="canaries of the one-run audit and trials of the Clopper-Pearson audit (default: "
-        "1000, which can show an empirical epsilon of at most about 4.7: a larger claim needs "
-        "more, and the audit says how many)",
+        "sized so that the audit can test the run's epsilon, at least 1000 and at most 60000: "
+        "about 33000 for epsilon 8; 1000 can show at most about 4.7)",
     )
     p.add_argument("--seed", type=int, default=0, help="attacker and audit randomness (default: 0)")
     p.add_argument(

@@ -274,6 +274,26 @@ def test_a_mechanism_with_less_noise_than_it_claims_is_flagged() -> None:
     assert codes == {"audit-exceeds-accountant"}
 
 
+def test_the_audit_sizes_itself_to_test_the_claim() -> None:
+    from audits.mechanism import MAX_AUTO_TRIALS, audit_size, trials_to_test
+
+    # Prepare: claims of epsilon 8 (one round), 1 and none; one of 12
+    z = calibrate_noise(target_epsilon=8.0, sample_rate=1.0, steps=1, delta=1e-5)
+    eight = Mechanism(z, 1.0, 3.0, "central", 1, 1.0, 0, 3, 1e-5, 8.0)
+    # Execute / Assert: 1.25 x the fewest trials that can show more than 8 (26130)
+    n = audit_size(eight)
+    assert n == 32_664 and n > trials_to_test(8.0, 1e-5, 0.025) == 26_130
+    assert audit_mechanism(eight, canaries=n, trials=n, seed=3)["can_test_accountant"] is True
+    assert audit_size(dataclasses.replace(eight, accountant_epsilon=1.0)) == 1000
+    assert audit_size(dataclasses.replace(eight, accountant_epsilon=None)) == 1000
+    # no audit up to the cap can test 12: the cap, and the audit says it cannot test
+    twelve = dataclasses.replace(eight, accountant_epsilon=12.0)
+    assert audit_size(twelve) == MAX_AUTO_TRIALS
+    capped = audit_mechanism(twelve, canaries=MAX_AUTO_TRIALS, trials=MAX_AUTO_TRIALS, seed=3)
+    assert capped["can_test_accountant"] is False
+    assert capped["largest_bound_this_audit_can_show"] == pytest.approx(8.83, abs=0.01)
+
+
 def test_an_audit_sized_for_epsilon_8_can_refute_a_mechanism_without_noise() -> None:
     from audits.mechanism import trials_to_test
 
