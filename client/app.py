@@ -412,6 +412,13 @@ class FlClient:
             )
             self._withdraw(stub, task, pb.WITHDRAW_REASON_MESSAGE_REFUSED)
             return
+        try:  # a round id this site has seen is a replay: refused before any stage
+            parsed = (CkksSetup if ckks else RoundSetup).from_bytes(task.secagg_setup)
+            self._first_use(parsed.round_id)
+        except FlSecureError as exc:
+            log.error("round %d: refused: %s", task.round, exc)
+            self._withdraw(stub, task, pb.WITHDRAW_REASON_MESSAGE_REFUSED)
+            return
         if self._signing is None and not ckks:
             self._signing = (
                 load_signing_key(self.conn.cert_dir, self.conn.client_id),
@@ -545,6 +552,14 @@ class FlClient:
         log.info("round %d: masked update in the secure sum", task.round)
         self.last_round = task.round
         self.rounds_done += 1
+
+    def _first_use(self, round_id: bytes) -> None:
+        """Refuse a secure round whose id this site has seen (kept in its site ledger)."""
+        if not self.site.first_use(round_id):
+            raise ProtocolError(
+                f"secure round id {round_id.hex()} was used before: a replayed round (its "
+                "signed key advertisements could be an earlier round's)"
+            )
 
     def _withdraw(
         self, stub: pb_grpc.FlSecureStub, task: Task, reason: pb.WithdrawReason.ValueType

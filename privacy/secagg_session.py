@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import secrets
 import struct
 import time
 from collections import OrderedDict
@@ -226,7 +227,7 @@ def make_setup(
     ddg: tuple[float, float, int] | None = None,
     min_inputs: int = 0,
 ) -> RoundSetup:
-    """The setup of one attempt of a round (a fresh round id for every attempt).
+    """The setup of one attempt of a round (a fresh, random round id for every attempt).
 
     ``min_inputs``: the fewest masked inputs the sum may be unmasked with (the round's
     ``server.min_clients``: a sum of fewer would be discarded anyway, and under distributed
@@ -240,7 +241,10 @@ def make_setup(
     n = len(cohort)
     k, threshold = neighbourhood(cfg, n)
     neighbours = 0 if k == n - 1 else k
-    round_id = hashlib.sha256(f"fl-secure/secagg/{run_id}/{round_}/{attempt}".encode()).digest()
+    # Random as well as named: a resumed run repeats a round's number and attempt, and a
+    # repeated id would let adverts signed for the earlier attempt be replayed in this one
+    tag = f"fl-secure/secagg/{run_id}/{round_}/{attempt}/".encode() + secrets.token_bytes(16)
+    round_id = hashlib.sha256(tag).digest()
     encoding, sigma, clip_norm = "fixed_point", 0.0, 0.0
     if ddg is not None:
         encoding = "ddg"

@@ -213,6 +213,8 @@ class SiteLedger:
         self.delta = delta
         self.colluding_peers = colluding_peers
         self.releases: list[Release] = []
+        #: Secure-aggregation round ids (hex) this site has taken part in: never twice.
+        self.secure_rounds: list[str] = []
         self._load()
 
     # ------------------------------------------------------------ persistence
@@ -235,6 +237,10 @@ class SiteLedger:
         if not isinstance(rows, list):
             raise PrivacyError(f"{where}: 'releases' must be a list")
         self.releases = [Release.from_dict(row, where) for row in rows]
+        ids = doc.get("secure_round_ids", [])
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise PrivacyError(f"{where}: 'secure_round_ids' must be a list of strings")
+        self.secure_rounds = ids
 
     def _save(self) -> None:
         if self.path is None:
@@ -246,6 +252,7 @@ class SiteLedger:
                 "format": FORMAT,
                 "version": VERSION,
                 "releases": [asdict(r) for r in self.releases],
+                "secure_round_ids": self.secure_rounds,
             },
         )
 
@@ -357,6 +364,24 @@ class SiteLedger:
             self.releases.pop()
             raise PrivacyError(f"cannot write the site ledger {self.path}: {exc}") from exc
         return row
+
+    def first_use(self, round_id: bytes) -> bool:
+        """Record that this site takes part in secure round ``round_id``; False if it did before.
+
+        A secure round's id is random for every attempt (``make_setup``), and the site's
+        signed key advertisement names it: a round id seen again is a replay, in which
+        adverts signed for the earlier round could be passed off as this one's.
+        """
+        key = round_id.hex()
+        if key in self.secure_rounds:
+            return False
+        self.secure_rounds.append(key)
+        try:
+            self._save()
+        except OSError as exc:
+            self.secure_rounds.pop()
+            raise PrivacyError(f"cannot write the site ledger {self.path}: {exc}") from exc
+        return True
 
     def attempts(self, run_id: str, round_: int) -> int:
         """Updates this site released for one round of one run."""

@@ -841,7 +841,9 @@ class Coordinator:
         assert cfg is not None
         if not self.settings.ckks_public_context:
             raise RoundAborted("secure_aggregation.scheme = 'ckks' but no CKKS context is loaded")
-        tag = f"fl-secure/ckks/{self.settings.run_id}/{number}/{attempt}".encode()
+        # random too: a resumed run repeats the round's number and attempt
+        tag = f"fl-secure/ckks/{self.settings.run_id}/{number}/{attempt}/".encode()
+        tag += secrets.token_bytes(16)
         setup = CkksSetup(
             round_id=hashlib.sha256(tag).digest()[:16],
             cohort=tuple(sorted(cohort)),

@@ -342,3 +342,51 @@ def test_a_site_budget_stops_releases_and_withdraws_from_a_secure_round(
     assert "above its budget of 4" in caplog.text
     assert trainer.trained == 0 and stub.uploads == 0
     assert stub.withdrawals == [pb.WITHDRAW_REASON_DECLINED]
+
+
+def test_a_secure_round_id_seen_before_is_refused_also_after_a_restart(tmp_path: Path) -> None:
+    from privacy.ckks_session import CkksSetup
+    from privacy.secagg_session import make_setup
+    from privacy.site_ledger import SiteLedger
+
+    # Prepare: a CKKS run; this site took part in round id r...r before its restart
+    config = config_from_dict(
+        {"partition": {"num_clients": 3}, "server": {"min_clients": 2},
+         "secure_aggregation": {"scheme": "ckks"}}
+    )  # fmt: skip
+    assert SiteLedger(tmp_path / "state").first_use(b"r" * 16)
+    client = FlClient(
+        Connection("localhost:1", "client-0", cert_dir=tmp_path),
+        lambda r: None,  # type: ignore[arg-type,return-value]
+        site=SiteLedger(tmp_path / "state"),
+    )
+    client._hold_run_config(config_to_toml(config))
+    client.trainer = object()  # type: ignore[assignment]  # never asked to train
+    setup = CkksSetup(round_id=b"r" * 16, cohort=("client-0", "client-1"), layers=None,
+                      min_count=2).to_bytes()  # fmt: skip
+    task = Task(kind=TaskKind.TRAIN, round=1, nonce=b"n" * 16, secagg_setup=setup)
+    calls: list[object] = []
+
+    class Stub:
+        class SecAggExchange:  # noqa: N801 - the gRPC method name
+            def __new__(cls, message, metadata, timeout):  # type: ignore[misc]
+                calls.append(message)
+
+            @staticmethod
+            def future(*args, **kwargs):  # noqa: ANN205
+                raise AssertionError("a stage was started")
+
+    # Execute
+    client._secure_round(Stub(), task, lambda: OrderedDict(), 0.0)  # type: ignore[arg-type]
+    # Assert: withdrawn before any stage; and the server draws a new id for every attempt,
+    # also for a round number and attempt a resumed run repeats
+    from fl_secure.v1 import transport_pb2 as pb
+
+    assert [(m.stage, m.withdraw_reason) for m in calls] == [
+        (pb.SECAGG_STAGE_WITHDRAW, pb.WITHDRAW_REASON_MESSAGE_REFUSED)
+    ]
+    args = {"run_id": "run", "round_": 3, "attempt": 0, "cohort": ["a", "b", "c"],
+            "vector_length": 10}  # fmt: skip
+    first, again = (make_setup(SECURE.secure_aggregation, **args) for _ in range(2))  # type: ignore[arg-type]
+    assert first.round_id != again.round_id and len(first.round_id) == 16
+    assert dataclasses.replace(first, round_id=again.round_id) == again
