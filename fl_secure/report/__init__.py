@@ -72,7 +72,18 @@ def write_report(
         print_pdf(out / "report.html", out / "report.pdf", chromium)
         written["pdf"] = out / "report.pdf"
     files = {p.name for p in written.values()} | set(svgs) | set(images)
-    for name in sorted(_previous_files(out) - files):  # stale: an old PDF, a rerun's grid
+    previous = _previous_files(out)
+    if previous is None:  # no record: nothing here is provably an earlier report's
+        names = (f"report.{f}" for f in FORMATS)
+        kept = [name for name in names if name not in files and (out / name).is_file()]
+        if kept:
+            log.warning(
+                "%s has no %s: %s left as they are (not provably written by fl-secure)",
+                out,
+                WRITTEN,
+                ", ".join(kept),
+            )
+    for name in sorted((previous or set()) - files):  # stale: an old PDF, a rerun's grid
         (out / name).unlink(missing_ok=True)
     atomic_write_bytes(out / WRITTEN, (json.dumps(sorted(files), indent=1) + "\n").encode())
     return written
@@ -82,22 +93,22 @@ def write_report(
 WRITTEN = "report-files.json"
 
 
-def _previous_files(out: Path) -> set[str]:
+def _previous_files(out: Path) -> set[str] | None:
     """The files the previous report wrote into ``out`` (other files are never touched).
 
     Once the new report is written, those it did not write again are removed: no stale file
-    (an old PDF, a grid of an audit since rerun) may sit beside a new report.
+    (an old PDF, a grid of an audit since rerun) may sit beside a new report. Without the
+    record (a folder of the user's, or a report written before the record existed) it is
+    None: nothing is removed, since a ``report.md`` there may be the user's own.
     """
     record = out / WRITTEN
-    names: list[str] = []
-    if record.is_file():
-        try:
-            loaded = json.loads(record.read_text(encoding="utf-8"))
-        except (ValueError, OSError):
-            loaded = []
-        names = [n for n in loaded if isinstance(n, str)] if isinstance(loaded, list) else []
-    else:  # a report folder written before the record existed: its own fixed names
-        names = [f"report.{f}" for f in FORMATS]
+    if not record.is_file():
+        return None
+    try:
+        loaded = json.loads(record.read_text(encoding="utf-8"))
+    except (ValueError, OSError):
+        loaded = []
+    names = [n for n in loaded if isinstance(n, str)] if isinstance(loaded, list) else []
     return {n for n in names if Path(n).name == n and not n.startswith(".") and n != WRITTEN}
 
 

@@ -717,3 +717,26 @@ def test_the_ledgers_notes_are_in_the_report(tmp_path: Path) -> None:
     section, entries = _ledger(path, {})
     assert section["verified"] and len(entries) == 1
     assert section["notes"] == [{"round": 3, "message": "sum discarded"}]
+
+
+def test_an_out_folder_without_a_record_keeps_the_users_own_report_files(
+    run_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Prepare: a folder of the user's, with files named as a report's, and no report-files.json
+    out = tmp_path / "my-documents"
+    out.mkdir()
+    (out / "report.pdf").write_bytes(b"%PDF-1.4 the quarterly report I wrote myself")
+    (out / "report.md").write_text("# my own notes")
+    # Execute: a JSON-only report into it
+    with caplog.at_level("WARNING", logger="fl_secure.report"):
+        write_report(run_dir, ["json"], out=out)
+    # Assert: nothing it did not write is removed; the kept files are named in the log
+    assert (out / "report.pdf").read_bytes() == b"%PDF-1.4 the quarterly report I wrote myself"
+    assert (out / "report.md").read_text() == "# my own notes"
+    assert "report.md, report.pdf left as they are" in caplog.text
+    listed = json.loads((out / "report-files.json").read_text())
+    assert "report.json" in listed and "report.md" not in listed and "report.pdf" not in listed
+    # the next report has the record: the user's files are still not its to remove
+    write_report(run_dir, ["json"], out=out)
+    assert (out / "report.md").read_text() == "# my own notes"
+    assert (out / "report.pdf").is_file()
