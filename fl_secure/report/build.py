@@ -171,7 +171,9 @@ def _epsilon_by_round(entries: list[Entry]) -> list[dict[str, Any]]:
     A client-level release the server saw in a discarded attempt is a row of its own (marked
     ``discarded_sum``): it is composed like a round.
 
-    Example-level rows are each client's running total; a round's is the largest of them.
+    Example-level rows are each client's running total; a round's is the largest total of
+    every client so far (a client without a row in that round keeps its latest), so the
+    series never goes down.
     """
     from privacy.ledger import CLIENT_KINDS
 
@@ -183,15 +185,20 @@ def _epsilon_by_round(entries: list[Entry]) -> list[dict[str, Any]]:
     ]
     if rows:
         return rows
-    by_round: dict[int, dict[str, Any]] = {}
-    for e in entries:
-        eps = e.payload.get("epsilon")
-        if e.kind != "example_level" or not isinstance(eps, (int, float)):
-            continue
-        best = by_round.get(e.round)
-        if best is None or eps > best["epsilon"]:
-            by_round[e.round] = {"round": e.round, "epsilon": eps, "at": e.created_at}
-    return [by_round[r] for r in sorted(by_round)]
+    example = [
+        (e, eps)
+        for e in entries
+        if e.kind == "example_level"
+        and isinstance(eps := e.payload.get("epsilon"), (int, float))
+        and not isinstance(eps, bool)
+    ]
+    latest: dict[str, tuple[Entry, float]] = {}  # each client's running total so far
+    out = []
+    for number in sorted({e.round for e, _ in example}):
+        latest.update((e.party, (e, eps)) for e, eps in example if e.round == number)
+        top, eps = max(latest.values(), key=lambda row: row[1])
+        out.append({"round": number, "epsilon": eps, "at": top.created_at})
+    return out
 
 
 def _shared_value(values: list[Any]) -> Any:

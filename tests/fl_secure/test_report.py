@@ -740,3 +740,21 @@ def test_an_out_folder_without_a_record_keeps_the_users_own_report_files(
     write_report(run_dir, ["json"], out=out)
     assert (out / "report.md").read_text() == "# my own notes"
     assert (out / "report.pdf").is_file()
+
+
+def test_example_level_epsilon_by_round_carries_each_clients_total_forward() -> None:
+    from fl_secure.report.build import _epsilon_by_round
+    from privacy.ledger import Entry
+
+    def row(seq: int, round_: int, party: str, eps: float) -> Entry:
+        return Entry(seq, "example_level", round_, party, {"epsilon": eps}, f"t{seq}", "", "")
+
+    # client-0 spent 5.0 in round 1 and has no row in rounds 2 and 3: its total stays 5.0
+    rows = [row(1, 1, "client-0", 5.0), row(2, 1, "client-1", 1.0), row(3, 2, "client-1", 2.0),
+            row(4, 3, "client-1", 6.0)]  # fmt: skip
+    series = _epsilon_by_round(rows)
+    assert [(r["round"], r["epsilon"], r["at"]) for r in series] == [
+        (1, 5.0, "t1"),
+        (2, 5.0, "t1"),
+        (3, 6.0, "t4"),
+    ]
