@@ -109,7 +109,20 @@ def _model(run: RunDir, entries: list[Entry]) -> dict[str, Any]:
         "checkpoints/latest.json and the parameters file it names; ledger.sqlite "
         "(model_sha256 of that round's rows)"
     )
-    return {**released_model_of_run(run.path, entries), "source": source}
+    model = {**released_model_of_run(run.path, entries), "source": source}
+    named = [
+        (e.round, str(e.payload["model_sha256"]))
+        for e in entries
+        if e.kind in ("client_level", "example_level") and "model_sha256" in e.payload
+    ]
+    if model["checkpoint"] is None and model["problem"] is None and named:
+        round_, digest = max(named)  # the last model the ledger says the run released
+        model["problem"] = (
+            f"the released model is missing: the ledger's rows of round {round_} name a model "
+            f"with SHA-256 {digest[:16]}, but the run has no checkpoint "
+            "(checkpoints/latest.json is absent)"
+        )
+    return model
 
 
 def _ledger(path: Path, summary: dict[str, Any]) -> tuple[dict[str, Any], list[Entry]]:
@@ -569,7 +582,9 @@ def _warnings(
             }
         )
     model = report.get("model") or {}
-    if model.get("problem"):
+    if model.get("problem") and not model.get("checkpoint"):
+        w.append({"code": "model-missing", "message": f"{model['problem']}."})
+    elif model.get("problem"):
         w.append({"code": "model-not-the-released-one", "message": f"{model['problem']}."})
     elif led.get("present") and model.get("sha256") and model.get("ledger_sha256") is None:
         w.append(

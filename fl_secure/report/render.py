@@ -337,7 +337,8 @@ def grid_captions(audit: dict[str, Any] | None) -> dict[str, str]:
 def model_line(model: dict[str, Any] | None) -> str:
     """The released model's file and SHA-256, and whether the ledger names that file."""
     if not model or not model.get("checkpoint"):
-        return "no checkpoint"
+        problem = (model or {}).get("problem")
+        return "no checkpoint" + (f"; PROBLEM: {problem}" if problem else "")
     if not model.get("sha256"):
         return f"{model['checkpoint']}: {model.get('problem') or 'unreadable'}"
     line = f"{model['checkpoint']} (round {model['round']}), SHA-256 {model['sha256']}"

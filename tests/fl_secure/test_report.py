@@ -758,3 +758,25 @@ def test_example_level_epsilon_by_round_carries_each_clients_total_forward() -> 
         (2, 5.0, "t1"),
         (3, 6.0, "t4"),
     ]
+
+
+def test_a_missing_released_model_is_a_problem_and_a_warning(run_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = _copy_run(run_dir, tmp_path / "run")
+    with Ledger.read(copy / "ledger.sqlite") as ledger:
+        named = {e.round: e.payload["model_sha256"] for e in ledger.entries()
+                 if e.kind == "client_level"}  # fmt: skip
+    shutil.rmtree(copy / "checkpoints")
+    report = build_report(copy)
+    problem = report["model"]["problem"]
+    assert report["model"]["checkpoint"] is None
+    assert problem.startswith("the released model is missing: the ledger's rows of round 3 ")
+    assert f"SHA-256 {named[3][:16]}" in problem
+    warned = {w["code"]: w["message"] for w in report["warnings"]}
+    assert warned["model-missing"] == f"{problem}."
+    md = write_report(copy, ["md"], out=tmp_path / "out")["md"].read_text()
+    assert "no checkpoint; PROBLEM: the released model is missing" in md
+    # a run whose ledger names no model (no DP rows): no checkpoint is no problem
+    (copy / "ledger.sqlite").unlink()
+    assert build_report(copy)["model"]["problem"] is None
