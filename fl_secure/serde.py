@@ -35,6 +35,21 @@ _PREALLOCATE_BYTES = 64 * 1024 * 1024
 #: (they are stored in metrics.jsonl and summary.json every round; clients send about 15).
 MAX_METRICS = 256
 MAX_METRIC_NAME = 100
+#: The characters of a client's tensor name quoted in an error (it reaches logs, the round's
+#: record, summary.json and the report).
+QUOTED_NAME_CHARS = 64
+
+
+def quoted_name(name: str) -> str:
+    """A client-chosen ``name`` for an error message: its first characters, as a repr.
+
+    The repr escapes line breaks and control characters; a longer name is cut and marked.
+    """
+    cut = name[:QUOTED_NAME_CHARS]
+    return repr(cut) + (
+        f" (first {QUOTED_NAME_CHARS} of {len(name)} characters)" if cut != name else ""
+    )
+
 
 _DTYPES: dict[pb.DType.ValueType, np.dtype] = {
     pb.DTYPE_FLOAT32: np.dtype("<f4"),
@@ -178,18 +193,22 @@ class TensorStreamReader:
     def add_header(self, header: pb.TensorHeader) -> None:
         """Start a new tensor; the previous one must be complete."""
         if self._current is not None:
-            raise ProtocolError(f"tensor {self._current.name!r} is incomplete")
+            raise ProtocolError(f"tensor {quoted_name(self._current.name)} is incomplete")
         index = len(self.tensors)
         dtype = dtype_from_proto(header.dtype)
         shape = tuple(int(s) for s in header.shape)
         if any(s < 0 for s in shape):
-            raise ProtocolError(f"tensor {header.name!r} has a negative dimension {shape}")
+            raise ProtocolError(
+                f"tensor {quoted_name(header.name)} has a negative dimension {shape}"
+            )
         if self._expected is not None:
             if index >= len(self._expected):
-                raise ProtocolError(f"unexpected extra tensor {header.name!r}")
+                raise ProtocolError(f"unexpected extra tensor {quoted_name(header.name)}")
             spec = self._expected[index]
             if header.name != spec.name:
-                raise ProtocolError(f"tensor #{index} is {header.name!r}, expected {spec.name!r}")
+                raise ProtocolError(
+                    f"tensor #{index} is {quoted_name(header.name)}, expected {spec.name!r}"
+                )
             if dtype != spec.dtype.newbyteorder("<") and dtype != spec.dtype:
                 raise ProtocolError(
                     f"tensor {spec.name!r} has dtype {dtype}, expected {spec.dtype}"
@@ -199,19 +218,20 @@ class TensorStreamReader:
                     f"tensor {spec.name!r} has shape {shape}, expected {spec.shape}"
                 )
         elif header.name in self.tensors:
-            raise ProtocolError(f"tensor {header.name!r} sent twice")
+            raise ProtocolError(f"tensor {quoted_name(header.name)} sent twice")
         num_bytes = math.prod(shape) * dtype.itemsize  # exact: no int64 wrap-around
         if header.num_bytes != num_bytes:
             raise ProtocolError(
-                f"tensor {header.name!r} declares {header.num_bytes} bytes, "
+                f"tensor {quoted_name(header.name)} declares {header.num_bytes} bytes, "
                 f"its shape and dtype need {num_bytes}"
             )
         if self._received + num_bytes > self._max_bytes:
             raise ProtocolError(
-                f"upload exceeds the limit of {self._max_bytes} bytes at tensor {header.name!r}"
+                f"upload exceeds the limit of {self._max_bytes} bytes at tensor "
+                f"{quoted_name(header.name)}"
             )
         if len(header.sha256) != 32:
-            raise ProtocolError(f"tensor {header.name!r} has no valid SHA-256 digest")
+            raise ProtocolError(f"tensor {quoted_name(header.name)} has no valid SHA-256 digest")
         self._current = header
         # Allocated as the data arrives past the first 64 MiB: a header alone (a size the
         # peer declares) cannot make this process allocate memory no data backs.
@@ -229,7 +249,9 @@ class TensorStreamReader:
             raise ProtocolError(f"data chunk of {len(data)} bytes exceeds {MAX_CHUNK_BYTES}")
         end = self._filled + len(data)
         if end > self._declared:
-            raise ProtocolError(f"tensor {self._current.name!r} receives more bytes than declared")
+            raise ProtocolError(
+                f"tensor {quoted_name(self._current.name)} receives more bytes than declared"
+            )
         if end > len(self._buffer):  # grow geometrically, never past the declared size
             grown = min(self._declared, max(end, 2 * len(self._buffer)))
             self._buffer.extend(bytes(grown - len(self._buffer)))
@@ -243,11 +265,11 @@ class TensorStreamReader:
         if header is None or buffer is None:  # pragma: no cover - guarded by callers
             raise ProtocolError("no tensor in progress")
         if hashlib.sha256(buffer).digest() != header.sha256:
-            raise ProtocolError(f"tensor {header.name!r} fails its SHA-256 digest check")
+            raise ProtocolError(f"tensor {quoted_name(header.name)} fails its SHA-256 digest check")
         dtype = dtype_from_proto(header.dtype)
         array = np.frombuffer(buffer, dtype=dtype).reshape(tuple(header.shape))
         if self._require_finite and dtype.kind == "f" and not np.isfinite(array).all():
-            raise ProtocolError(f"tensor {header.name!r} contains NaN or Inf")
+            raise ProtocolError(f"tensor {quoted_name(header.name)} contains NaN or Inf")
         self.tensors[header.name] = array
         self._received += len(buffer)
         self._current, self._buffer = None, None
@@ -255,7 +277,7 @@ class TensorStreamReader:
     def finish(self) -> Tensors:
         """Check that the stream is complete and return the tensors in order."""
         if self._current is not None:
-            raise ProtocolError(f"stream ended inside tensor {self._current.name!r}")
+            raise ProtocolError(f"stream ended inside tensor {quoted_name(self._current.name)}")
         if self._expected is not None and len(self.tensors) != len(self._expected):
             missing = [s.name for s in self._expected[len(self.tensors) :]]
             raise ProtocolError(f"stream ended before tensors {missing}")

@@ -10,8 +10,10 @@ import base64
 import html
 import json
 import math
+import re
 import shutil
 import subprocess
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -557,23 +559,46 @@ def render_html(
 
 
 # ------------------------------------------------------------------ Markdown
+#: Markdown's inline syntax: code, emphasis, links and images, tables, strikethrough, escapes.
+#: An underscore inside a word (``tar_at_far``) is no emphasis and is left as it is.
+_MD_SPECIAL = re.compile(r"[\\`*\[\]|~]|(?<![^\W_])_|_(?![^\W_])")
+#: What would start a block (heading, list, quote) at the start of a line.
+_MD_BLOCK_START = re.compile(r"^(\s*(?:\d{1,9})?)([#+=.)-])(?=[\s#=-]|$)")
+
+
+def md_text(value: Any) -> str:
+    """``value`` as literal Markdown text on one line: nothing in it is markup.
+
+    Text in a report can come from a client (a refused upload's tensor name reaches the stop
+    reason); no link, image (a remote pixel), raw HTML or table cell may be made of it.
+    HTML's ``& < >`` become entities, Markdown's metacharacters are backslash-escaped, and
+    line breaks become spaces.
+    """
+    text = " ".join(str(value).splitlines())
+    text = html.escape(text, quote=False)
+    text = _MD_SPECIAL.sub(lambda m: "\\" + m.group(0), text)
+    return _MD_BLOCK_START.sub(lambda m: m.group(1) + "\\" + m.group(2), text)
+
+
 def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
-    """The same content as Markdown (plots as the SVG files beside it)."""
+    """The same content as Markdown (plots as the SVG files beside it).
+
+    Every value and message goes through :func:`md_text`; only the report's own structure
+    (headings, tables, emphasis, the plot and grid files' links) is markup.
+    """
     p, led, sa, tm, u = (
         report[k] for k in ("privacy", "ledger", "secure_aggregation", "threat_model", "utility")
     )
+    t = md_text
 
     def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-        def cell(c: str) -> str:
-            return c.replace("|", "\\|").replace("\n", " ")
-
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+        lines = ["| " + " | ".join(t(h) for h in header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(t(c) for c in row) + " |" for row in rows]
         return "\n".join(lines)
 
-    out = [f"# Compliance report — {report['run']['name']}", "", "## Warnings", ""]
-    out += [f"- **{w['code']}**: {w['message']}" for w in report["warnings"]] or ["None."]
-    out += ["", "## Summary", ""] + [f"- {line}" for line in report["plain_summary"]]
+    out = [f"# Compliance report — {t(report['run']['name'])}", "", "## Warnings", ""]
+    out += [f"- **{t(w['code'])}**: {t(w['message'])}" for w in report["warnings"]] or ["None."]
+    out += ["", "## Summary", ""] + [f"- {t(line)}" for line in report["plain_summary"]]
     out += ["", "## Run", "", table(["item", "value"], _run_rows(report["run"]))]
     out += [
         "",
@@ -588,7 +613,7 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
     if led.get("present"):
         out.append(
             f"Hash chain: **{'verified' if led['verified'] else 'FAILED'}**, "
-            f"{led['entries']} entries, head `{led['head']}`. {_against(led)}"
+            f"{t(led['entries'])} entries, head {t(led['head'])}. {t(_against(led))}"
         )
         out += ["", "![epsilon versus round](epsilon.svg)"]
         if led["example_level"]:
@@ -597,13 +622,13 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
                 table(*_example_rows(led)),
             ]
     else:
-        out.append(_no_ledger(led))
+        out.append(t(_no_ledger(led)))
     out += [
         "",
         "## Secure aggregation",
         "",
-        f"Scheme **{sa['scheme']}**; server sees: {fmt(sa['server_sees'])}; aborted rounds: "
-        f"{fmt(sa['aborted_rounds']) if sa['aborted_rounds'] else 'none'}.",
+        f"Scheme **{t(sa['scheme'])}**; server sees: {t(fmt(sa['server_sees']))}; aborted "
+        f"rounds: {t(fmt(sa['aborted_rounds'])) if sa['aborted_rounds'] else 'none'}.",
     ]
     if sa["rounds"]:
         out += [
@@ -626,7 +651,7 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
         "",
         "## Threat model and design",
         "",
-        f"Exposure **{fmt(tm['exposure'])}**: {tm['design']}.",
+        f"Exposure **{t(fmt(tm['exposure']))}**: {t(tm['design'])}.",
     ]
     if tm.get("audit"):
         out += ["", table(AUDIT_HEADER, [_audit_summary_row(r) for r in tm["audit_summary"]])]
@@ -634,8 +659,8 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
         out += [table(["attack / view", "measure", "value", "chance"], _audit_rows(tm["audit"]))]
         out += ["", "(All of them, with the threat model and settings: `audit/results.json`.)"]
         captions = grid_captions(tm["audit"])
-        out += [f"\n![{captions.get(name, name)}]({name})\n\n*{captions.get(name, name)}*"
-                for name in image_files]  # fmt: skip
+        out += [f"\n![{t(captions.get(name, name))}]({urllib.parse.quote(name)})\n\n"
+                f"*{t(captions.get(name, name))}*" for name in image_files]  # fmt: skip
     out += [
         "",
         "## Utility",

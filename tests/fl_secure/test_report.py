@@ -780,3 +780,26 @@ def test_a_missing_released_model_is_a_problem_and_a_warning(run_dir: Path, tmp_
     # a run whose ledger names no model (no DP rows): no checkpoint is no problem
     (copy / "ledger.sqlite").unlink()
     assert build_report(copy)["model"]["problem"] is None
+
+
+def test_client_chosen_text_in_the_stop_reason_is_text_in_the_markdown(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    import html as html_module
+
+    from fl_secure.report.render import md_text
+
+    copy = _copy_run(run_dir, tmp_path / "run")
+    reason = (
+        "round 1 aborted: fewer than 2 updates after 1 attempt; in the last attempt client-1: "
+        "tensor #0 is '![](https://attacker.example/pixel.png)<img src=x onerror=alert(1)>', "
+        "expected 'w'"
+    )
+    _edit_json(copy / "summary.json", lambda s: s.update(status="aborted", reason=reason))
+    written = write_report(copy, ["md", "html"], out=tmp_path / "out")
+    md, page = written["md"].read_text(), written["html"].read_text()
+    # the reason is shown (in the run table and the run-not-completed warning), as text
+    assert f"| Reason | {md_text(reason)} |" in md
+    assert f"- **run-not-completed**: The run ended with status 'aborted': {md_text(reason)}" in md
+    assert "![](" not in md and "<img" not in md and "attacker.example/pixel.png)" in md
+    assert html_module.escape(reason) in page and "<img src=x" not in page
