@@ -466,6 +466,10 @@ def render_html(
         if led["example_level"]:
             parts.append("<h3>Example-level epsilon per client</h3>")
             parts.append(table(*_example_rows(led)))
+        if led.get("notes"):
+            parts.append("<h3>Ledger notes</h3><ul class='notes'>")
+            parts += [f"<li>{e(line)}</li>" for line in _note_lines(led)]
+            parts.append("</ul>")
     else:
         parts.append(f"<p>{e(_no_ledger(led))}</p>")
     parts.append("<h2>Secure aggregation</h2>")
@@ -621,6 +625,8 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
                 "",
                 table(*_example_rows(led)),
             ]
+        if led.get("notes"):
+            out += ["", "### Ledger notes", ""] + [f"- {t(line)}" for line in _note_lines(led)]
     else:
         out.append(t(_no_ledger(led)))
     out += [
@@ -744,6 +750,11 @@ def print_pdf(html_path: Path, pdf_path: Path, chromium: str) -> None:
     if not data.startswith(b"%PDF-"):
         raise FlSecureError(f"{chromium} exited without writing a PDF")
     atomic_write_bytes(Path(pdf_path), data)
+
+
+def _note_lines(led: dict[str, Any]) -> list[str]:
+    """The ledger's notes (a discarded sum the server saw, a budget stop), one per line."""
+    return [f"Round {fmt(n.get('round'))}: {fmt(n.get('message'))}" for n in led["notes"]]
 
 
 def _no_ledger(led: dict[str, Any]) -> str:

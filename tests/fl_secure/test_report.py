@@ -803,3 +803,25 @@ def test_client_chosen_text_in_the_stop_reason_is_text_in_the_markdown(
     assert f"- **run-not-completed**: The run ended with status 'aborted': {md_text(reason)}" in md
     assert "![](" not in md and "<img" not in md and "attacker.example/pixel.png)" in md
     assert html_module.escape(reason) in page and "<img src=x" not in page
+
+
+def test_the_ledgers_notes_are_listed_in_the_html_and_markdown(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    import html as html_module
+
+    copy = _copy_run(run_dir, tmp_path / "run")
+    message = "round 3 attempt 0: sum discarded after the server saw it <b>*"
+    with Ledger.read(copy / "ledger.sqlite") as ledger:
+        run_id = ledger.run_id
+    with Ledger.open(copy / "ledger.sqlite", run_id) as ledger:
+        ledger.append("note", round=3, party="server", payload={"message": message})
+    written = write_report(copy, ["md", "html", "json"], out=tmp_path / "out")
+    report = json.loads(written["json"].read_text())
+    assert report["ledger"]["notes"] == [{"round": 3, "message": message}]
+    md = written["md"].read_text()
+    assert "### Ledger notes\n\n- Round 3: round 3 attempt 0: sum discarded after the server " \
+        "saw it &lt;b&gt;\\*" in md  # fmt: skip
+    page = written["html"].read_text()
+    assert f"<h3>Ledger notes</h3><ul class='notes'>\n<li>Round 3: {html_module.escape(message)}" \
+        "</li>" in page  # fmt: skip
