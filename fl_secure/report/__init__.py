@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fl_secure.errors import ConfigError
-from fl_secure.report.build import REPORT_VERSION, SCHEMA_FILE, build_report, write_json
+from fl_secure.report.build import REPORT_VERSION, SCHEMA_FILE, build_report, json_text
 
 log = logging.getLogger(__name__)
 FORMATS = ("html", "md", "json", "pdf")
@@ -34,8 +34,8 @@ def write_report(
     """
     from fl_secure.report.render import (
         find_chromium,
+        pdf_of,
         plots,
-        print_pdf,
         render_html,
         render_markdown,
     )
@@ -46,32 +46,30 @@ def write_report(
         raise ConfigError(f"unknown report format {', '.join(unknown)}; use {', '.join(FORMATS)}")
     if not formats:
         raise ConfigError(f"no report format given; use one or more of {', '.join(FORMATS)}")
+    chromium = find_chromium() if "pdf" in formats else None
+    if "pdf" in formats and chromium is None:
+        raise ConfigError("PDF output needs Chromium (Debian: apt-get install chromium)")
     report = build_report(run_dir)
     out = out or Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
     images = _audit_images(Path(run_dir), report, include_images)
-    written: dict[str, Path] = {}
-    if "json" in formats:
-        write_json(report, out / "report.json")
-        written["json"] = out / "report.json"
+    # Every file is rendered before any is written: a report that fails to render leaves
+    # the folder's previous report whole, never part old and part new.
     svgs = plots(report)
-    for name, svg in svgs.items():
-        atomic_write_bytes(out / name, svg.encode())
-    for name, data in images.items():
-        atomic_write_bytes(out / name, data)
+    files: dict[str, bytes] = {}
+    if "json" in formats:
+        files["report.json"] = json_text(report).encode()
+    files |= {name: svg.encode() for name, svg in svgs.items()}
+    files |= images
     if "md" in formats:
-        atomic_write_bytes(out / "report.md", render_markdown(report, sorted(images)).encode())
-        written["md"] = out / "report.md"
+        files["report.md"] = render_markdown(report, sorted(images)).encode()
     if "html" in formats or "pdf" in formats:
-        atomic_write_bytes(out / "report.html", render_html(report, images, svgs).encode())
-        written["html"] = out / "report.html"
-    if "pdf" in formats:
-        chromium = find_chromium()
-        if chromium is None:
-            raise ConfigError("PDF output needs Chromium (Debian: apt-get install chromium)")
-        print_pdf(out / "report.html", out / "report.pdf", chromium)
-        written["pdf"] = out / "report.pdf"
-    files = {p.name for p in written.values()} | set(svgs) | set(images)
+        page = render_html(report, images, svgs)
+        files["report.html"] = page.encode()
+        if chromium is not None:
+            files["report.pdf"] = pdf_of(page, chromium)
+    for name, data in files.items():
+        atomic_write_bytes(out / name, data)
     previous = _previous_files(out)
     if previous is None:  # no record: nothing here is provably an earlier report's
         names = (f"report.{f}" for f in FORMATS)
@@ -83,10 +81,10 @@ def write_report(
                 WRITTEN,
                 ", ".join(kept),
             )
-    for name in sorted((previous or set()) - files):  # stale: an old PDF, a rerun's grid
+    for name in sorted((previous or set()) - set(files)):  # stale: an old PDF, a rerun's grid
         (out / name).unlink(missing_ok=True)
     atomic_write_bytes(out / WRITTEN, (json.dumps(sorted(files), indent=1) + "\n").encode())
-    return written
+    return {f: out / f"report.{f}" for f in FORMATS if f"report.{f}" in files}
 
 
 #: The files the last report wrote into its folder (what the next one replaces or removes).

@@ -96,9 +96,40 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         "provenance": _provenance(run.path, summary, config, config_text),
         "model": _model(run, entries),
     }
+    # a NaN or infinite figure (summary.json may hold one; JSON has no such number) is
+    # null, shown as n/a, and named in a warning
+    not_numbers = _non_finite_to_null(report, "")
     report["warnings"] = _warnings(report, config, metrics)
+    if not_numbers:
+        shown = ", ".join(not_numbers[:10]) + (", ..." if len(not_numbers) > 10 else "")
+        report["warnings"].append(
+            {
+                "code": "non-finite-figures",
+                "message": f"{len(not_numbers)} figure(s) in the run's records are NaN or "
+                f"infinite; the report states them as null (n/a): {shown}.",
+            }
+        )
     report["plain_summary"] = _plain_summary(report)
     return report
+
+
+def _non_finite_to_null(node: Any, path: str) -> list[str]:
+    """Replace NaN/Inf floats in ``node`` (in place, at any depth) by None; their paths."""
+    found: list[str] = []
+    if isinstance(node, dict):
+        items: list[tuple[Any, Any]] = list(node.items())
+    elif isinstance(node, list):
+        items = list(enumerate(node))
+    else:
+        return found
+    for key, value in items:
+        where = f"{path}.{key}" if path else str(key)
+        if isinstance(value, float) and not math.isfinite(value):
+            node[key] = None
+            found.append(where)
+        else:
+            found += _non_finite_to_null(value, where)
+    return found
 
 
 def _model(run: RunDir, entries: list[Entry]) -> dict[str, Any]:
@@ -693,9 +724,20 @@ def _plain_summary(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def json_text(report: dict[str, Any]) -> str:
+    """``report.json``'s text (sorted keys, so regenerating it gives the same bytes).
+
+    Raises:
+        CheckpointError: The report holds a NaN or infinite number (strict JSON has none).
+    """
+    try:
+        return json.dumps(report, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    except ValueError as exc:
+        raise CheckpointError(f"the report cannot be written as JSON: {exc}") from exc
+
+
 def write_json(report: dict[str, Any], path: Path) -> None:
-    """Write ``report.json`` (sorted keys, so regenerating it gives the same bytes)."""
+    """Write ``report.json`` (atomically)."""
     from fl_secure.runs import atomic_write_bytes
 
-    text = json.dumps(report, indent=2, sort_keys=True, allow_nan=False) + "\n"
-    atomic_write_bytes(path, text.encode())
+    atomic_write_bytes(path, json_text(report).encode())

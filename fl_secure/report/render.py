@@ -108,27 +108,38 @@ def line_plot(
     return "\n".join([*out, "</svg>"])
 
 
+def finite(value: Any) -> bool:
+    """Whether ``value`` is a finite number (not None, NaN, a bool or text)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _points(rows: Sequence[dict[str, Any]], x: str, y: str) -> list[tuple[float, float]]:
+    """(x, y) of the rows where both are finite numbers: a null (NaN) figure is no point."""
+    return [(float(r[x]), float(r[y])) for r in rows if finite(r.get(x)) and finite(r.get(y))]
+
+
+def _roc_points(roc: dict[str, Any]) -> list[tuple[float, float]]:
+    """(log10 FAR, TAR) of the ROC operating points with a finite TAR and a positive FAR."""
+    points = []
+    for key, tar in roc.items():
+        try:
+            far = float(key.removeprefix("roc_tar_at_far_"))
+        except ValueError:
+            continue
+        if finite(tar) and math.isfinite(far) and far > 0:
+            points.append((math.log10(far), float(tar)))
+    return sorted(points)
+
+
 def plots(report: dict[str, Any]) -> dict[str, str]:
-    """The report's plots as SVG text, by file name."""
-    ledger = report["ledger"]
-    eps = [
-        (float(r["round"]), float(r["epsilon"]))
-        for r in ledger.get("epsilon_by_round", [])
-        if r.get("epsilon") is not None
-    ]
+    """The report's plots as SVG text, by file name (figures that are null are left out)."""
+    eps = _points(report["ledger"].get("epsilon_by_round", []), "round", "epsilon")
     per_round = report["utility"]["per_round"]
     utility = {
-        f"TAR@FAR={far}": [
-            (float(r["round"]), float(r[f"tar_at_far_{far}"]))
-            for r in per_round
-            if f"tar_at_far_{far}" in r
-        ]
+        f"TAR@FAR={far}": _points(per_round, "round", f"tar_at_far_{far}")
         for far in ("1e-1", "1e-2", "1e-3")
     }
-    roc = sorted(
-        (math.log10(float(k.removeprefix("roc_tar_at_far_"))), float(v))
-        for k, v in report["utility"].get("roc", {}).items()
-    )
+    roc = _roc_points(report["utility"].get("roc", {}))
     return {
         "roc.svg": line_plot(
             {"final model": roc},
@@ -150,14 +161,19 @@ def plots(report: dict[str, Any]) -> dict[str, str]:
 
 # ------------------------------------------------------------------ shared formatting
 def fmt(value: Any) -> str:
-    """Numbers to 4 significant digits; everything else as text."""
+    """Numbers to 4 significant digits (NaN or infinite: n/a); everything else as text."""
     if isinstance(value, bool) or value is None:
         return {True: "yes", False: "no", None: "—"}[value]
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return f"{value:.4g}" if math.isfinite(value) else "n/a"
     if isinstance(value, list | dict):
         return json.dumps(value, sort_keys=True)
     return str(value)
+
+
+def fmt_figure(value: Any) -> str:
+    """A utility figure: null (the run wrote null for a NaN score) or not finite is n/a."""
+    return fmt(value) if finite(value) else "n/a"
 
 
 def fmt_bound(value: Any) -> str:
@@ -353,7 +369,14 @@ def model_line(model: dict[str, Any] | None) -> str:
 
 def _client_rows(u: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     keys = sorted({k for m in u["clients"].values() for k in m})
-    return ["client", *keys], [[c, *(fmt(m.get(k)) for k in keys)] for c, m in u["clients"].items()]
+    rows = [[c, *(fmt_figure(m.get(k)) for k in keys)] for c, m in u["clients"].items()]
+    return ["client", *keys], rows
+
+
+def _utility_rows(u: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The final model's headline figures beside the initial model's (null figures: n/a)."""
+    rows = [[k, fmt_figure(v), fmt_figure(u["untrained"].get(k))] for k, v in u["final"].items()]
+    return ["measure", "final", f"round 0: {u['initial_model']}"], rows
 
 
 def _privacy_rows(p: dict[str, Any]) -> list[list[str]]:
@@ -376,7 +399,10 @@ def _example_rows(led: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 def _spread_rows(u: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """The across-client spread of the final model beside the initial model's."""
     initial = u.get("untrained_clients_spread") or {}
-    rows = [[k, fmt(v), fmt(initial.get(k))] for k, v in sorted(u["clients_spread"].items())]
+    rows = [
+        [k, fmt_figure(v), fmt_figure(initial.get(k))]
+        for k, v in sorted(u["clients_spread"].items())
+    ]
     return ["measure", "final model", "initial model"], rows
 
 
@@ -528,12 +554,7 @@ def render_html(
         parts.append("<p>Not audited: run <code>fl-secure audit --run DIR</code>.</p>")
     parts.append("<h2>Utility</h2>")
     parts.append(f"<p>{e(fmt(u['evaluation']))}</p>")
-    parts.append(
-        table(
-            ["measure", "final", f"round 0: {u['initial_model']}"],
-            [[k, fmt(v), fmt(u["untrained"].get(k))] for k, v in u["final"].items()],
-        )
-    )
+    parts.append(table(*_utility_rows(u)))
     parts.append(
         img("utility.svg", svgs["utility.svg"].encode(), "image/svg+xml", "held-out TAR per round")
     )
@@ -671,10 +692,7 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
         "",
         "## Utility",
         "",
-        table(
-            ["measure", "final", f"round 0: {u['initial_model']}"],
-            [[k, fmt(v), fmt(u["untrained"].get(k))] for k, v in u["final"].items()],
-        ),
+        table(*_utility_rows(u)),
         "",
         "![held-out TAR per round](utility.svg)",
         "",
@@ -715,10 +733,30 @@ def print_pdf(html_path: Path, pdf_path: Path, chromium: str) -> None:
         FlSecureError: Chromium failed, timed out or printed no PDF (its last words are in
             the message).
     """
+    from fl_secure.runs import atomic_write_bytes
+
+    atomic_write_bytes(Path(pdf_path), _printed(Path(html_path), chromium))
+
+
+def pdf_of(page: str, chromium: str) -> bytes:
+    """The PDF of an HTML page (the page is self-contained: where it is printed from is moot).
+
+    Raises:
+        FlSecureError: As :func:`print_pdf`.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as work:
+        path = Path(work) / "report.html"
+        path.write_text(page, encoding="utf-8")
+        return _printed(path, chromium)
+
+
+def _printed(html_path: Path, chromium: str) -> bytes:
+    """What Chromium prints of ``html_path``, in a private temporary folder."""
     import tempfile
 
     from fl_secure.errors import FlSecureError
-    from fl_secure.runs import atomic_write_bytes
 
     with tempfile.TemporaryDirectory() as work:
         printed = Path(work) / "report.pdf"
@@ -749,7 +787,7 @@ def print_pdf(html_path: Path, pdf_path: Path, chromium: str) -> None:
         data = printed.read_bytes() if printed.is_file() else b""
     if not data.startswith(b"%PDF-"):
         raise FlSecureError(f"{chromium} exited without writing a PDF")
-    atomic_write_bytes(Path(pdf_path), data)
+    return data
 
 
 def _note_lines(led: dict[str, Any]) -> list[str]:

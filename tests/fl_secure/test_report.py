@@ -825,3 +825,59 @@ def test_the_ledgers_notes_are_listed_in_the_html_and_markdown(
     page = written["html"].read_text()
     assert f"<h3>Ledger notes</h3><ul class='notes'>\n<li>Round 3: {html_module.escape(message)}" \
         "</li>" in page  # fmt: skip
+
+
+def test_null_and_nan_figures_are_left_out_of_plots_and_shown_as_n_a(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    import jsonschema
+
+    copy = _copy_run(run_dir, tmp_path / "run")
+    # the last round's held-out figures null (the coordinator writes null for a NaN score)
+    lines = (copy / "metrics.jsonl").read_text().splitlines()
+    last = json.loads(lines[-1])
+    last["held_out"] = dict.fromkeys(last["held_out"])
+    lines[-1] = json.dumps(last, sort_keys=True)
+    (copy / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    # and summary.json with a null ROC point and a NaN score (Python's json writes NaN)
+    summary = json.loads((copy / "summary.json").read_text())
+    roc = sorted(k for k in summary["held_out"] if k.startswith("roc_tar_at_far_"))
+    summary["held_out"][roc[0]] = None
+    summary["roc_auc"] = float("nan")
+    (copy / "summary.json").write_text(json.dumps(summary))
+    written = write_report(copy, ["json", "md", "html"], out=tmp_path / "out")
+    report = json.loads(written["json"].read_text())
+    jsonschema.validate(report, load_schema())
+    assert report["utility"]["final"]["roc_auc"] is None
+    warned = {w["code"]: w["message"] for w in report["warnings"]}
+    assert warned["non-finite-figures"] == (
+        "1 figure(s) in the run's records are NaN or infinite; the report states them as null "
+        "(n/a): utility.final.roc_auc."
+    )
+    assert "| roc_auc | n/a |" in written["md"].read_text()
+    assert "<tr><td>roc_auc</td><td>n/a</td>" in written["html"].read_text()
+    # the round with null figures is no point of the plot: rounds 0-2 are, for each FAR
+    utility = (tmp_path / "out" / "utility.svg").read_text()
+    assert utility.count("<circle") == 3 * 3
+    roc_svg = (tmp_path / "out" / "roc.svg").read_text()
+    assert roc_svg.count("<circle") == len(roc) - 1
+
+
+def test_a_report_that_fails_to_render_leaves_the_previous_one_whole(
+    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fl_secure.report import render
+
+    out = tmp_path / "out"
+    write_report(run_dir, ["json", "md", "html"], out=out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    copy = _copy_run(run_dir, tmp_path / "run")
+    _edit_json(copy / "summary.json", lambda s: s.update(reason="NEW-REASON"))
+
+    def broken(*args: Any, **kwargs: Any) -> str:
+        raise RuntimeError("the page cannot be rendered")
+
+    monkeypatch.setattr(render, "render_html", broken)
+    with pytest.raises(RuntimeError, match="cannot be rendered"):
+        write_report(copy, ["json", "md", "html"], out=out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
