@@ -666,11 +666,17 @@ class Coordinator:
         last_shortfall = ""
         for attempt in range(self.settings.max_retries + 1):
             then = "retrying" if attempt < self.settings.max_retries else "aborting"
-            online = self._wait_for_clients(needed)
+            try:
+                online = self._wait_for_clients(needed)
+            except RoundAborted as exc:
+                self._record_failed_attempt(number, attempt, kind, str(exc))
+                raise
             cohort = self._sample_cohort(online, kind)
             if len(cohort) < needed:
                 log.warning("round %d: cohort of %d < %d, resampling", number, len(cohort), needed)
                 last_shortfall = f"the sampled cohort had {len(cohort)} clients"
+                short = f"{last_shortfall}, fewer than the {needed} needed"
+                self._record_failed_attempt(number, attempt, kind, short)
                 continue
             aggregator: Aggregator | None = None
             secure = None
@@ -680,6 +686,7 @@ class Coordinator:
                 except RoundAborted as exc:  # e.g. no graph fits this cohort's size: redraw
                     last_secure_error, last_shortfall = str(exc), ""
                     log.warning("round %d attempt %d: %s; %s", number, attempt, exc, then)
+                    self._record_failed_attempt(number, attempt, kind, str(exc))
                     continue
             elif kind is TaskKind.TRAIN:
                 dp = self.privacy.make_aggregator(self.specs) if self.privacy else None
@@ -755,6 +762,7 @@ class Coordinator:
                         how = "each client's own accountant counted its steps"
                     released = "The discarded sum was released to nobody else"
                     self.privacy.note(number, f"{reason}. {released}; {how}")
+                self._record_failed_attempt(number, attempt, kind, reason, event)
                 raise RoundAborted(reason)
             if kind is TaskKind.TRAIN and rnd.secure is None:
                 self._account_failed_attempt(number, attempt, rnd, needed)
@@ -762,11 +770,16 @@ class Coordinator:
                 last_secure_error = secure_error
                 last_shortfall = _describe_shortfall(rnd.failed, [])
                 log.warning("round %d attempt %d: %s; %s", number, attempt, secure_error, then)
+                self._record_failed_attempt(number, attempt, kind, secure_error, event)
                 continue
             if len(rnd.received) >= needed:
                 return rnd
             last_secure_error = ""
             last_shortfall = _describe_shortfall(rnd.failed, sorted(rnd.pending))
+            shortfall = f"{len(rnd.received)} of {needed} needed updates arrived"
+            if last_shortfall:
+                shortfall += f": {last_shortfall}"
+            self._record_failed_attempt(number, attempt, kind, shortfall, event)
             log.warning(
                 "round %d attempt %d: %d of %d needed updates arrived; %s",
                 number,
@@ -992,13 +1005,13 @@ class Coordinator:
 
     def _record_untrained(self) -> None:
         """Round 0: the untrained model, the baseline every later round is read against."""
+        self.run_dir.truncate_metrics_after(-1)  # before round 0's own failed attempts
         record: dict[str, Any] = {"round": 0}
         if self.evaluator is not None:
             record["held_out"] = _finite_or_none(self.evaluator(self.params))
         if self.settings.final_evaluation:  # the clients score it on their own test images
             rnd = self._run_round(0, TaskKind.EVALUATE, 1)
             record["clients"] = {c: h.metrics for c, h in sorted(rnd.received.items())}
-        self.run_dir.truncate_metrics_after(-1)
         self.run_dir.append_metrics(record)
 
     def _budget_exhausted(self, number: int) -> bool:
@@ -1050,6 +1063,31 @@ class Coordinator:
             record["held_out"] = _finite_or_none(self.evaluator(params))
         self.run_dir.append_metrics(record)
         return record
+
+    def _record_failed_attempt(
+        self,
+        number: int,
+        attempt: int,
+        kind: TaskKind,
+        reason: str,
+        event: dict[str, Any] | None = None,
+    ) -> None:
+        """A failed attempt of round ``number``, in metrics.jsonl as ``"kind": "aborted"``.
+
+        Retried or the end of the run, it is recorded (the report lists each); readers of
+        completed rounds skip records with a ``kind``. ``event``: the attempt's cohort,
+        updates received, failures and secure-aggregation record, when it got that far.
+        """
+        record: dict[str, Any] = {
+            "kind": "aborted",
+            "round": number,
+            "attempt": attempt,
+            "task": kind.value,
+            "reason": reason,
+        }
+        keys = ("cohort", "received", "failed", "dropped", "secure_aggregation")
+        record |= {k: event[k] for k in keys if event is not None and k in event}
+        self.run_dir.append_metrics(_finite_or_none(record))
 
     def wait_clients_finished(self, timeout: float) -> None:
         """After the run, give polling clients time to hear FINISHED."""

@@ -30,7 +30,8 @@ def build_summary(
     passes False: its sites hold their own data, so the plan's per-client sizes and
     identities describe nobody, and the held-out set is only the server's own [data].
     """
-    metrics = coordinator.run_dir.read_metrics()
+    # completed rounds only: a record with a "kind" is something else (a failed attempt)
+    metrics = [m for m in coordinator.run_dir.read_metrics() if "kind" not in m]
     trained = [m for m in metrics if int(m.get("round", 0)) > 0]
     final = trained[-1].get("held_out", {}) if trained else {}
     round0 = [m for m in metrics if m.get("round") == 0]

@@ -56,7 +56,10 @@ def build_report(run_dir: Path) -> dict[str, Any]:
             f"{run_dir} is a centralized baseline run (fl-secure train --centralized): no "
             "federation, no privacy statement or secure aggregation to report"
         )
-    metrics = run.read_metrics()
+    records = run.read_metrics()
+    # completed rounds; a record with a "kind" is something else: a failed attempt ("aborted")
+    metrics = [m for m in records if "kind" not in m]
+    failed = [m for m in records if m.get("kind") == "aborted"]
     config_text = run.config.read_bytes()
     try:
         config = tomllib.loads(config_text.decode("utf-8"))
@@ -70,7 +73,7 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         check_results(audit, str(audit_path))
     ledger, entries = _ledger(run.path / "ledger.sqlite", summary)
     privacy = _privacy(summary, config, ledger)
-    secure = _secure_aggregation(summary, metrics)
+    secure = _secure_aggregation(summary, metrics, failed)
     report: dict[str, Any] = {
         "report_version": REPORT_VERSION,
         "run": {
@@ -86,7 +89,8 @@ def build_report(run_dir: Path) -> dict[str, Any]:
             "client_train_sizes": summary.get("client_train_sizes"),
             "client_reported_examples": summary.get("client_reported_examples"),
             "transport": summary.get("transport"),
-            "source": "summary.json",
+            "failed_attempts": _failed_attempts(metrics, failed),
+            "source": "summary.json, metrics.jsonl (failed attempts)",
         },
         "privacy": privacy,
         "ledger": ledger,
@@ -364,13 +368,48 @@ def _sampling_note(p: dict[str, Any]) -> str | None:
     )
 
 
-def _secure_aggregation(summary: dict[str, Any], metrics: list[dict[str, Any]]) -> dict[str, Any]:
+def _failed_attempts(
+    metrics: list[dict[str, Any]], failed: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Each failed attempt of a round (metrics.jsonl's ``"kind": "aborted"`` records).
+
+    ``outcome``: ``retried`` when a later attempt of the same round was made (recorded as
+    failed too, or as the completed round), else ``round aborted``.
+    """
+    done = {m.get("round") for m in metrics}
+    out = []
+    for m in failed:
+        later = m.get("round") in done or any(
+            f.get("round") == m.get("round") and _int(f.get("attempt")) > _int(m.get("attempt"))
+            for f in failed
+        )
+        out.append(
+            {
+                "round": m.get("round"),
+                "attempt": m.get("attempt"),
+                "task": m.get("task"),
+                "reason": str(m.get("reason") or ""),
+                "outcome": "retried" if later else "round aborted",
+                "failed": {str(c): str(why) for c, why in (m.get("failed") or {}).items()},
+            }
+        )
+    return out
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else -1
+
+
+def _secure_aggregation(
+    summary: dict[str, Any], metrics: list[dict[str, Any]], failed: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The scheme, and each attempt's record (completed rounds and failed attempts, in order)."""
     sa = dict(summary.get("secure_aggregation") or {"scheme": "none"})
     rounds = []
-    aborted = []
-    for m in metrics:
+    aborted: list[Any] = []
+    for m in sorted(metrics + failed, key=lambda m: (_int(m.get("round")), _int(m.get("attempt")))):
         rec = m.get("secure_aggregation")
-        if rec is None:
+        if not isinstance(rec, dict):
             continue
         row = {
             "round": m.get("round"),
@@ -381,11 +420,12 @@ def _secure_aggregation(summary: dict[str, Any], metrics: list[dict[str, Any]]) 
             "dropped": rec.get("dropped"),
             "aborted": rec.get("aborted") or "",
         }
+        if m.get("kind") == "aborted" and not row["aborted"]:
+            row["aborted"] = str(m.get("reason") or "aborted")
         rounds.append(row)
-        if row["aborted"]:
+    for m in failed:  # rounds with a failed attempt, once each
+        if m.get("round") not in aborted:
             aborted.append(m.get("round"))
-    for event in (e for e in metrics if e.get("kind") == "aborted"):
-        aborted.append(event.get("round"))
     return {
         "scheme": sa.pop("scheme", "none"),
         "server_sees": sa.pop("server_sees", None),

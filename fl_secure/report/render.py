@@ -245,6 +245,17 @@ def _run_rows(run: dict[str, Any]) -> list[list[str]]:
     return [[label, fmt(run.get(k))] for k, label in RUN_ROWS if run.get(k) is not None]
 
 
+def _failed_rows(run: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Each failed attempt of a round: what happened next, why, and each client's failure."""
+    header = ["round", "attempt", "task", "outcome", "reason", "clients that failed"]
+    rows = [
+        [fmt(a["round"]), fmt(a["attempt"]), fmt(a["task"]), a["outcome"], a["reason"],
+         "; ".join(f"{c}: {why}" for c, why in sorted(a["failed"].items()))]
+        for a in run.get("failed_attempts") or []
+    ]  # fmt: skip
+    return header, rows
+
+
 AUDIT_HEADER = (
     "party view",
     "direction attacked",
@@ -459,6 +470,9 @@ def render_html(
     parts.append("</ul>")
     parts.append("<h2>Run</h2>")
     parts.append(table(["item", "value"], _run_rows(report["run"])))
+    if report["run"].get("failed_attempts"):
+        parts.append("<h3>Failed attempts</h3>")
+        parts.append(table(*_failed_rows(report["run"])))
 
     def value(name: str, v: Any) -> str:  # shown rounded, exact in data-value
         shown = fmt_bound(v) if name in BOUNDS else fmt(v)
@@ -625,6 +639,8 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
     out += [f"- **{t(w['code'])}**: {t(w['message'])}" for w in report["warnings"]] or ["None."]
     out += ["", "## Summary", ""] + [f"- {t(line)}" for line in report["plain_summary"]]
     out += ["", "## Run", "", table(["item", "value"], _run_rows(report["run"]))]
+    if report["run"].get("failed_attempts"):
+        out += ["", "### Failed attempts", "", table(*_failed_rows(report["run"]))]
     out += [
         "",
         "## Privacy statement",
@@ -661,10 +677,18 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
         out += [
             "",
             table(
-                ["round", "cohort", "survivors", "SecAgg threshold (shares to unmask)", "aborted"],
+                [
+                    "round",
+                    "attempt",
+                    "cohort",
+                    "survivors",
+                    "SecAgg threshold (shares to unmask)",
+                    "aborted",
+                ],
                 [
                     [
                         fmt(r["round"]),
+                        fmt(r.get("attempt")),
                         str(len(r["cohort"] or [])),
                         str(len(r["survivors"] or [])),
                         fmt(r["threshold"]),

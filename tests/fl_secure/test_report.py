@@ -881,3 +881,29 @@ def test_a_report_that_fails_to_render_leaves_the_previous_one_whole(
     with pytest.raises(RuntimeError, match="cannot be rendered"):
         write_report(copy, ["json", "md", "html"], out=out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_failed_attempt_records_are_not_rounds_to_the_report(run_dir: Path, tmp_path: Path) -> None:
+
+    # Prepare: round 2 of a completed run had a failed attempt before the one that completed
+    copy = _copy_run(run_dir, tmp_path / "run")
+    lines = (copy / "metrics.jsonl").read_text().splitlines()
+    (index,) = [i for i, line in enumerate(lines) if json.loads(line)["round"] == 2]
+    failed = {"kind": "aborted", "round": 2, "attempt": 0, "task": "train",
+              "reason": "1 of 3 needed updates arrived", "cohort": ["client-0"],
+              "received": ["client-0"], "failed": {"client-1": "<b>refused</b>"},
+              "dropped": []}  # fmt: skip
+    lines.insert(index, json.dumps(failed))
+    (copy / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    before, report = build_report(run_dir), build_report(copy)
+    # Assert: listed as retried; the rounds, their figures and the checks are as before
+    assert report["run"]["failed_attempts"] == [
+        {"round": 2, "attempt": 0, "task": "train", "reason": "1 of 3 needed updates arrived",
+         "outcome": "retried", "failed": {"client-1": "<b>refused</b>"}}
+    ]  # fmt: skip
+    assert report["secure_aggregation"]["aborted_rounds"] == [2]
+    assert report["secure_aggregation"]["rounds"] == before["secure_aggregation"]["rounds"]
+    assert report["utility"]["per_round"] == before["utility"]["per_round"]
+    assert [w["code"] for w in report["warnings"]] == [w["code"] for w in before["warnings"]]
+    md = write_report(copy, ["md"], out=tmp_path / "out")["md"].read_text()
+    assert "| 2 | 0 | train | retried | 1 of 3 needed updates arrived | client-1: &lt;b&gt;" in md
