@@ -1,6 +1,7 @@
 """Run directories: resolved config, per-round metrics, final summary.
 
-Layout: ``config.toml``, ``metrics.jsonl`` (one JSON object per round), ``summary.json``,
+Layout: ``config.toml``, ``metrics.jsonl`` (one JSON object per round, and one per failed
+attempt with ``"kind": "aborted"``), ``summary.json``,
 ``checkpoints/`` (safetensors), later ``ledger.sqlite``, ``audit/`` and ``report/``.
 Writes that must survive a crash are atomic (temporary file, fsync, rename).
 """
@@ -194,9 +195,13 @@ class RunDir:
             yield record
 
     def truncate_metrics_after(self, round_: int) -> int:
-        """Keep only records of rounds <= ``round_`` (resume); return how many were dropped."""
+        """Keep only records of rounds <= ``round_`` (resume); return how many were dropped.
+
+        Records with a ``kind`` (a failed attempt) are kept whatever their round: the attempt
+        happened, and what it showed the server is accounted (a ``discarded_sum`` row).
+        """
         records = self.read_metrics()
-        kept = [r for r in records if int(r.get("round", 0)) <= round_]
+        kept = [r for r in records if "kind" in r or int(r.get("round", 0)) <= round_]
         if len(kept) != len(records) or self.metrics.exists():
             text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept)
             atomic_write_bytes(self.metrics, text.encode())

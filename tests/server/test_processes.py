@@ -80,7 +80,8 @@ def _rounds(run_dir: Path) -> list[int]:
     if not path.exists():
         return []
     lines = [ln for ln in path.read_text().splitlines() if ln.endswith("}")]
-    return [json.loads(ln)["round"] for ln in lines]
+    records = [json.loads(ln) for ln in lines]
+    return [r["round"] for r in records if "kind" not in r]  # completed rounds only
 
 
 class Federation:
@@ -227,7 +228,9 @@ def test_kill_a_client_mid_round(federation, min_clients: int, status: str) -> N
     # Assert
     summary = json.loads((fed.run_dir / "summary.json").read_text())
     assert summary["status"] == status, fed.logs()
-    records = [json.loads(ln) for ln in (fed.run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = (fed.run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [r for r in map(json.loads, lines) if "kind" not in r]  # completed rounds
+    attempts = [r for r in map(json.loads, lines) if r.get("kind") == "aborted"]
     if status == "completed":
         assert code == 0
         assert [r["round"] for r in records] == list(range(rounds + 1))
@@ -238,6 +241,9 @@ def test_kill_a_client_mid_round(federation, min_clients: int, status: str) -> N
         assert "aborted" in summary["reason"]
         assert max(r["round"] for r in records) < rounds  # nothing half-applied was recorded
         assert [r["round"] for r in records] == list(range(len(records)))
+        # the failed attempts are recorded as such, each naming its round and reason
+        assert any(a["round"] == len(records) for a in attempts)
+        assert all(a["reason"] for a in attempts)
         assert (fed.run_dir / "checkpoints" / "latest.json").exists()
 
 
