@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from privacy.ledger import Entry
 
 #: Version of the report JSON (``schema/report-v{major}.schema.json``).
-REPORT_VERSION = "1.1"
+REPORT_VERSION = "1.2"  # 1.2: run.failed_attempts, sites
 SCHEMA_FILE = Path(__file__).with_name("schema") / "report-v1.schema.json"
 
 #: Whom each noise placement trusts (shown beside the placement).
@@ -99,6 +99,7 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         "utility": _utility(summary, metrics),
         "provenance": _provenance(run.path, summary, config, config_text),
         "model": _model(run, entries),
+        "sites": _sites(run, summary),
     }
     # a NaN or infinite figure (summary.json may hold one; JSON has no such number) is
     # null, shown as n/a, and named in a warning
@@ -134,6 +135,48 @@ def _non_finite_to_null(node: Any, path: str) -> list[str]:
         else:
             found += _non_finite_to_null(value, where)
     return found
+
+
+def _sites(run: RunDir, summary: dict[str, Any]) -> dict[str, Any]:
+    """Each site's own epsilon against the server, from the site ledgers in the run folder.
+
+    Embedded runs keep each client's state folder under ``clients/<id>/``, with its
+    ``site_ledger.json`` (:mod:`privacy.site_ledger`). A standalone server's sites keep
+    theirs at the sites; the section then lists none.
+    """
+    from fl_secure.errors import PrivacyError
+    from privacy.site_ledger import FILE_NAME, SiteLedger
+
+    delta = summary.get("delta")
+    delta = float(delta) if isinstance(delta, (int, float)) and 0 < delta < 1 else 1e-5
+    folder = run.path / "clients"
+    rows: list[dict[str, Any]] = []
+    for path in sorted(folder.glob(f"*/{FILE_NAME}")) if folder.is_dir() else []:
+        row: dict[str, Any] = {"client": path.parent.name, "problem": None}
+        try:
+            found = SiteLedger(path.parent, delta=delta).summary()
+        except PrivacyError as exc:
+            row |= {"problem": str(exc), "releases": None, "epsilon": None}
+            row |= {"epsilon_colluding_peers": None, "releases_without_client_level_noise": None}
+        else:
+            row |= {k: found[k] for k in ("releases", "epsilon", "epsilon_colluding_peers")}
+            row["releases_without_client_level_noise"] = found[
+                "releases_without_client_level_noise"
+            ]
+        rows.append(row)
+    return {
+        "delta": delta,
+        "sites": rows,
+        "what": "each site's client-level epsilon against the server, computed by the site "
+        "from the updates it released: no amplification by the server's client sampling "
+        "(the server knows whom it sampled), exact composition of the Gaussian releases, "
+        "and only the noise the protocol guarantees (the site's own under local noise, the "
+        "threshold's shares under distributed noise); 'colluding peers': the site's own "
+        "noise share alone. The run's epsilon above may be lower: it credits the sampling "
+        "and every survivor's noise share",
+        "source": f"clients/<id>/{FILE_NAME} (embedded runs; a standalone server's sites keep "
+        "theirs: fl-secure privacy site --state-dir DIR)",
+    }
 
 
 def _model(run: RunDir, entries: list[Entry]) -> dict[str, Any]:

@@ -407,6 +407,23 @@ def _example_rows(led: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def _site_rows(sites: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Each site's own epsilon against the server (its site ledger)."""
+    header = ["site", "updates released", "epsilon (peers honest)", "epsilon (peers collude)",
+              "releases without client-level noise", "problem"]  # fmt: skip
+    rows = [
+        [r["client"], fmt(r["releases"]), fmt_bound(r["epsilon"]),
+         fmt_bound(r["epsilon_colluding_peers"]),
+         fmt(r["releases_without_client_level_noise"]), r["problem"] or ""]
+        for r in sites["sites"]
+    ]  # fmt: skip
+    return header, rows
+
+
+def _sites_text(sites: dict[str, Any]) -> str:
+    return f"At delta = {fmt_bound(sites['delta'])}: {sites['what']}. Source: {sites['source']}."
+
+
 def _spread_rows(u: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """The across-client spread of the final model beside the initial model's."""
     initial = u.get("untrained_clients_spread") or {}
@@ -512,6 +529,11 @@ def render_html(
             parts.append("</ul>")
     else:
         parts.append(f"<p>{e(_no_ledger(led))}</p>")
+    sites = report.get("sites") or {}
+    if sites.get("sites"):
+        parts.append("<h3>Each site's own epsilon against the server</h3>")
+        parts.append(f"<p>{e(_sites_text(sites))}</p>")
+        parts.append(table(*_site_rows(sites)))
     parts.append("<h2>Secure aggregation</h2>")
     parts.append(
         f"<p>Scheme: <b>{e(sa['scheme'])}</b>. Server sees: {e(fmt(sa['server_sees']))}."
@@ -666,6 +688,10 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
             out += ["", "### Ledger notes", ""] + [f"- {t(line)}" for line in _note_lines(led)]
     else:
         out.append(t(_no_ledger(led)))
+    sites = report.get("sites") or {}
+    if sites.get("sites"):
+        out += ["", "### Each site's own epsilon against the server", "", t(_sites_text(sites))]
+        out += ["", table(*_site_rows(sites))]
     out += [
         "",
         "## Secure aggregation",

@@ -137,7 +137,8 @@ def test_every_number_traces_to_the_run_records(run_dir: Path) -> None:
             sources.update(_numbers(entry.payload))
             sources.add(float(entry.round))
     # provenance holds hashes and versions (strings); everything else must come from a record
-    numbers = _numbers(report, skip=("provenance",))
+    # (the sites' figures are computed from their ledgers: see the test after this one)
+    numbers = _numbers(report, skip=("provenance", "sites"))
     assert numbers, "the report has no numbers"
     stray = sorted({x for x in numbers if x not in sources})
     assert stray == [], f"numbers in the report found in no run record: {stray[:10]}"
@@ -163,6 +164,32 @@ def test_every_number_traces_to_the_run_records(run_dir: Path) -> None:
     assert report["threat_model"]["audit"] == json.loads(
         (run_dir / "audit" / "results.json").read_text()
     )
+
+
+def test_each_sites_own_epsilon_is_the_reference_accountants(run_dir: Path) -> None:
+    from dp_accounting import dp_event
+    from dp_accounting.pld import pld_privacy_accountant
+
+    # Prepare: TINY: 3 rounds, every client each round, distributed noise z = 1.5 over the
+    # t = 3 shares; each client kept its site ledger in clients/<id>/
+    def pld(z: float, releases: int) -> float:
+        acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+        acc.compose(dp_event.GaussianDpEvent(z), releases)
+        return float(acc.get_epsilon(1e-5))
+
+    # Execute
+    sites = build_report(run_dir)["sites"]
+    # Assert: three sites, three releases each; against the server: z = 1.5 per release;
+    # with colluding peers only the site's own share, z / sqrt(3)
+    assert [s["client"] for s in sites["sites"]] == ["client-0", "client-1", "client-2"]
+    for site in sites["sites"]:
+        assert site["releases"] == 3 and site["problem"] is None
+        assert site["epsilon"] == pytest.approx(pld(1.5, 3), abs=2e-4)
+        assert site["epsilon_colluding_peers"] == pytest.approx(pld(1.5 / 3**0.5, 3), abs=2e-4)
+    # the run's own epsilon (PLD, the same three releases of z = 1.5) agrees
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert sites["sites"][0]["epsilon"] == pytest.approx(summary["epsilon"], abs=2e-4)
+    assert sites["delta"] == summary["delta"] == 1e-5
 
 
 def test_audit_findings_are_report_warnings(run_dir: Path, tmp_path: Path) -> None:
