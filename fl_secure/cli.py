@@ -212,6 +212,7 @@ def _report(summary: dict[str, Any], run_dir: Path, as_json: bool) -> int:
             f"adjacency, {summary['accountant']} accountant, noise placement "
             f"{summary['noise_placement']}; ledger: {run_dir / 'ledger.sqlite'}"
         )
+        _print_sites(run_dir, summary)
         n, what = _delta_population(summary)
         if n and summary["delta"] >= 1.0 / n:
             print(
@@ -231,6 +232,34 @@ def _delta_population(summary: dict[str, Any]) -> tuple[int | None, str]:
 
         return example_population(summary), "training images (smallest client)"
     return summary.get("num_clients"), "clients"
+
+
+def _print_sites(run_dir: Path, summary: dict[str, Any]) -> None:
+    """The sites' own epsilon against the server (embedded runs keep their site ledgers)."""
+    from fl_secure.errors import PrivacyError
+    from privacy.site_ledger import FILE_NAME, SiteLedger
+
+    if summary.get("privacy_unit") != "client":
+        return
+    figures = []
+    for path in sorted((run_dir / "clients").glob(f"*/{FILE_NAME}")):
+        try:
+            site = SiteLedger(path.parent, delta=summary["delta"])
+        except PrivacyError:
+            continue  # the report names a damaged one
+        if site.releases:
+            figures.append((site.epsilon(), site.epsilon(colluding_peers=True)))
+    if figures:
+
+        def up(x: float) -> str:  # rounded up: a bound
+            return f"{math.ceil(x * 1e4 - 1e-9) / 1e4:.4f}" if math.isfinite(x) else "unbounded"
+
+        worst, colluding = max(f[0] for f in figures), max(f[1] for f in figures)
+        print(
+            f"  each site against the server (its own ledger, no sampling amplification): "
+            f"epsilon <= {up(worst)}; {up(colluding)} if the other sites collude "
+            f"(fl-secure privacy site --state-dir {run_dir / 'clients' / '<id>'})"
+        )
 
 
 def cmd_server(args: argparse.Namespace) -> int:

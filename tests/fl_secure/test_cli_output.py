@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,27 @@ def test_the_traceback_hint_names_where_minus_v_goes(
     )
     with pytest.raises(SystemExit):  # after the command -v is not an option of it
         main(["experiment", "--config", "grid.toml", "-v"])
+
+
+def test_the_sites_own_epsilon_against_the_server_is_printed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fl_secure.config import config_from_dict
+    from privacy.site_ledger import SiteLedger, composed_mu, gaussian_epsilon
+
+    # Prepare: two embedded sites' ledgers; client-1 released 3 updates at z = 1.1 (local
+    # noise), client-0 one
+    config = config_from_dict({"privacy": {"unit": "client", "noise_multiplier": 1.1}})
+    for client, rounds in (("client-0", 1), ("client-1", 3)):
+        site = SiteLedger(tmp_path / "clients" / client)
+        for r in range(1, rounds + 1):
+            site.record(config, "run", r, bytes([r]) * 16)
+    # Execute
+    assert _report(_private(), tmp_path, as_json=False) == 0
+    # Assert: the larger site's figure (three releases), rounded up
+    eps = gaussian_epsilon(composed_mu([1.1] * 3), 1e-5)
+    shown = f"{math.ceil(eps * 1e4) / 1e4:.4f}"
+    assert (
+        f"each site against the server (its own ledger, no sampling amplification): "
+        f"epsilon <= {shown}; {shown} if the other sites collude" in capsys.readouterr().out
+    )
