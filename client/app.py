@@ -207,10 +207,17 @@ class FlClient:
                 return task.message
             if task.kind is TaskKind.WAIT:
                 continue  # the server long-polls; ask again at once
-            if task.kind is TaskKind.TRAIN:
-                refusal = self._refuse_training(task)
+            if task.kind in (TaskKind.TRAIN, TaskKind.EVALUATE):
+                refusal = (
+                    self._refuse_training(task)
+                    if task.kind is TaskKind.TRAIN
+                    else self.site.evaluation_refusal(
+                        self._run_config, self._run_id, task.round, task.nonce
+                    )
+                )
                 if refusal:
-                    log.error("round %d: training task refused: %s", task.round, refusal)
+                    what = "training" if task.kind is TaskKind.TRAIN else "evaluation"
+                    log.error("round %d: %s task refused: %s", task.round, what, refusal)
                     if task.secagg_setup:  # so that the cohort does not wait for this site
                         self._withdraw(stub, task, pb.WITHDRAW_REASON_DECLINED)
                     self.sleep(1.0)  # a server that insists is not answered in a tight loop
@@ -263,7 +270,7 @@ class FlClient:
             config = config_from_dict(tomllib.loads(run_config_toml))
         except (tomllib.TOMLDecodeError, FlSecureError) as exc:
             raise ConfigError(f"the server sent an invalid run config: {exc}") from exc
-        self.site.check_run(config)
+        self.site.check_run(config, run_id, run_config_toml)
         self._run_config, self._run_config_toml, self._run_id = config, run_config_toml, run_id
 
     def _load_signing_keys(self) -> None:
@@ -333,6 +340,8 @@ class FlClient:
         )
         if task.kind is TaskKind.TRAIN:
             self._count_release(task)  # before it may leave: a failed upload is counted too
+        else:  # evaluation figures are not covered by DP: a run has two, each counted
+            self.site.record_evaluation(self._run_id, task.round, task.nonce)
         try:
             reply = stub.SubmitUpdate(
                 serde.update_to_chunks(header, update), metadata=self._metadata, timeout=600

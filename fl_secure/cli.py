@@ -366,6 +366,7 @@ def cmd_client(args: argparse.Namespace) -> int:
         max_epsilon=args.max_epsilon,
         delta=args.delta,
         colluding_peers=args.assume_colluding_peers,
+        exclusive=True,
     )
     if site.releases:
         logging.getLogger("client.app").info(

@@ -79,10 +79,24 @@ class ClientPrivacy:
 
         if n < 1:
             raise PrivacyError("a client without training images cannot run DP-SGD")
+        from privacy.session import MAX_DP_STEPS_PER_ROUND, MIN_DP_SAMPLE_RATE
+
         q = self.cfg.sample_rate or min(1.0, config.train.batch_size / n)
+        if q < MIN_DP_SAMPLE_RATE:  # the server refuses such updates: say so before training
+            raise PrivacyError(
+                f"DP-SGD sample rate q = {q:.3g} (batch {config.train.batch_size} of {n} images) "
+                f"is below the {MIN_DP_SAMPLE_RATE:g} the server accounts; set "
+                "privacy.sample_rate or a larger train.batch_size"
+            )
         self.sample_rate = q
         self.num_examples = n
         self.steps_per_round = dpsgd_steps(n, local_training(config.train), q)
+        if self.steps_per_round > MAX_DP_STEPS_PER_ROUND:
+            raise PrivacyError(
+                f"{self.steps_per_round} DP-SGD steps a round at q = {q:.3g} is more than the "
+                f"{MAX_DP_STEPS_PER_ROUND} the server accounts; set train.local_steps or fewer "
+                "train.local_epochs"
+            )
         if self.noise_multiplier == 0:
             self.noise_multiplier = calibrate_noise(
                 target_epsilon=self.cfg.target_epsilon,
@@ -171,13 +185,25 @@ class ClientPrivacy:
         asking for more steps is charged what it would spend.
         """
         target = self.cfg.target_epsilon
-        if self.cfg.unit != "example" or target <= 0:
+        if self.cfg.unit != "example":
             return True
         steps = self.steps_per_round
         if training is not None:
             from privacy.dpsgd import dpsgd_steps
 
             steps = dpsgd_steps(self.num_examples, training, self.sample_rate)
+        from privacy.session import MAX_DP_STEPS_PER_ROUND
+
+        if steps > MAX_DP_STEPS_PER_ROUND:  # the server would refuse the update it gives
+            log.warning(
+                "the task asks for %d DP-SGD steps, more than the %d the server accounts; "
+                "sending the unchanged parameters instead of training",
+                steps,
+                MAX_DP_STEPS_PER_ROUND,
+            )
+            return False
+        if target <= 0:  # no budget to hold
+            return True
         after = self._epsilon_after_round(steps)
         if after > target * (1 + 1e-9):
             log.warning(

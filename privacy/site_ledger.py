@@ -33,16 +33,22 @@ which the server adds after it has seen the sum) makes the client-level figures 
 Example-level DP-SGD keeps its own accountant (:class:`privacy.client_side.ClientPrivacy`),
 whose sampling the server does not see.
 
-The same rows also let a restarted client keep refusing tasks it already answered
-(:meth:`SiteLedger.refusal`): a replayed task, an older round, more attempts of a round than
-``server.max_retries`` allows.
+The same file also lets a restarted client keep refusing tasks it already answered
+(:meth:`SiteLedger.refusal`): a replayed task, an older round, a round past ``train.rounds``,
+more attempts of a round than ``server.max_retries`` allows, and evaluation tasks other than
+the run's two (round 0 and the final one). It records the SHA-256 of each run's config, so
+a server that sends another config for a run id the site knows is refused, also after a
+restart. The limits are per run id: a server can always start a new run, and only the
+site's budget (``max_epsilon``) bounds what the site releases over all of them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -149,7 +155,11 @@ class Release:
             if isinstance(value, bool) or not isinstance(value, kind):  # type: ignore[arg-type]
                 raise PrivacyError(f"{where}: release field {key!r} has the wrong type")
         for key in ("noise_multiplier", "own_noise_multiplier"):
-            if not (math.isfinite(row[key]) and row[key] >= 0):
+            try:
+                value = float(row[key])
+            except OverflowError:
+                value = math.inf
+            if not (math.isfinite(value) and value >= 0):
                 raise PrivacyError(f"{where}: release field {key!r} is not a finite number >= 0")
         return cls(**{k: row[k] for k in types})
 
@@ -185,10 +195,13 @@ class SiteLedger:
             it is refused (None: no budget, the figures are only kept and logged).
         delta: The delta of the site's figures (the site's choice, not the server's).
         colluding_peers: Hold the budget against ``epsilon_colluding_peers`` instead.
+        exclusive: Hold an exclusive lock on the folder while this object lives (a client
+            process): a second client on the same folder would overwrite this one's rows.
 
     Raises:
-        PrivacyError: the file is damaged (it is left as it is), or a budget is asked for
-            without a state folder to keep it in.
+        PrivacyError: the file is damaged (it is left as it is), a budget is asked for
+            without a state folder to keep it in, or (``exclusive``) another process holds
+            the folder.
     """
 
     def __init__(
@@ -198,6 +211,7 @@ class SiteLedger:
         max_epsilon: float | None = None,
         delta: float = 1e-5,
         colluding_peers: bool = False,
+        exclusive: bool = False,
     ) -> None:
         if max_epsilon is not None and not (max_epsilon > 0 and math.isfinite(max_epsilon)):
             raise PrivacyError(f"the site's epsilon budget must be a number > 0, not {max_epsilon}")
@@ -215,7 +229,36 @@ class SiteLedger:
         self.releases: list[Release] = []
         #: Secure-aggregation round ids (hex) this site has taken part in: never twice.
         self.secure_rounds: list[str] = []
+        #: Each run id's config SHA-256, from the first join: a later join must match it.
+        self.run_configs: dict[str, str] = {}
+        #: Evaluation tasks answered: (run id, round, nonce hex).
+        self.evaluations: list[tuple[str, int, str]] = []
+        self._lock: Any = None
+        if exclusive and state_dir is not None:
+            self._hold(state_dir)
         self._load()
+
+    def _hold(self, state_dir: Path) -> None:
+        import fcntl
+
+        state_dir.mkdir(parents=True, exist_ok=True)
+        handle = open(state_dir / ".site_ledger.lock", "a+", encoding="utf-8")  # noqa: SIM115
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            handle.close()
+            raise PrivacyError(
+                f"the state folder {state_dir} is in use by another client process (pid "
+                f"{holder}): two clients on one folder would overwrite each other's site "
+                "ledger; give each its own --state-dir"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        self._lock = handle  # released when this process ends, however it ends
 
     # ------------------------------------------------------------ persistence
     def _load(self) -> None:
@@ -224,15 +267,16 @@ class SiteLedger:
         where = str(self.path)
         try:
             doc = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise PrivacyError(
                 f"the site ledger {where} cannot be read ({exc}); it is left as it is: restore "
                 "it from a backup (starting a new one forgets what this site has released)"
             ) from exc
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise PrivacyError(f"{where} is not a site ledger (format {FORMAT!r} expected)")
-        if doc.get("version") != VERSION:
-            raise PrivacyError(f"{where}: site ledger version {doc.get('version')!r} is unknown")
+        version = doc.get("version")
+        if type(version) is not int or version != VERSION:
+            raise PrivacyError(f"{where}: site ledger version {version!r} is unknown")
         rows = doc.get("releases")
         if not isinstance(rows, list):
             raise PrivacyError(f"{where}: 'releases' must be a list")
@@ -241,6 +285,19 @@ class SiteLedger:
         if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
             raise PrivacyError(f"{where}: 'secure_round_ids' must be a list of strings")
         self.secure_rounds = ids
+        runs = doc.get("run_configs", {})
+        if not isinstance(runs, dict) or not all(isinstance(v, str) for v in runs.values()):
+            raise PrivacyError(f"{where}: 'run_configs' must map run ids to SHA-256 strings")
+        self.run_configs = runs
+        evaluations = doc.get("evaluations", [])
+        ok = isinstance(evaluations, list) and all(
+            isinstance(e, list) and len(e) == 3 and isinstance(e[0], str)
+            and type(e[1]) is int and isinstance(e[2], str)
+            for e in evaluations
+        )  # fmt: skip
+        if not ok:
+            raise PrivacyError(f"{where}: 'evaluations' must be a list of [run, round, nonce]")
+        self.evaluations = [(e[0], e[1], e[2]) for e in evaluations]
 
     def _save(self) -> None:
         if self.path is None:
@@ -253,6 +310,8 @@ class SiteLedger:
                 "version": VERSION,
                 "releases": [asdict(r) for r in self.releases],
                 "secure_round_ids": self.secure_rounds,
+                "run_configs": self.run_configs,
+                "evaluations": [list(e) for e in self.evaluations],
             },
         )
 
@@ -296,14 +355,33 @@ class SiteLedger:
         }
 
     # ------------------------------------------------------------ policy
-    def check_run(self, config: Config) -> None:
-        """Refuse to join a run that cannot keep this site's budget at all.
+    def check_run(self, config: Config, run_id: str = "", config_toml: str = "") -> None:
+        """Refuse a run this site knows under another config, or one that cannot keep its budget.
+
+        The first join of a run id records the SHA-256 of its config (``config_toml``);
+        a later join of the same run id, also after a restart, must send the same config.
 
         Raises:
-            PrivacyError: a budget is set and the run's releases would carry no client-level
-                noise against the server (no DP, central noise, example level), or a client
-                level run came without its calibrated noise multiplier.
+            PrivacyError: the run id is known with another config; or a budget is set and
+                the run's releases would carry no client-level noise against the server (no
+                DP, central noise, example level), a client-level run came without its
+                calibrated noise multiplier, or one release would already pass the budget.
         """
+        if config_toml:
+            digest = hashlib.sha256(config_toml.encode("utf-8")).hexdigest()
+            known = self.run_configs.get(run_id)
+            if known is not None and known != digest:
+                raise PrivacyError(
+                    f"this site joined run {run_id!r} before under another run config (SHA-256 "
+                    f"{known[:12]}..., now {digest[:12]}...): a server may not change a run's "
+                    "config, its limits and noise, under a site; refusing to join"
+                )
+        self._check_budget(config)
+        if config_toml and self.run_configs.get(run_id) is None:
+            self.run_configs[run_id] = digest
+            self._save_or_raise(lambda: self.run_configs.pop(run_id))
+
+    def _check_budget(self, config: Config) -> None:
         if self.max_epsilon is None:
             return
         p = config.privacy
@@ -323,6 +401,14 @@ class SiteLedger:
                 "the run config came without a calibrated privacy.noise_multiplier; refusing "
                 "to join"
             )
+        first = self.epsilon(extra=release_for(config, "", 0, b""))
+        if first > self.max_epsilon * (1 + 1e-12):
+            raise PrivacyError(
+                f"one more update of this run would bring this site's epsilon against the "
+                f"server to {first:.4g} (delta {self.delta:g}), above its budget of "
+                f"{self.max_epsilon:g}: the run's noise multiplier z = {p.noise_multiplier:g} is "
+                "too small (or the budget is spent); refusing to join"
+            )
 
     def refusal(
         self, config: Config | None, run_id: str, round_: int, nonce: bytes, *, last_round: int
@@ -336,6 +422,8 @@ class SiteLedger:
             return f"round {round_} is older than round {last}, already done"
         if config is None:
             return ""
+        if not 1 <= round_ <= config.train.rounds:
+            return f"round {round_} is not a training round of this run (1..{config.train.rounds})"
         attempts = 1 + config.server.max_retries
         if sum(1 for r in mine if r.round == round_) >= attempts:
             return (
@@ -358,12 +446,47 @@ class SiteLedger:
             return None
         row = release_for(config, run_id, round_, nonce)
         self.releases.append(row)
+        self._save_or_raise(self.releases.pop)
+        return row
+
+    def _save_or_raise(self, undo: Any) -> None:
+        """Save; on failure undo the in-memory change and raise PrivacyError."""
         try:
             self._save()
         except OSError as exc:
-            self.releases.pop()
+            undo()
             raise PrivacyError(f"cannot write the site ledger {self.path}: {exc}") from exc
-        return row
+
+    def evaluation_refusal(
+        self, config: Config | None, run_id: str, round_: int, nonce: bytes
+    ) -> str:
+        """Why the site will not answer this evaluation task ("" if it will).
+
+        A run evaluates twice: the initial model (round 0) and the final one (round
+        ``train.rounds + 1``), each in at most ``1 + server.max_retries`` attempts. Its
+        figures (loss, accuracy on the site's test images) are not covered by DP: a server
+        that asked for more would be querying the site's data at will.
+        """
+        if config is None:
+            return ""
+        final = config.train.rounds + 1
+        if round_ not in (0, final):
+            return f"round {round_} is not an evaluation round of this run (0 or {final})"
+        if any(e[0] == run_id and e[1] == round_ and e[2] == nonce.hex()
+               for e in self.evaluations):  # fmt: skip
+            return "this client already answered this evaluation task (a replayed task)"
+        attempts = 1 + config.server.max_retries
+        if sum(1 for e in self.evaluations if e[0] == run_id and e[1] == round_) >= attempts:
+            return (
+                f"this client already answered {attempts} evaluation tasks for round {round_}, "
+                f"as many as server.max_retries = {config.server.max_retries} allows"
+            )
+        return ""
+
+    def record_evaluation(self, run_id: str, round_: int, nonce: bytes) -> None:
+        """Count an evaluation answer (saved before it is sent)."""
+        self.evaluations.append((run_id, round_, nonce.hex()))
+        self._save_or_raise(self.evaluations.pop)
 
     def first_use(self, round_id: bytes) -> bool:
         """Record that this site takes part in secure round ``round_id``; False if it did before.
@@ -376,11 +499,7 @@ class SiteLedger:
         if key in self.secure_rounds:
             return False
         self.secure_rounds.append(key)
-        try:
-            self._save()
-        except OSError as exc:
-            self.secure_rounds.pop()
-            raise PrivacyError(f"cannot write the site ledger {self.path}: {exc}") from exc
+        self._save_or_raise(self.secure_rounds.pop)
         return True
 
     def attempts(self, run_id: str, round_: int) -> int:

@@ -128,3 +128,28 @@ def test_the_budget_check_charges_the_steps_the_task_asks_for() -> None:
     # Execute / Assert: the planned task fits; a task of 80 steps does not
     assert privacy.may_train(planned)
     assert not privacy.may_train(greedy)
+
+
+def test_example_level_plans_the_server_would_refuse_are_refused_before_training() -> None:
+    from fl_secure.errors import PrivacyError
+
+    # 100 000 images, batch 32 (q = 3.2e-4), 40 epochs: 125 000 steps a round (server: 1e5)
+    long = config_from_dict(
+        {"privacy": {"unit": "example", "noise_multiplier": 1.0},
+         "train": {"batch_size": 32, "local_epochs": 40, "local_steps": 0}}
+    )  # fmt: skip
+    with pytest.raises(PrivacyError, match="125000 DP-SGD steps a round .* more than the 100000"):
+        ClientPrivacy(long, num_examples=100_000)
+    # a batch of 1 in 2 million images: q = 5e-7, below the 1e-6 the server accounts
+    tiny = config_from_dict(
+        {"privacy": {"unit": "example", "noise_multiplier": 1.0},
+         "train": {"batch_size": 1, "local_steps": 10}}
+    )  # fmt: skip
+    with pytest.raises(PrivacyError, match="q = 5e-07 .* below the 1e-06"):
+        ClientPrivacy(tiny, num_examples=2_000_000)
+    # a task asking for more steps than that is not trained (the unchanged update goes out)
+    from fl_secure.messages import LocalTraining
+
+    ok = ClientPrivacy(tiny, num_examples=1000)
+    assert ok.may_train(LocalTraining(local_steps=10)) is True
+    assert ok.may_train(LocalTraining(local_steps=100_001)) is False

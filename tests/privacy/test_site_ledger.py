@@ -28,6 +28,7 @@ def _pld_epsilon(multipliers: list[float], delta: float) -> float:
 def _config(scheme: str = "none", **privacy: object) -> Config:
     return config_from_dict(
         {"partition": {"num_clients": 6}, "server": {"min_clients": 4, "max_retries": 1},
+         "train": {"rounds": 100},
          "privacy": {"unit": "client", "noise_multiplier": 1.0, **privacy},
          "secure_aggregation": {"scheme": scheme}}
     )  # fmt: skip
@@ -159,6 +160,20 @@ def test_a_budget_needs_a_state_folder_and_a_damaged_ledger_is_left_alone(tmp_pa
     with pytest.raises(PrivacyError, match="exactly the keys"):
         SiteLedger(tmp_path)
     assert json.loads(path.read_text("utf-8")) == doc  # not overwritten
+    row = json.dumps(
+        {"run_id": "r", "round": 1, "nonce": "00", "unit": "client", "placement": "local",
+         "scheme": "none", "noise_multiplier": 1, "own_noise_multiplier": 1, "time": "t"}
+    ).replace('"noise_multiplier": 1', '"noise_multiplier": 1' + "0" * 400)  # fmt: skip
+    head = '{"format": "fl-secure site ledger", '
+    for damaged, match in (
+        (head + '"version": 1, "releases": [' + row + "]}", "'noise_multiplier' is not a finite"),
+        ("[" * 100_000 + "]" * 100_000, "cannot be read"),
+        (head + '"version": true, "releases": []}', "version True is unknown"),
+    ):
+        path.write_text(damaged, "utf-8")
+        with pytest.raises(PrivacyError, match=match):
+            SiteLedger(tmp_path)
+        assert path.read_text("utf-8") == damaged
 
 
 def test_a_client_level_config_without_its_calibrated_noise_is_refused() -> None:

@@ -17,7 +17,7 @@ import pytest
 from client.app import Backoff, Connection, FlClient
 from fl_secure import __version__, serde
 from fl_secure.config import config_from_dict, config_to_toml
-from fl_secure.errors import ProtocolError
+from fl_secure.errors import PrivacyError, ProtocolError
 from fl_secure.messages import JoinReply, LocalTraining, Task, TaskKind
 from fl_secure.tls import init_certificates, server_credentials
 from fl_secure.v1 import transport_pb2_grpc as pb_grpc
@@ -320,28 +320,88 @@ def test_a_site_budget_stops_releases_and_withdraws_from_a_secure_round(
 ) -> None:
     from privacy.site_ledger import SiteLedger
 
-    # Prepare: z = 1 per release; one release alone spends epsilon 4.4 at delta 1e-5
+    # Prepare: z = 1 per release: one release spends epsilon 4.38 at delta 1e-5, two 6.4; a
+    # budget of 5. The site joined (one release fits) and round 1 went out
     config = config_from_dict(
         {"partition": {"num_clients": 3}, "server": {"min_clients": 2},
          "privacy": {"unit": "client", "noise_multiplier": 1.0},
          "secure_aggregation": {"scheme": "ckks"}}
     )  # fmt: skip
-    task = dataclasses.replace(_train_task(1, b"s" * 16), secagg_setup=b"setup")
+    toml = config_to_toml(config)
+    task = dataclasses.replace(_train_task(2, b"s" * 16), secagg_setup=b"setup")
     trainer = _Trainer()
-    site = SiteLedger(tmp_path, max_epsilon=4.0)
+    site = SiteLedger(tmp_path, max_epsilon=5.0)
     client = FlClient(
         Connection("localhost:1", "client-0"), lambda r: trainer, sleep=lambda s: None, site=site
     )  # type: ignore[arg-type,return-value]
-    stub = _replaying_stub(config_to_toml(config), task, times=1)
-    # Execute
+    client._hold_run_config(toml, "run")
+    site.record(config, "run", 1, b"1" * 16)
+    stub = _replaying_stub(toml, task, times=1)
+    # Execute: round 2's task
     with caplog.at_level("ERROR", logger="client.app"):
         assert client._session(stub, Backoff()) == "done"
     # Assert: refused before any stage, with the reason the server is told
     from fl_secure.v1 import transport_pb2 as pb
 
-    assert "above its budget of 4" in caplog.text
+    assert "above its budget of 5" in caplog.text
     assert trainer.trained == 0 and stub.uploads == 0
     assert stub.withdrawals == [pb.WITHDRAW_REASON_DECLINED]
+
+
+def test_a_site_refuses_runs_past_their_rounds_their_evaluations_and_a_changed_config(
+    tmp_path: Path,
+) -> None:
+    from privacy.site_ledger import SiteLedger
+
+    # Prepare: a plain run of 4 rounds, max_retries 0
+    config = config_from_dict(
+        {"partition": {"num_clients": 3}, "server": {"min_clients": 2, "max_retries": 0},
+         "train": {"rounds": 4}}
+    )  # fmt: skip
+    toml = config_to_toml(config)
+    site = SiteLedger(tmp_path)
+    site.check_run(config, "run", toml)
+    # Execute / Assert: training rounds 1..4 only; evaluations at 0 and 5, once each
+    assert "not a training round of this run (1..4)" in site.refusal(
+        config, "run", 5, b"a" * 16, last_round=0
+    )
+    assert "not a training round" in site.refusal(config, "run", 0, b"a" * 16, last_round=0)
+    assert site.refusal(config, "run", 4, b"a" * 16, last_round=0) == ""
+    assert "not an evaluation round of this run (0 or 5)" in site.evaluation_refusal(
+        config, "run", 3, b"e" * 16
+    )
+    assert site.evaluation_refusal(config, "run", 5, b"e" * 16) == ""
+    site.record_evaluation("run", 5, b"e" * 16)
+    restarted = SiteLedger(tmp_path)
+    assert "replayed task" in restarted.evaluation_refusal(config, "run", 5, b"e" * 16)
+    assert "already answered 1 evaluation" in restarted.evaluation_refusal(
+        config, "run", 5, b"f" * 16
+    )
+    # the same run id with another config (more retries) is refused after the restart
+    looser = config_from_dict(
+        {"partition": {"num_clients": 3}, "server": {"min_clients": 2, "max_retries": 50},
+         "train": {"rounds": 4}}
+    )  # fmt: skip
+    with pytest.raises(PrivacyError, match="joined run 'run' before under another run config"):
+        restarted.check_run(looser, "run", config_to_toml(looser))
+    restarted.check_run(config, "run", toml)  # the same config is welcome back
+    # a budget that one release of the run would already pass: not joined
+    noisy = config_from_dict({"privacy": {"unit": "client", "noise_multiplier": 0.3}})
+    with pytest.raises(PrivacyError, match="one more update of this run would bring"):
+        SiteLedger(tmp_path / "b", max_epsilon=1.0).check_run(noisy, "run-2", "x")
+
+
+def test_two_clients_cannot_share_a_state_folder(tmp_path: Path) -> None:
+    from privacy.site_ledger import SiteLedger
+
+    first = SiteLedger(tmp_path, exclusive=True)
+    with pytest.raises(PrivacyError, match="in use by another client process"):
+        SiteLedger(tmp_path, exclusive=True)
+    del first  # its lock goes with it
+    import gc
+
+    gc.collect()
+    SiteLedger(tmp_path, exclusive=True)
 
 
 def test_a_secure_round_id_seen_before_is_refused_also_after_a_restart(tmp_path: Path) -> None:
