@@ -645,7 +645,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--plan-index", type=int, help="internal: with --config, which share of the plan is mine"
     )
-    p.add_argument("--state-dir", type=Path, help="where private parameters are kept")
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        help="where private parameters and the site ledger (this site's releases and epsilon) "
+        "are kept",
+    )
     p.add_argument(
         "--threads", type=positive_int("--threads"), help="torch threads (default: train.threads)"
     )

@@ -337,28 +337,37 @@ def test_an_abort_names_the_clients_that_withdrew(tmp_path: Path) -> None:
     ), coord.stop_reason
 
 
-def test_a_site_over_its_own_budget_withdraws_before_the_key_stages(tmp_path: Path) -> None:
+def test_a_site_that_declines_a_round_withdraws_before_the_key_stages(tmp_path: Path) -> None:
+    import tomllib
+
+    from fl_secure.config import config_from_dict
     from privacy.session import open_server_privacy
 
-    # Prepare: local client-level noise z = 0.05 (one release alone: epsilon ~ 1e3); client-3
-    # holds a budget of 1 against the server. The clock is frozen: no deadline can end the
-    # round, only the withdrawal
+    # Prepare: local client-level noise; client-3's site ledger (kept across a restart)
+    # already holds three updates for round 1 of this run, as many as the run config's
+    # max_retries = 2 allows. (A
+    # budget is held the same way in later rounds; one the first round would pass is
+    # refused at join.) The clock is frozen: no deadline can end the round, only a withdrawal
     privacy = open_server_privacy(
         PrivacyConfig(unit="client", noise_placement="local", noise_multiplier=0.05),
         tmp_path / "ledger.sqlite", "secagg-test", rounds=1, population=4,
         clients_per_round=0, sample_rate=0.0, min_survivors=3,
     )  # fmt: skip
-    site = SiteLedger(tmp_path / "site-3", max_epsilon=1.0)
+    secure = SecureAggregationConfig(clip_range=4.0)
+    config = config_from_dict(tomllib.loads(_run_config(4, 3, secure, privacy)))
+    site = SiteLedger(tmp_path / "site-3")
+    for nonce in (b"x", b"y", b"z"):
+        site.record(config, "secagg-test", 1, nonce * 16)
     # Execute
     coord = _run(tmp_path, [0.5, 1.0, -0.25, 2.0], set(), min_clients=3, privacy=privacy,
                  sites={3: site})  # fmt: skip
-    # Assert: the round went on with the other three; client-3 sent nothing and said why
+    # Assert: the round went on with the other three; client-3 sent nothing more and said why
     assert coord.status == "completed", coord.stop_reason
     assert coord.events[-1]["failed"] == {
         "client-3": "secure aggregation: withdrew at advertise keys "
         "(the site's own policy declined the round, such as its privacy budget)"
     }
-    assert site.releases == [] and not (tmp_path / "site-3" / "site_ledger.json").exists()
+    assert len(SiteLedger(tmp_path / "site-3").releases) == 3
 
 
 def test_distributed_discrete_gaussian_noise_on_the_secure_sum(tmp_path: Path) -> None:
