@@ -218,8 +218,8 @@ class FlClient:
                 if refusal:
                     what = "training" if task.kind is TaskKind.TRAIN else "evaluation"
                     log.error("round %d: %s task refused: %s", task.round, what, refusal)
-                    if task.secagg_setup:  # so that the cohort does not wait for this site
-                        self._withdraw(stub, task, pb.WITHDRAW_REASON_DECLINED)
+                    # said at once, so that the round (or its cohort) does not wait for it
+                    self._withdraw(stub, task, pb.WITHDRAW_REASON_DECLINED)
                     self.sleep(1.0)  # a server that insists is not answered in a tight loop
                     continue
             self._do_task(stub, task)

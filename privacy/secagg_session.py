@@ -63,6 +63,8 @@ _MAX_ITEMS = 100_000
 #: Why a client withdrew from a secure round (``fl_secure.v1.WithdrawReason``, same numbers),
 #: as the server words it. A category of the client's own failure, never data; like the
 #: withdrawal itself (a dropout) it is visible to the server and not covered by DP.
+#: ``WithdrawReason`` DECLINED: the site's own policy (its budget) declined the task.
+DECLINED = 7
 WITHDRAW_REASONS = {
     0: "",  # a client that gave no reason
     1: "local training failed",

@@ -200,6 +200,8 @@ class Coordinator:
         # per-round tensors sent to the whole cohort with the parameters (AdaFedFR's R)
         self.broadcast = broadcast
         self._broadcast_tensors: Tensors = OrderedDict()
+        #: Clients that declined a round's task (their own policy): not drawn again for it.
+        self._declined: dict[int, set[str]] = {}
 
     # ----------------------------------------------------------------- resume
     def resume(self) -> int:
@@ -533,12 +535,23 @@ class Coordinator:
         """``client_id`` leaves its secure round (it failed locally): a dropout, noticed now.
 
         ``reason`` is the client's ``WithdrawReason``; a number this server does not know
-        (a newer client's) reads as no reason.
+        (a newer client's) reads as no reason. A client may also decline a plain round's
+        task (``DECLINED``: its own policy, such as its privacy budget): the round stops
+        waiting for it. Either way a client that declined is left out of the round's later
+        attempts.
         """
-        from privacy.secagg_session import STAGE_NAMES, WITHDRAW_REASONS
+        from privacy.secagg_session import DECLINED, STAGE_NAMES, WITHDRAW_REASONS
 
         why = WITHDRAW_REASONS.get(reason, "")
         with self._cv:
+            rnd = self._check_member(client_id, round_, nonce)
+            if reason == DECLINED:
+                self._declined.setdefault(rnd.number, set()).add(client_id)
+            if rnd.secure is None and reason == DECLINED:
+                if rnd.fail(client_id, f"declined the task ({why})"):
+                    log.warning("round %d: %s declined its task: %s", rnd.number, client_id, why)
+                    self._cv.notify_all()
+                return
             rnd, sec = self._secure_member(client_id, round_, nonce)
             how = f"withdrew at {STAGE_NAMES[sec.stage]}" + (f" ({why})" if why else "")
             self._client_gone(rnd, client_id, how)
@@ -671,7 +684,8 @@ class Coordinator:
             except RoundAborted as exc:
                 self._record_failed_attempt(number, attempt, kind, str(exc))
                 raise
-            cohort = self._sample_cohort(online, kind)
+            declined = self._declined.get(number, set())
+            cohort = self._sample_cohort([c for c in online if c not in declined], kind)
             if len(cohort) < needed:
                 log.warning("round %d: cohort of %d < %d, resampling", number, len(cohort), needed)
                 last_shortfall = f"the sampled cohort had {len(cohort)} clients"

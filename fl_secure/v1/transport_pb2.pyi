@@ -106,7 +106,8 @@ class _SecAggStageEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SecAggSta
     """send: the revealed shares; reply: acknowledgement"""
     SECAGG_STAGE_WITHDRAW: _SecAggStage.ValueType  # 5
     """send: nothing; the client leaves the round now (it failed locally). Treated as a dropout
-    at whatever stage the round is in; an input already uploaded stays in the sum.
+    at whatever stage the round is in; an input already uploaded stays in the sum. With
+    WITHDRAW_REASON_DECLINED also for a plain (not securely aggregated) round's task.
     """
     SECAGG_STAGE_ATTEND: _SecAggStage.ValueType  # 6
     """send: nothing; held open by the client from the start of its round. The server answers
@@ -127,7 +128,8 @@ SECAGG_STAGE_UNMASK_REPLY: SecAggStage.ValueType  # 4
 """send: the revealed shares; reply: acknowledgement"""
 SECAGG_STAGE_WITHDRAW: SecAggStage.ValueType  # 5
 """send: nothing; the client leaves the round now (it failed locally). Treated as a dropout
-at whatever stage the round is in; an input already uploaded stays in the sum.
+at whatever stage the round is in; an input already uploaded stays in the sum. With
+WITHDRAW_REASON_DECLINED also for a plain (not securely aggregated) round's task.
 """
 SECAGG_STAGE_ATTEND: SecAggStage.ValueType  # 6
 """send: nothing; held open by the client from the start of its round. The server answers

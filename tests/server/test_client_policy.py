@@ -167,6 +167,7 @@ def test_a_replayed_training_task_is_trained_and_sent_once() -> None:
     class Stub:
         polls = 0
         uploads = 0
+        declined: list[int] = []
 
         def Join(self, request, metadata, timeout):  # noqa: N802 - the gRPC method name
             return serde.join_reply_to_proto(
@@ -187,6 +188,10 @@ def test_a_replayed_training_task_is_trained_and_sent_once() -> None:
             self.uploads += 1
             return pb.SubmitReply(message="ok")
 
+        def SecAggExchange(self, message, metadata, timeout):  # noqa: N802
+            self.declined.append(message.withdraw_reason)
+            return pb.SecAggMessage()
+
     class Trainer:
         num_examples = 5
         trained = 0
@@ -201,9 +206,10 @@ def test_a_replayed_training_task_is_trained_and_sent_once() -> None:
     stub = Stub()
     # Execute
     message = client._session(stub, Backoff())  # type: ignore[arg-type]
-    # Assert: one training and one upload; the two replays were refused
+    # Assert: one training and one upload; the two replays were refused, and the server told
     assert message == "done" and stub.polls == 4
     assert trainer.trained == 1 and stub.uploads == 1 and client.rounds_done == 1
+    assert stub.declined == [pb.WITHDRAW_REASON_DECLINED] * 2
 
 
 def test_a_ckks_round_in_a_masked_run_is_refused_before_any_stage(tmp_path: Path) -> None:
