@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from fl_secure.errors import PrivacyError
 from fl_secure.report import load_schema, write_report
 from fl_secure.runs import RunDir
 from tests.fl_secure.test_report import TINY
@@ -76,24 +75,16 @@ def test_a_run_whose_round_aborts_lists_each_failed_attempt(tmp_path: Path) -> N
 def test_a_retried_round_that_then_completes_keeps_its_failed_attempt(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import privacy.secagg_session as session
     from fl_secure.report.build import _failed_attempts, _secure_aggregation
-    from tests.server.test_secagg_grpc import _run
+    from tests.server.test_secagg_grpc import _run, first_setup_fails
 
     # Prepare: the first attempt's secure-aggregation setup fails; the retry succeeds
-    real, calls = session.make_setup, []
-
-    def first_fails(*args, **kwargs):
-        calls.append(kwargs["attempt"])
-        if len(calls) == 1:
-            raise PrivacyError("threshold = 3 exceeds the 2 neighbours (a test's cohort)")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(session, "make_setup", first_fails)
+    calls = first_setup_fails(monkeypatch)
     # Execute
     coord = _run(tmp_path, [0.5, -0.25, 1.0], failing=set(), max_retries=1)
     # Assert: the failed attempt is a record of its own, before the round it was retried in
     assert coord.status == "completed", coord.stop_reason
+    assert calls[:2] == [0, 1]  # the server's attempt 0 setup failed, attempt 1's was made
     records = RunDir(tmp_path / "run").read_metrics()
     assert [(r.get("kind"), r["round"], r.get("attempt")) for r in records] == [
         (None, 0, None),

@@ -152,8 +152,6 @@ def test_a_training_task_already_answered_is_refused() -> None:
 
 
 def test_a_replayed_training_task_is_trained_and_sent_once() -> None:
-    import numpy as np
-
     from fl_secure.v1 import transport_pb2 as pb
 
     # Prepare: a server stub that hands out round 1's task three times, then finishes
@@ -161,87 +159,56 @@ def test_a_replayed_training_task_is_trained_and_sent_once() -> None:
         {"partition": {"num_clients": 3}, "server": {"min_clients": 2},
          "train": {"rounds": 4, "lr": 0.1, "lr_schedule": "cosine"}}
     )  # fmt: skip
-    task = serde.task_to_proto(_train_task(1, b"r" * 16))
-    params = OrderedDict(w=np.zeros(3, np.float32))
-
-    class Stub:
-        polls = 0
-        uploads = 0
-        declined: list[int] = []
-
-        def Join(self, request, metadata, timeout):  # noqa: N802 - the gRPC method name
-            return serde.join_reply_to_proto(
-                JoinReply("client-0", "run", __version__, config_to_toml(config))
-            )
-
-        def PollTask(self, request, metadata, timeout):  # noqa: N802
-            self.polls += 1
-            if self.polls > 3:
-                return serde.task_to_proto(Task(kind=TaskKind.FINISHED, message="done"))
-            return task
-
-        def GetParameters(self, request, metadata, timeout):  # noqa: N802
-            return iter(list(serde.parameters_to_chunks(1, params)))
-
-        def SubmitUpdate(self, chunks, metadata, timeout):  # noqa: N802
-            list(chunks)
-            self.uploads += 1
-            return pb.SubmitReply(message="ok")
-
-        def SecAggExchange(self, message, metadata, timeout):  # noqa: N802
-            self.declined.append(message.withdraw_reason)
-            return pb.SecAggMessage()
-
-    class Trainer:
-        num_examples = 5
-        trained = 0
-
-        def train(self, shared, training):
-            self.trained += 1
-            return OrderedDict(w=np.ones(3, np.float32)), 5, {}
-
-    trainer = Trainer()
+    stub = _replaying_stub(config_to_toml(config), _train_task(1, b"r" * 16), times=3)
+    trainer = _Trainer()
     conn = Connection("localhost:1", "client-0")
     client = FlClient(conn, lambda reply: trainer, sleep=lambda s: None)  # type: ignore[arg-type,return-value]
-    stub = Stub()
     # Execute
-    message = client._session(stub, Backoff())  # type: ignore[arg-type]
+    message = client._session(stub, Backoff())
     # Assert: one training and one upload; the two replays were refused, and the server told
     assert message == "done" and stub.polls == 4
     assert trainer.trained == 1 and stub.uploads == 1 and client.rounds_done == 1
-    assert stub.declined == [pb.WITHDRAW_REASON_DECLINED] * 2
+    assert stub.withdrawals == [pb.WITHDRAW_REASON_DECLINED] * 2
 
 
 def test_a_ckks_round_in_a_masked_run_is_refused_before_any_stage(tmp_path: Path) -> None:
-    from privacy.ckks_session import CkksSetup
 
     # Prepare: a client that joined a SecAgg run (distributed noise would be dropped by CKKS)
     client = FlClient(Connection("localhost:1", "client-0", cert_dir=tmp_path), lambda r: None)  # type: ignore[arg-type,return-value]
     client._hold_run_config(config_to_toml(SECURE))
+    # Execute
+    calls = _ckks_round(client)
+    # Assert: the client withdrew (message refused) and sent nothing else
+    from fl_secure.v1 import transport_pb2 as pb
+
+    assert calls == [(pb.SECAGG_STAGE_WITHDRAW, pb.WITHDRAW_REASON_MESSAGE_REFUSED)]
+    assert client.rounds_done == 0
+
+
+def _ckks_round(client: FlClient) -> list[tuple[int, int]]:
+    """Run a CKKS task of round id r...r on ``client``; the (stage, reason) of each call.
+
+    The stub fails the test if a stage is started: the round must be refused before.
+    """
+    from privacy.ckks_session import CkksSetup
+
     client.trainer = object()  # type: ignore[assignment]  # never asked to train
     setup = CkksSetup(round_id=b"r" * 16, cohort=("client-0", "client-1"), layers=None,
                       min_count=2).to_bytes()  # fmt: skip
     task = Task(kind=TaskKind.TRAIN, round=1, nonce=b"n" * 16, secagg_setup=setup)
-    calls: list[object] = []
+    calls: list[tuple[int, int]] = []
 
     class Stub:
         class SecAggExchange:  # noqa: N801 - the gRPC method name
             def __new__(cls, message, metadata, timeout):  # type: ignore[misc]
-                calls.append(message)
+                calls.append((message.stage, message.withdraw_reason))
 
             @staticmethod
             def future(*args, **kwargs):  # noqa: ANN205
                 raise AssertionError("a stage was started")
 
-    # Execute
     client._secure_round(Stub(), task, lambda: OrderedDict(), 0.0)  # type: ignore[arg-type]
-    # Assert: the client withdrew (message refused) and sent nothing else
-    from fl_secure.v1 import transport_pb2 as pb
-
-    assert [(m.stage, m.withdraw_reason) for m in calls] == [
-        (pb.SECAGG_STAGE_WITHDRAW, pb.WITHDRAW_REASON_MESSAGE_REFUSED)
-    ]
-    assert client.rounds_done == 0
+    return calls
 
 
 def _replaying_stub(config_toml: str, task: Task, run_id: str = "run", times: int = 3) -> Any:
@@ -255,7 +222,9 @@ def _replaying_stub(config_toml: str, task: Task, run_id: str = "run", times: in
     class Stub:
         polls = 0
         uploads = 0
-        withdrawals: list[int] = []
+
+        def __init__(self) -> None:
+            self.withdrawals: list[int] = []
 
         def Join(self, request, metadata, timeout):  # noqa: N802 - the gRPC method name
             return serde.join_reply_to_proto(
@@ -411,7 +380,6 @@ def test_two_clients_cannot_share_a_state_folder(tmp_path: Path) -> None:
 
 
 def test_a_secure_round_id_seen_before_is_refused_also_after_a_restart(tmp_path: Path) -> None:
-    from privacy.ckks_session import CkksSetup
     from privacy.secagg_session import make_setup
     from privacy.site_ledger import SiteLedger
 
@@ -427,30 +395,13 @@ def test_a_secure_round_id_seen_before_is_refused_also_after_a_restart(tmp_path:
         site=SiteLedger(tmp_path / "state"),
     )
     client._hold_run_config(config_to_toml(config))
-    client.trainer = object()  # type: ignore[assignment]  # never asked to train
-    setup = CkksSetup(round_id=b"r" * 16, cohort=("client-0", "client-1"), layers=None,
-                      min_count=2).to_bytes()  # fmt: skip
-    task = Task(kind=TaskKind.TRAIN, round=1, nonce=b"n" * 16, secagg_setup=setup)
-    calls: list[object] = []
-
-    class Stub:
-        class SecAggExchange:  # noqa: N801 - the gRPC method name
-            def __new__(cls, message, metadata, timeout):  # type: ignore[misc]
-                calls.append(message)
-
-            @staticmethod
-            def future(*args, **kwargs):  # noqa: ANN205
-                raise AssertionError("a stage was started")
-
     # Execute
-    client._secure_round(Stub(), task, lambda: OrderedDict(), 0.0)  # type: ignore[arg-type]
+    calls = _ckks_round(client)
     # Assert: withdrawn before any stage; and the server draws a new id for every attempt,
     # also for a round number and attempt a resumed run repeats
     from fl_secure.v1 import transport_pb2 as pb
 
-    assert [(m.stage, m.withdraw_reason) for m in calls] == [
-        (pb.SECAGG_STAGE_WITHDRAW, pb.WITHDRAW_REASON_MESSAGE_REFUSED)
-    ]
+    assert calls == [(pb.SECAGG_STAGE_WITHDRAW, pb.WITHDRAW_REASON_MESSAGE_REFUSED)]
     args = {"run_id": "run", "round_": 3, "attempt": 0, "cohort": ["a", "b", "c"],
             "vector_length": 10}  # fmt: skip
     first, again = (make_setup(SECURE.secure_aggregation, **args) for _ in range(2))  # type: ignore[arg-type]

@@ -417,6 +417,18 @@ def test_a_server_fault_on_one_header_refuses_that_client_alone(
     }
 
 
+def _two_send_and_client_2_declines(run, params) -> None:
+    """Three clients join; client-2 declines its task, the others send theirs; the run ends."""
+    stubs = [_stub(run, f"client-{i}") for i in range(3)]
+    for stub in stubs:  # online, so that the first cohort holds all three
+        stub.Join(pb.JoinRequest(num_examples=5), timeout=10)
+    tasks = [_task(stub) for stub in stubs]
+    _decline(stubs[2], tasks[2])
+    for stub, task in zip(stubs[:2], tasks[:2], strict=True):
+        stub.SubmitUpdate(_chunks(task, params), timeout=10)
+    run.driver.join(timeout=20)
+
+
 def _decline(stub, task) -> None:
     stub.SecAggExchange(
         pb.SecAggMessage(
@@ -433,15 +445,8 @@ def test_a_plain_task_a_site_declines_is_not_waited_for(grpc_run_factory, small_
     # Prepare: three clients, two needed; round_timeout 300 s, so a round still waiting for
     # the declining client could not end within the driver's 20 s below
     run = grpc_run_factory(small_params, clients=3, min_clients=2, round_timeout=300)
-    stubs = [_stub(run, f"client-{i}") for i in range(3)]
-    for stub in stubs:  # online, so that the first cohort holds all three
-        stub.Join(pb.JoinRequest(num_examples=5), timeout=10)
-    tasks = [_task(stub) for stub in stubs]
     # Execute: client-2 declines (its budget, say); the others send their updates
-    _decline(stubs[2], tasks[2])
-    for stub, task in zip(stubs[:2], tasks[:2], strict=True):
-        stub.SubmitUpdate(_chunks(task, small_params), timeout=10)
-    run.driver.join(timeout=20)
+    _two_send_and_client_2_declines(run, small_params)
     # Assert: the round completed without it, and says why
     assert run.coordinator.status == "completed"
     assert run.coordinator.events[-1]["failed"] == {
@@ -455,15 +460,8 @@ def test_a_site_that_declined_is_not_drawn_again_for_the_round(
 ) -> None:
     # Prepare: three clients, all three needed, one retry
     run = grpc_run_factory(small_params, clients=3, min_clients=3, round_timeout=300, max_retries=1)
-    stubs = [_stub(run, f"client-{i}") for i in range(3)]
-    for stub in stubs:
-        stub.Join(pb.JoinRequest(num_examples=5), timeout=10)
-    tasks = [_task(stub) for stub in stubs]
     # Execute: client-2 declines attempt 0; the others send theirs
-    _decline(stubs[2], tasks[2])
-    for stub, task in zip(stubs[:2], tasks[:2], strict=True):
-        stub.SubmitUpdate(_chunks(task, small_params), timeout=10)
-    run.driver.join(timeout=20)
+    _two_send_and_client_2_declines(run, small_params)
     # Assert: the retry drew from the two others only, which is too few: the round aborts
     # at once instead of asking client-2 again
     assert run.coordinator.status == "aborted"

@@ -233,11 +233,8 @@ def test_secure_sum_equals_the_plain_mean(tmp_path: Path) -> None:
     }
 
 
-def test_a_cohort_secure_aggregation_cannot_start_with_is_redrawn(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Prepare: the first attempt's setup fails as a cohort size no threshold or graph fits
-    # would (a Poisson cohort smaller than the largest one the start-up check saw)
+def first_setup_fails(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The first secure-aggregation setup of the run fails; the attempts asked are listed."""
     import privacy.secagg_session as session
 
     real, calls = session.make_setup, []
@@ -249,6 +246,15 @@ def test_a_cohort_secure_aggregation_cannot_start_with_is_redrawn(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(session, "make_setup", first_fails)
+    return calls
+
+
+def test_a_cohort_secure_aggregation_cannot_start_with_is_redrawn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: the first attempt's setup fails as a cohort size no threshold or graph fits
+    # would (a Poisson cohort smaller than the largest one the start-up check saw)
+    calls = first_setup_fails(monkeypatch)
     shifts = [0.5, -0.25, 1.0]
     # Execute
     coord = _run(tmp_path, shifts, failing=set(), max_retries=1)
