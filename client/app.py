@@ -270,7 +270,7 @@ class FlClient:
             config = config_from_dict(tomllib.loads(run_config_toml))
         except (tomllib.TOMLDecodeError, FlSecureError) as exc:
             raise ConfigError(f"the server sent an invalid run config: {exc}") from exc
-        self.site.check_run(config, run_id, run_config_toml)
+        self.site.check_run(config, run_id)
         self._run_config, self._run_config_toml, self._run_id = config, run_config_toml, run_id
 
     def _load_signing_keys(self) -> None:

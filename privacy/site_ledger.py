@@ -36,10 +36,11 @@ whose sampling the server does not see.
 The same file also lets a restarted client keep refusing tasks it already answered
 (:meth:`SiteLedger.refusal`): a replayed task, an older round, a round past ``train.rounds``,
 more attempts of a round than ``server.max_retries`` allows, and evaluation tasks other than
-the run's two (round 0 and the final one). It records the SHA-256 of each run's config, so
-a server that sends another config for a run id the site knows is refused, also after a
-restart. The limits are per run id: a server can always start a new run, and only the
-site's budget (``max_epsilon``) bounds what the site releases over all of them.
+the run's two (round 0 and the final one). It records the SHA-256 of each run's config (its
+noise multiplier aside: :func:`pinned_digest`), so a server that sends another config for a
+run id the site knows is refused, also after a restart. The limits are per run id: a server
+can always start a new run, and only the site's budget (``max_epsilon``) bounds what the
+site releases over all of them.
 """
 
 from __future__ import annotations
@@ -162,6 +163,17 @@ class Release:
             if not (math.isfinite(value) and value >= 0):
                 raise PrivacyError(f"{where}: release field {key!r} is not a finite number >= 0")
         return cls(**{k: row[k] for k in types})
+
+
+def pinned_digest(config: Config) -> str:
+    """SHA-256 of a run config as a site pins it: all of it but the noise multiplier."""
+    import tomllib
+
+    from fl_secure.config import config_to_toml
+
+    doc = tomllib.loads(config_to_toml(config))
+    doc.get("privacy", {}).pop("noise_multiplier", None)
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode("utf-8")).hexdigest()
 
 
 def release_for(config: Config, run_id: str, round_: int, nonce: bytes) -> Release:
@@ -355,11 +367,14 @@ class SiteLedger:
         }
 
     # ------------------------------------------------------------ policy
-    def check_run(self, config: Config, run_id: str = "", config_toml: str = "") -> None:
+    def check_run(self, config: Config, run_id: str | None = None) -> None:
         """Refuse a run this site knows under another config, or one that cannot keep its budget.
 
-        The first join of a run id records the SHA-256 of its config (``config_toml``);
-        a later join of the same run id, also after a restart, must send the same config.
+        The first join of ``run_id`` records the SHA-256 of its config; a later join of the
+        same run id, also after a restart, must send the same config, except for the
+        calibrated noise multiplier: a resumed run recalibrates it when the enrolled
+        population changed, and each release records the multiplier it carried, so the
+        site's figures and budget follow it. (``run_id`` None: only the budget is checked.)
 
         Raises:
             PrivacyError: the run id is known with another config; or a budget is set and
@@ -367,17 +382,18 @@ class SiteLedger:
                 DP, central noise, example level), a client-level run came without its
                 calibrated noise multiplier, or one release would already pass the budget.
         """
-        if config_toml:
-            digest = hashlib.sha256(config_toml.encode("utf-8")).hexdigest()
+        digest = ""
+        if run_id is not None:
+            digest = pinned_digest(config)
             known = self.run_configs.get(run_id)
             if known is not None and known != digest:
                 raise PrivacyError(
                     f"this site joined run {run_id!r} before under another run config (SHA-256 "
-                    f"{known[:12]}..., now {digest[:12]}...): a server may not change a run's "
-                    "config, its limits and noise, under a site; refusing to join"
+                    f"{known[:12]}..., now {digest[:12]}..., noise multiplier aside): a server "
+                    "may not change a run's limits or protection under a site; refusing to join"
                 )
         self._check_budget(config)
-        if config_toml and self.run_configs.get(run_id) is None:
+        if run_id is not None and self.run_configs.get(run_id) is None:
             self.run_configs[run_id] = digest
             self._save_or_raise(lambda: self.run_configs.pop(run_id))
 

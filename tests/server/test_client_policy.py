@@ -333,9 +333,8 @@ def test_a_site_refuses_runs_past_their_rounds_their_evaluations_and_a_changed_c
         {"partition": {"num_clients": 3}, "server": {"min_clients": 2, "max_retries": 0},
          "train": {"rounds": 4}}
     )  # fmt: skip
-    toml = config_to_toml(config)
     site = SiteLedger(tmp_path)
-    site.check_run(config, "run", toml)
+    site.check_run(config, "run")
     # Execute / Assert: training rounds 1..4 only; evaluations at 0 and 5, once each
     assert "not a training round of this run (1..4)" in site.refusal(
         config, "run", 5, b"a" * 16, last_round=0
@@ -358,12 +357,18 @@ def test_a_site_refuses_runs_past_their_rounds_their_evaluations_and_a_changed_c
          "train": {"rounds": 4}}
     )  # fmt: skip
     with pytest.raises(PrivacyError, match="joined run 'run' before under another run config"):
-        restarted.check_run(looser, "run", config_to_toml(looser))
-    restarted.check_run(config, "run", toml)  # the same config is welcome back
+        restarted.check_run(looser, "run")
+    restarted.check_run(config, "run")  # the same config is welcome back
+    # a resumed run that recalibrated its noise (its population changed) is welcome too:
+    # each release records the noise it carried
+    recalibrated = dataclasses.replace(
+        config, privacy=dataclasses.replace(config.privacy, noise_multiplier=1.7)
+    )
+    restarted.check_run(recalibrated, "run")
     # a budget that one release of the run would already pass: not joined
     noisy = config_from_dict({"privacy": {"unit": "client", "noise_multiplier": 0.3}})
     with pytest.raises(PrivacyError, match="one more update of this run would bring"):
-        SiteLedger(tmp_path / "b", max_epsilon=1.0).check_run(noisy, "run-2", "x")
+        SiteLedger(tmp_path / "b", max_epsilon=1.0).check_run(noisy, "run-2")
 
 
 def test_two_clients_cannot_share_a_state_folder(tmp_path: Path) -> None:
