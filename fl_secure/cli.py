@@ -236,25 +236,20 @@ def _delta_population(summary: dict[str, Any]) -> tuple[int | None, str]:
 
 def _print_sites(run_dir: Path, summary: dict[str, Any]) -> None:
     """The sites' own epsilon against the server (embedded runs keep their site ledgers)."""
-    from fl_secure.errors import PrivacyError
-    from privacy.site_ledger import FILE_NAME, SiteLedger
+    from fl_secure.report.build import site_figures
 
     if summary.get("privacy_unit") != "client":
         return
-    figures = []
-    for path in sorted((run_dir / "clients").glob(f"*/{FILE_NAME}")):
-        try:
-            site = SiteLedger(path.parent, delta=summary["delta"])
-        except PrivacyError:
-            continue  # the report names a damaged one
-        if site.releases:
-            figures.append((site.epsilon(), site.epsilon(colluding_peers=True)))
+    figures = [  # a damaged ledger is named by the report
+        s for s in site_figures(run_dir, summary)["sites"] if s["problem"] is None and s["releases"]
+    ]
     if figures:
 
         def up(x: float) -> str:  # rounded up: a bound
             return f"{math.ceil(x * 1e4 - 1e-9) / 1e4:.4f}" if math.isfinite(x) else "unbounded"
 
-        worst, colluding = max(f[0] for f in figures), max(f[1] for f in figures)
+        worst = max(s["epsilon"] for s in figures)
+        colluding = max(s["epsilon_colluding_peers"] for s in figures)
         print(
             f"  each site against the server (its own ledger, no sampling amplification): "
             f"epsilon <= {up(worst)}; {up(colluding)} if the other sites collude "

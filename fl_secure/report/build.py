@@ -99,7 +99,7 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         "utility": _utility(summary, metrics),
         "provenance": _provenance(run.path, summary, config, config_text),
         "model": _model(run, entries),
-        "sites": _sites(run, summary),
+        "sites": site_figures(run.path, summary),
     }
     # a NaN or infinite figure (summary.json may hold one; JSON has no such number) is
     # null, shown as n/a, and named in a warning
@@ -137,7 +137,7 @@ def _non_finite_to_null(node: Any, path: str) -> list[str]:
     return found
 
 
-def _sites(run: RunDir, summary: dict[str, Any]) -> dict[str, Any]:
+def site_figures(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
     """Each site's own epsilon against the server, from the site ledgers in the run folder.
 
     Embedded runs keep each client's state folder under ``clients/<id>/``, with its
@@ -149,7 +149,7 @@ def _sites(run: RunDir, summary: dict[str, Any]) -> dict[str, Any]:
 
     delta = summary.get("delta")
     delta = float(delta) if isinstance(delta, (int, float)) and 0 < delta < 1 else 1e-5
-    folder = run.path / "clients"
+    folder = run_dir / "clients"
     rows: list[dict[str, Any]] = []
     for path in sorted(folder.glob(f"*/{FILE_NAME}")) if folder.is_dir() else []:
         row: dict[str, Any] = {"client": path.parent.name, "problem": None}
