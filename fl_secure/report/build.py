@@ -172,8 +172,9 @@ def site_figures(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
         "(the server knows whom it sampled), exact composition of the Gaussian releases, "
         "and only the noise the protocol guarantees (the site's own under local noise, the "
         "threshold's shares under distributed noise); 'colluding peers': the site's own "
-        "noise share alone. The run's epsilon above may be lower: it credits the sampling "
-        "and every survivor's noise share",
+        "noise share alone. The run's epsilon above is lower when clients are sampled: it "
+        "takes amplification by the server's own sampling; with every client in every round "
+        "the two agree (the run's is the PLD accountant's, a hair above the exact figure)",
         "source": f"clients/<id>/{FILE_NAME} (embedded runs; a standalone server's sites keep "
         "theirs: fl-secure privacy site --state-dir DIR)",
     }
