@@ -417,8 +417,8 @@ class SiteLedger:
                 "the run config came without a calibrated privacy.noise_multiplier; refusing "
                 "to join"
             )
-        first = self.epsilon(extra=release_for(config, "", 0, b""))
-        if first > self.max_epsilon * (1 + 1e-12):
+        first = self._over_budget(release_for(config, "", 0, b""))
+        if first is not None:
             raise PrivacyError(
                 f"one more update of this run would bring this site's epsilon against the "
                 f"server to {first:.4g} (delta {self.delta:g}), above its budget of "
@@ -430,9 +430,9 @@ class SiteLedger:
         self, config: Config | None, run_id: str, round_: int, nonce: bytes, *, last_round: int
     ) -> str:
         """Why the site will not release an update for this task ("" if it will)."""
-        mine = [r for r in self.releases if r.run_id == run_id]
-        if any(r.round == round_ and r.nonce == nonce.hex() for r in mine):
+        if self._counted(run_id, round_, nonce):
             return "this client already sent its update for this task (a replayed task)"
+        mine = [r for r in self.releases if r.run_id == run_id]
         last = max([last_round, *(r.round for r in mine)])
         if round_ < last:
             return f"round {round_} is older than round {last}, already done"
@@ -446,19 +446,31 @@ class SiteLedger:
                 f"this client already sent {attempts} updates for round {round_}, as many "
                 f"as server.max_retries = {config.server.max_retries} allows"
             )
-        if self.max_epsilon is not None:
-            after = self.epsilon(extra=release_for(config, run_id, round_, nonce))
-            if after > self.max_epsilon * (1 + 1e-12):
-                return (
-                    f"another update would bring this site's epsilon against the server to "
-                    f"{after:.4g} (delta {self.delta:g}), above its budget of {self.max_epsilon:g}"
-                )
+        after = self._over_budget(release_for(config, run_id, round_, nonce))
+        if after is not None:
+            return (
+                f"another update would bring this site's epsilon against the server to "
+                f"{after:.4g} (delta {self.delta:g}), above its budget of {self.max_epsilon:g}"
+            )
         return ""
+
+    def _over_budget(self, row: Release) -> float | None:
+        """The site's epsilon after ``row`` if that passes its budget (None: within it)."""
+        if self.max_epsilon is None:
+            return None
+        after = self.epsilon(extra=row)
+        return after if after > self.max_epsilon * (1 + 1e-12) else None
+
+    def _counted(self, run_id: str, round_: int, nonce: bytes) -> bool:
+        """Whether this task's update is in the ledger already."""
+        key = nonce.hex()
+        return any(
+            r.run_id == run_id and r.round == round_ and r.nonce == key for r in self.releases
+        )
 
     def record(self, config: Config, run_id: str, round_: int, nonce: bytes) -> Release | None:
         """Count a release (saved before the caller uploads); None if it was counted already."""
-        if any(r.run_id == run_id and r.round == round_ and r.nonce == nonce.hex()
-               for r in self.releases):  # fmt: skip
+        if self._counted(run_id, round_, nonce):
             return None
         row = release_for(config, run_id, round_, nonce)
         self.releases.append(row)
@@ -517,10 +529,6 @@ class SiteLedger:
         self.secure_rounds.append(key)
         self._save_or_raise(self.secure_rounds.pop)
         return True
-
-    def attempts(self, run_id: str, round_: int) -> int:
-        """Updates this site released for one round of one run."""
-        return sum(1 for r in self.releases if r.run_id == run_id and r.round == round_)
 
 
 __all__ = [
