@@ -180,7 +180,9 @@ def _report(summary: dict[str, Any], run_dir: Path, as_json: bool) -> int:
         if key in summary:
             before = untrained.get(key)
             extra = f"   ({initial}: {before:.4f})" if isinstance(before, float) else ""
-            print(f"{key:>16}: {summary[key]:.4f}{extra}")
+            value = summary[key]  # null: the run scored NaN (metrics.jsonl is strict JSON)
+            shown = f"{value:.4f}" if isinstance(value, float) else "n/a"
+            print(f"{key:>16}: {shown}{extra}")
     held = summary.get("held_out") or {}
     if isinstance(held.get("expression_accuracy"), float):  # FedAffect: expressions, not ids
         acc, majority = held["expression_accuracy"], held.get("expression_majority")

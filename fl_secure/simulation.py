@@ -34,7 +34,7 @@ from fl_secure.algorithms import get_strategy
 from fl_secure.config import Config
 from fl_secure.data.plan import plan_client_id, plan_federation
 from fl_secure.errors import ConfigError, RoundAborted
-from fl_secure.evaluation import per_client_summary
+from fl_secure.evaluation import DegenerateEmbeddings, per_client_summary
 from fl_secure.messages import Tensors, TensorSpec
 from fl_secure.training import HEADLINE, build_model, get_tensors, local_training
 from fl_secure.training import round_learning_rate as lr_of_round
@@ -235,9 +235,7 @@ def _scored(evaluate: Callable[[Tensors], _T], params: Tensors, number: int) -> 
     """``evaluate(params)``; a finite model whose embeddings overflow aborts the run."""
     try:
         return evaluate(params)
-    except ValueError as exc:
-        if "not finite" not in str(exc):
-            raise
+    except DegenerateEmbeddings as exc:
         raise RoundAborted(
             f"round {number}: the global model's embeddings are not finite ({exc}; training "
             "diverged: lower train.lr)"

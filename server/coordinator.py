@@ -25,6 +25,7 @@ import numpy as np
 from fl_secure.algorithms.base import BROADCAST_PREFIX
 from fl_secure.checkpoints import CheckpointStore
 from fl_secure.errors import CheckpointError, ProtocolError, RoundAborted
+from fl_secure.evaluation import DegenerateEmbeddings
 from fl_secure.messages import (
     JoinReply,
     LocalTraining,
@@ -945,11 +946,11 @@ class Coordinator:
                 rnd = self._run_round(number, TaskKind.TRAIN, s.min_clients)
                 mean_update = self._aggregate(rnd)
                 params = self.server_step(self.params, mean_update, number)
-                _require_finite(params, number)  # never checkpointed, never released
+                held = self._vet_model(number, rnd, params)  # a diverged one is never released
                 heads = {**self.heads, **self._step_heads(number, rnd)}
                 encoded = self.store.encode(number, params)  # hashed for the ledger, written
                 rows = self._privacy_rows(number, rnd, encoded)
-                last = self._record(number, rnd, params, rows)
+                last = self._record(number, rnd, rows, held)
                 # Checkpoint (with the round's ledger rows and the clients' heads), then the
                 # ledger entry is synced, and only then is the model released to the next cohort.
                 state: dict[str, Any] = {"status": "running", "privacy_rows": rows}
@@ -1022,7 +1023,13 @@ class Coordinator:
         self.run_dir.truncate_metrics_after(-1)  # before round 0's own failed attempts
         record: dict[str, Any] = {"round": 0}
         if self.evaluator is not None:
-            record["held_out"] = _finite_or_none(self.evaluator(self.params))
+            try:
+                record["held_out"] = _finite_or_none(self.evaluator(self.params))
+            except DegenerateEmbeddings as exc:
+                raise RoundAborted(
+                    f"the initial model's held-out embeddings: {exc} (check model.* and the "
+                    "initial parameters); no round ran"
+                ) from exc
         if self.settings.final_evaluation:  # the clients score it on their own test images
             rnd = self._run_round(0, TaskKind.EVALUATE, 1)
             record["clients"] = {c: h.metrics for c, h in sorted(rnd.received.items())}
@@ -1052,8 +1059,46 @@ class Coordinator:
             row["payload"]["model_sha256"] = digest
         return rows
 
+    def _vet_model(self, number: int, rnd: _Round, params: Tensors) -> dict[str, Any] | None:
+        """Round ``number``'s new global model scored, or the round refused as diverged.
+
+        A model with NaN/Inf parameters, or finite ones whose held-out embeddings overflow
+        (or vanish), is neither checkpointed nor released; the last checkpoint stays the
+        run's model. The server did see the round's updates (or their sum), so under
+        client-level DP with local or distributed noise that view is accounted like any
+        discarded sum before the run stops: a resume that runs the round again composes
+        both.
+
+        Returns:
+            The held-out metrics (NaN scores as None), or None without an evaluator.
+
+        Raises:
+            RoundAborted: Naming what diverged, after the attempt is recorded and accounted.
+        """
+        reason = _non_finite_reason(params, number)
+        held = None
+        if not reason and self.evaluator is not None:
+            try:
+                held = _finite_or_none(self.evaluator(params))
+            except DegenerateEmbeddings as exc:
+                reason = (
+                    f"round {number}: the new global model's held-out embeddings: {exc} "
+                    f"(training diverged: lower train.lr); the model of round {number - 1} "
+                    "is kept"
+                )
+        if not reason:
+            return held
+        if self.privacy is not None:
+            survivors = len(rnd.received)
+            if self.privacy.discard_sum(number, len(rnd.cohort), survivors, rnd.attempt, reason):
+                reason += "; the server saw the round's sum, counted in epsilon like a round"
+            self.privacy.note(number, reason)
+        event = self.events[-1] if self.events and self.events[-1]["round"] == number else None
+        self._record_failed_attempt(number, rnd.attempt, TaskKind.TRAIN, reason, event)
+        raise RoundAborted(reason)
+
     def _record(
-        self, number: int, rnd: _Round, params: Tensors, rows: list[dict[str, Any]]
+        self, number: int, rnd: _Round, rows: list[dict[str, Any]], held: dict[str, Any] | None
     ) -> dict[str, Any]:
         record: dict[str, Any] = {
             "round": number,
@@ -1073,8 +1118,8 @@ class Coordinator:
         if self.privacy is not None:
             record["privacy"] = self.privacy.preview(rows)
             record["epsilon"] = record["privacy"]["epsilon"]
-        if self.evaluator is not None:
-            record["held_out"] = _finite_or_none(self.evaluator(params))
+        if held is not None:
+            record["held_out"] = held
         self.run_dir.append_metrics(record)
         return record
 
@@ -1136,19 +1181,19 @@ def _finite_or_none(value: Any) -> Any:
     return value
 
 
-def _require_finite(params: Tensors, number: int) -> None:
-    """Refuse a new global model with NaN/Inf values (finite updates can still overflow it).
+def _non_finite_reason(params: Tensors, number: int) -> str:
+    """Why a new global model with NaN/Inf values is refused, or "" if it is finite.
 
-    Raises:
-        RoundAborted: Naming the tensors; the last checkpoint stays the run's model.
+    Finite updates can still overflow it.
     """
     bad = [name for name, a in params.items() if a.dtype.kind in "fc" and not np.isfinite(a).all()]
-    if bad:
-        raise RoundAborted(
-            f"round {number}: the aggregate made the global model non-finite in {bad} (updates "
-            "too large: lower train.lr, or clip them with privacy.unit = 'client'); the model "
-            f"of round {number - 1} is kept"
-        )
+    if not bad:
+        return ""
+    return (
+        f"round {number}: the aggregate made the global model non-finite in {bad} (updates "
+        "too large: lower train.lr, or clip them with privacy.unit = 'client'); the model "
+        f"of round {number - 1} is kept"
+    )
 
 
 def _describe_shortfall(failed: dict[str, str], silent: list[str]) -> str:

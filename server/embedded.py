@@ -143,17 +143,18 @@ def _run_held(
     )
 
     def on_round(record: dict[str, Any]) -> None:
-        held = record.get("held_out", {})
+        held = record.get("held_out") or {}
+        tar = held.get("tar_at_far_1e-2")  # None: the round scored NaN
         postfix = {"clients": f"{record['num_updates']}/{record['cohort_size']}"}
         if "tar_at_far_1e-2" in held:
-            postfix["tar_1e2"] = f"{held['tar_at_far_1e-2']:.3f}"
+            postfix["tar_1e2"] = f"{tar:.3f}" if isinstance(tar, float) else "n/a"
         bar.set_postfix(postfix)
         bar.update(1)
         if bar.disable and progress:  # not a terminal: one plain line per round
             line = f"round {record['round']}/{config.train.rounds}: "
             line += f"{record['num_updates']}/{record['cohort_size']} clients"
             if "tar_at_far_1e-2" in held:
-                line += f", held-out TAR@FAR=1e-2 {held['tar_at_far_1e-2']:.3f}"
+                line += f", held-out TAR@FAR=1e-2 {postfix['tar_1e2']}"
             print(line, file=sys.stderr, flush=True)
 
     try:

@@ -4,6 +4,7 @@ from fl_secure.evaluation.identification import rank1, rank1_leave_one_out
 from fl_secure.evaluation.summary import per_client_summary
 from fl_secure.evaluation.verification import (
     VERIFICATION_FARS,
+    DegenerateEmbeddings,
     all_pairs,
     best_accuracy,
     eer,
@@ -17,6 +18,7 @@ from fl_secure.evaluation.verification import (
 
 __all__ = [
     "VERIFICATION_FARS",
+    "DegenerateEmbeddings",
     "all_pairs",
     "best_accuracy",
     "eer",

@@ -291,11 +291,16 @@ def verification_metrics(
     return metrics
 
 
+class DegenerateEmbeddings(ValueError):
+    """Embedding rows that are zero or not finite: a diverged model has no cosine to score."""
+
+
 def normalise_rows(embeddings: npt.ArrayLike) -> FloatArray:
     """Return ``[N, D]`` float64 rows scaled to unit L2 norm.
 
     Raises:
-        ValueError: if the input is not 2-D or a row is zero or not finite.
+        ValueError: if the input is not 2-D.
+        DegenerateEmbeddings: if a row is zero or not finite.
     """
     x = np.asarray(embeddings, dtype=np.float64)
     if x.ndim != 2:
@@ -303,6 +308,6 @@ def normalise_rows(embeddings: npt.ArrayLike) -> FloatArray:
     norms = np.linalg.norm(x, axis=1, keepdims=True)
     bad = np.flatnonzero(~(np.isfinite(norms[:, 0]) & (norms[:, 0] > 0)))
     if bad.size:
-        raise ValueError(f"embedding rows {bad[:10].tolist()} are zero or not finite")
+        raise DegenerateEmbeddings(f"embedding rows {bad[:10].tolist()} are zero or not finite")
     unit: FloatArray = x / norms
     return unit

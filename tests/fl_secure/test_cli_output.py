@@ -28,6 +28,14 @@ def test_round_zero_is_named_for_what_it_was(
     assert f"tar_at_far_1e-2: 0.2500   ({label}: 0.5000)" in capsys.readouterr().out
 
 
+def test_a_headline_the_run_scored_nan_prints_as_n_a(capsys: pytest.CaptureFixture[str]) -> None:
+    # a NaN score is null in summary.json (strict JSON); the end-of-run lines still print
+    summary = {"status": "completed", "tar_at_far_1e-2": None, "rank1": 0.5, "untrained": {}}
+    assert _report(summary, Path("run"), as_json=False) == 0
+    out = capsys.readouterr().out
+    assert "tar_at_far_1e-2: n/a" in out and "rank1: 0.5000" in out
+
+
 def test_fedaffect_prints_expression_accuracy_beside_the_majority_class(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -190,9 +190,16 @@ def test_rank1_leave_one_out_on_a_constructed_case() -> None:
         rank1_leave_one_out(embeddings[:3], [0, 1, 2])
 
 
-def test_zero_embedding_is_rejected() -> None:
-    with pytest.raises(ValueError, match=r"rows \[1\]"):
-        all_pairs(np.array([[1.0, 0.0], [0.0, 0.0]]), [0, 0])
+@pytest.mark.parametrize("bad", [0.0, np.inf, np.nan])
+def test_zero_or_non_finite_embedding_is_rejected_by_its_own_type(bad: float) -> None:
+    from fl_secure.evaluation import DegenerateEmbeddings
+
+    # the server tells a diverged model (this type) from a wrong-shape bug (plain ValueError)
+    with pytest.raises(DegenerateEmbeddings, match=r"rows \[1\]"):
+        all_pairs(np.array([[1.0, 0.0], [bad, 0.0]]), [0, 0])
+    with pytest.raises(ValueError, match="must be") as info:
+        all_pairs(np.zeros(3), [0, 0, 0])
+    assert not isinstance(info.value, DegenerateEmbeddings)
 
 
 def test_per_client_summary_uses_the_population_std() -> None:

@@ -131,6 +131,49 @@ def test_finite_updates_that_overflow_the_model_are_never_checkpointed(tmp_path:
     assert RunDir(tmp_path).read_metrics()[1]["held_out"] == {"norm": None}
 
 
+@pytest.mark.parametrize("bad_call", [1, 3])
+def test_a_model_whose_embeddings_overflow_is_never_checkpointed(
+    tmp_path: Path, bad_call: int
+) -> None:
+    from fl_secure.evaluation import DegenerateEmbeddings
+
+    # Prepare: the evaluator's 1st call scores the initial model, its 3rd round 2's model
+    calls: list[int] = []
+
+    def evaluator(params) -> dict[str, float]:
+        calls.append(1)
+        if len(calls) == bad_call:
+            raise DegenerateEmbeddings("embedding rows [3] are zero or not finite")
+        return {"norm": 1.0}
+
+    coord = _coordinator(tmp_path, rounds=2)
+    coord.evaluator = evaluator
+    for c in CLIENTS:
+        coord.join(c, 10)
+    driver = threading.Thread(target=coord.run)
+    driver.start()
+    # Execute
+    for _ in range(2 if bad_call == 3 else 0):
+        workers = [threading.Thread(target=_submit, args=(coord, c, 1.0, 1)) for c in CLIENTS]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=30)
+    driver.join(timeout=30)
+    # Assert: the run stops by name instead of the thread dying on a ValueError
+    assert not driver.is_alive()
+    assert coord.status == "aborted"
+    records = RunDir(tmp_path).read_metrics()
+    if bad_call == 1:
+        assert coord.stop_reason.startswith("the initial model's held-out embeddings")
+        assert coord.store.latest() is None and records == []
+        return
+    assert coord.stop_reason.startswith("round 2: the new global model's held-out embeddings")
+    assert coord.store.latest().round == 1
+    np.testing.assert_array_equal(coord.params["w"], np.ones((2, 2)))
+    assert [(r["round"], r.get("kind")) for r in records] == [(0, None), (1, None), (2, "aborted")]
+
+
 def test_straggler_dropped_after_deadline(tmp_path: Path) -> None:
     clock = FakeClock()
     coord = _coordinator(tmp_path, clock=clock, rounds=1, min_clients=2, round_timeout=10.0)

@@ -442,6 +442,57 @@ def test_updates_the_server_saw_in_a_failed_attempt_are_counted(
     assert coord.privacy is not None and coord.privacy.summary()["discarded_sums_accounted"] == 1
 
 
+def test_a_round_refused_as_diverged_counts_the_sum_the_server_saw(tmp_path: Path) -> None:
+    from fl_secure.evaluation import DegenerateEmbeddings
+
+    # Prepare: local noise z = 2 (the guarantee covers the server's view); round 2's new
+    # model is finite but its held-out embeddings overflow (the evaluator's 3rd call: the
+    # 1st scores the initial model)
+    cfg = PrivacyConfig(unit="client", noise_placement="local", noise_multiplier=2.0)
+    coord = _coordinator(tmp_path, cfg, rounds=3)
+    scored: list[int] = []
+
+    def evaluator(params: Any) -> dict[str, float]:
+        scored.append(len(scored))
+        if len(scored) == 3:
+            raise DegenerateEmbeddings("embedding rows [0, 1] are zero or not finite")
+        return {"tar": 0.5}
+
+    coord.evaluator = evaluator
+    # Execute
+    _drive(coord, 2)
+    # Assert: the run stops at round 2, round 1's model stays the run's model, and the sum
+    # the server saw in round 2 is composed like a round (epsilon of 2 releases)
+    assert coord.status == "aborted"
+    assert "round 2: the new global model's held-out embeddings" in coord.stop_reason
+    assert "counted in epsilon like a round" in coord.stop_reason
+    assert coord.store.latest().round == 1
+    assert coord.privacy is not None
+    coord.privacy.ledger.close()
+
+    def eps(steps: int) -> float:
+        return epsilon_for(
+            accountant="pld", noise_multiplier=2.0, sample_rate=1.0, steps=steps, delta=1e-5
+        )
+
+    with Ledger.read(tmp_path / "ledger.sqlite") as ledger:
+        assert ledger.verify().ok
+        entries = ledger.entries()
+    kinds = [(e.kind, e.round) for e in entries]
+    assert kinds == [("client_level", 1), ("discarded_sum", 2), ("note", 2)]
+    assert entries[1].payload["epsilon"] == pytest.approx(eps(2), rel=1e-9)
+    assert entries[1].payload["updates"] == 3
+    aborted = [r for r in RunDir(tmp_path).read_metrics() if r.get("kind") == "aborted"]
+    assert [(r["round"], r["attempt"]) for r in aborted] == [(2, 0)]
+    assert "held-out embeddings" in aborted[0]["reason"]
+    # a restarted server resumes after round 1 with both releases counted
+    again = _coordinator(tmp_path, cfg, rounds=3)
+    assert again.resume() == 1
+    assert again.privacy is not None
+    assert again.privacy.epsilon == pytest.approx(eps(2), rel=1e-9)
+    again.privacy.ledger.close()
+
+
 def _noised_before_the_server(tmp_path: Path, placement: str = "local") -> Any:
     cfg = PrivacyConfig(
         unit="client", noise_placement=placement, noise_multiplier=1.5, delta=1e-5,
