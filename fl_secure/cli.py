@@ -525,7 +525,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         _print_json(result)
     else:
         for key, value in result.items():
-            print(f"{key:>20}: {'unknown' if value is None else value}")
+            if value is None:  # null: a crop that is none; an overlap the server cannot count
+                value = "none" if key == "center_crop" else "unknown"
+            print(f"{key:>20}: {value}")
     return 0
 
 
