@@ -234,8 +234,15 @@ class FlClient:
         keeps the releases across restarts). (The local settings' ranges are checked when the
         task is read: :func:`fl_secure.serde.check_training`.)
         """
+        privacy = getattr(self.trainer, "privacy", None)  # ClientPrivacy | None
         return self.site.refusal(
-            self._run_config, self._run_id, task.round, task.nonce, last_round=self.last_round
+            self._run_config,
+            self._run_id,
+            task.round,
+            task.nonce,
+            last_round=self.last_round,
+            # example level: the steps the task would train, held against the site's budget
+            dpsgd=privacy.planned_dpsgd(task.training) if privacy is not None else None,
         )
 
     def _hold_run_config(self, run_config_toml: str, run_id: str = "") -> None:
@@ -339,7 +346,7 @@ class FlClient:
             round=task.round, nonce=task.nonce, num_examples=examples, metrics=metrics
         )
         if task.kind is TaskKind.TRAIN:
-            self._count_release(task)  # before it may leave: a failed upload is counted too
+            self._count_release(task, metrics)  # before it may leave: a failed upload too
         else:  # evaluation figures are not covered by DP: a run has two, each counted
             self.site.record_evaluation(self._run_id, task.round, task.nonce)
         try:
@@ -358,15 +365,19 @@ class FlClient:
         self.last_round = task.round
         self.rounds_done += 1
 
-    def _count_release(self, task: Task) -> None:
+    def _count_release(self, task: Task, metrics: dict[str, float] | None = None) -> None:
         """Count this training task's update in the site ledger, before it may leave.
 
         Saved before the upload starts, so a crash or a failed upload never leaves a release
-        uncounted.
+        uncounted. ``metrics``: the update's, whose ``dp_*`` figures (example level) give the
+        DP-SGD steps it was trained with.
         """
         if self._run_config is None:  # pragma: no cover - _session holds it before any task
             raise RuntimeError("a release before the run config was held")
-        row = self.site.record(self._run_config, self._run_id, task.round, task.nonce)
+        from privacy.client_side import ClientPrivacy
+
+        dpsgd = ClientPrivacy.released_dpsgd(metrics or {})
+        row = self.site.record(self._run_config, self._run_id, task.round, task.nonce, dpsgd)
         if row is not None and row.unit == "client":
             log.info(
                 "round %d: site ledger: %d releases; this site's epsilon against the server "
@@ -375,6 +386,15 @@ class FlClient:
                 len(self.site.releases),
                 self.site.epsilon(colluding_peers=False),
                 self.site.epsilon(colluding_peers=True),
+                self.site.delta,
+            )
+        elif row is not None and row.unit == "example":
+            log.info(
+                "round %d: site ledger: %d releases; this site's example-level epsilon (one "
+                "training image) %.4g, delta %g",
+                task.round,
+                len(self.site.releases),
+                self.site.example_epsilon(),
                 self.site.delta,
             )
 
@@ -514,7 +534,7 @@ class FlClient:
                 # client_secure_update reads the reply only after upload() returned.
                 pending[MASKED] = start(MASKED, b"")
             try:
-                self._count_release(task)  # before the masked (or encrypted) update may leave
+                self._count_release(task, metrics)  # before the masked/encrypted update leaves
                 stub.SubmitUpdate(
                     serde.update_to_chunks(header, tensors), metadata=self._metadata, timeout=600
                 )

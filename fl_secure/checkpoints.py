@@ -94,11 +94,41 @@ class CheckpointStore:
             atomic_write_bytes(clients, raw_clients)
             pointer["clients_file"] = clients.name
             pointer["clients_sha256"] = hashlib.sha256(raw_clients).hexdigest()
+        stale = [
+            old
+            for pattern in ("round-*.safetensors", "clients-*.safetensors")
+            for old in sorted(self.folder.glob(pattern))[: -self.keep]
+        ]
+        # every kept file's SHA-256, so that an older round named by load() is checked too
+        digests = self._kept_digests()
+        digests[path.name] = pointer["sha256"]
+        if "clients_file" in pointer:
+            digests[pointer["clients_file"]] = pointer["clients_sha256"]
+        gone = {old.name for old in stale}
+        pointer["kept_sha256"] = {
+            name: digest
+            for name, digest in sorted(digests.items())
+            if name not in gone and (self.folder / name).exists()
+        }
         atomic_write_json(self.folder / "latest.json", pointer)
-        for pattern in ("round-*.safetensors", "clients-*.safetensors"):
-            for old in sorted(self.folder.glob(pattern))[: -self.keep]:
-                old.unlink(missing_ok=True)
+        for old in stale:
+            old.unlink(missing_ok=True)
         return path
+
+    def _kept_digests(self) -> dict[str, str]:
+        """The SHA-256 of each file the current ``latest.json`` knows (empty if none)."""
+        try:
+            state = self.latest_state()
+        except CheckpointError:
+            return {}
+        if state is None:
+            return {}
+        known = state.get("kept_sha256")
+        out = dict(known) if isinstance(known, dict) else {}
+        for file, digest in (("file", "sha256"), ("clients_file", "clients_sha256")):
+            if isinstance(state.get(file), str) and isinstance(state.get(digest), str):
+                out[state[file]] = state[digest]
+        return {str(k): str(v) for k, v in out.items()}
 
     def latest(self) -> Checkpoint | None:
         """The last completed checkpoint, or None for a fresh run."""
@@ -129,12 +159,23 @@ class CheckpointStore:
         return state
 
     def load(self, round_: int) -> Checkpoint:
-        """The checkpoint of ``round_`` (only the last few are kept)."""
+        """The checkpoint of ``round_`` (only the last few are kept).
+
+        Checked against the SHA-256 ``latest.json`` records for it, as :meth:`latest` is
+        (checkpoints written before those digests were kept are read unchecked).
+        """
         path = self.path_of(round_)
         if not path.exists():
             kept = sorted(p.name for p in self.folder.glob("round-*.safetensors"))
             raise CheckpointError(f"no checkpoint of round {round_}; kept: {kept}")
-        return self._read({"file": path.name, "round": round_})
+        state = self.latest_state()
+        if state is not None and state.get("file") == path.name:
+            return self._read(state)
+        digests = self._kept_digests()
+        pointer: dict[str, Any] = {"file": path.name, "round": round_}
+        if path.name in digests:
+            pointer["sha256"] = digests[path.name]
+        return self._read(pointer)
 
     def _read(self, state: dict[str, Any]) -> Checkpoint:
         if not isinstance(state, dict):
@@ -149,6 +190,7 @@ class CheckpointStore:
             raise CheckpointError(f"cannot read checkpoint in {self.folder}: {exc!r}") from exc
         arrays, order = _read_tensors(path, raw)  # names a truncated or garbled file first
         _check_digest(path, raw, state.pop("sha256", None))
+        state.pop("kept_sha256", None)
         clients: dict[str, Tensors] = {}
         if "clients_file" in state:
             clients_path = self.folder / str(state.pop("clients_file"))

@@ -363,6 +363,7 @@ def cmd_client(args: argparse.Namespace) -> int:
         max_epsilon=args.max_epsilon,
         delta=args.delta,
         colluding_peers=args.assume_colluding_peers,
+        max_example_epsilon=args.max_example_epsilon,
         exclusive=True,
     )
     if site.releases:
@@ -526,7 +527,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         _print_json(result)
     else:
         for key, value in result.items():
-            print(f"{key:>20}: {'unknown' if value is None else value}")
+            if value is None:  # null: a crop that is none; an overlap the server cannot count
+                value = "none" if key == "center_crop" else "unknown"
+            print(f"{key:>20}: {value}")
     return 0
 
 
@@ -667,6 +670,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="this site's own client-level budget against the server (needs --state-dir, "
         "where the site ledger is kept): an update that would bring it above this is not sent, "
         "and a run that cannot keep it (no DP, central noise, example level) is not joined",
+    )
+    p.add_argument(
+        "--max-example-epsilon",
+        type=number_arg("--max-example-epsilon", lambda e: e > 0, "> 0"),
+        help="this site's own budget for one of its training images, over every update it "
+        "releases (needs --state-dir): example-level DP-SGD runs with the site's own sampling, "
+        "client-level releases as Gaussians; a round whose planned DP-SGD steps would pass it "
+        "is declined before training, and a run without noise against the server is not joined",
     )
     p.add_argument(
         "--delta",

@@ -119,12 +119,17 @@ def evaluate_run(
         result["pairs_with_training_identities"] = None
         result["pairs_with_training_identities_note"] = unknown
         return result
-    trained = _trained_names(config)
+    trained = _trained_names(
+        config, centralized=result.get("model", "").endswith("(centralized run)")
+    )
     seen = np.array([p.name1 in trained or p.name2 in trained for p in protocol.pairs])
     result["pairs_with_training_identities"] = int(seen.sum())
     if seen.any() and (~seen & same).any() and (~seen & ~same).any():
         # the pairs of identities no client trained on: the figures without that advantage
+        # (10-fold accuracy needs two folds of them left; the other figures do not)
         folds = images.fold[~seen] if protocol.num_folds > 1 else None
+        if folds is not None and len(np.unique(folds)) < 2:
+            folds = None
         disjoint = _pair_metrics(scores[~seen], same[~seen], folds)
         result.update({f"disjoint_{k}": v for k, v in disjoint.items()})
     return result
@@ -171,11 +176,19 @@ def _sites_own_data(run: RunDir) -> str | None:
     )
 
 
-def _trained_names(config: Config) -> set[str]:
-    """Names of the identities the run's clients trained on (its data plan's)."""
+def _trained_names(config: Config, *, centralized: bool = False) -> set[str]:
+    """Names of the identities the run trained on (its data plan's).
+
+    A centralized run pooled only some clients' labelled images
+    (:func:`fl_secure.centralized.pretraining_clients`: the source client of a domain
+    partition); a federated run trained on every client's.
+    """
     plan = plan_federation(config)
+    shares = plan.clients
+    if centralized:
+        from fl_secure.centralized import pretraining_clients
+
+        shares = pretraining_clients(config, plan)
     return {
-        share.train.identity_names[int(i)]
-        for share in plan.clients
-        for i in share.train.identities()
+        share.train.identity_names[int(i)] for share in shares for i in share.train.identities()
     }

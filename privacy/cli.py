@@ -145,7 +145,9 @@ def add_privacy_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Read the site ledger a client keeps in its --state-dir (one row per "
         "update that left the site) and print the site's client-level epsilon against the "
         "server: exact composition of Gaussian releases, no amplification by the server's "
-        "sampling; with honest peers, and if every other site colludes with the server.",
+        "sampling; with honest peers, and if every other site colludes with the server. "
+        "Then its example-level epsilon (one training image) over the same releases, with "
+        "the site's own DP-SGD sampling.",
     )
     t.add_argument("--state-dir", type=Path, required=True, help="the client's --state-dir")
     t.add_argument(
@@ -183,6 +185,11 @@ def cmd_site(args: argparse.Namespace) -> int:
         f"{summary['delta']:g} (peers honest)\n"
         f"  if every other site colludes: {round_up(summary['epsilon_colluding_peers'], 5)}\n"
         f"  {summary['accounting']}; adjacency {summary['adjacency']}\n"
+        f"example-level epsilon (one training image) = "
+        f"{round_up(summary['example_epsilon'], 5)} (peers honest), "
+        f"{round_up(summary['example_epsilon_colluding_peers'], 5)} if they collude; "
+        f"{summary['dpsgd_steps']} DP-SGD steps\n"
+        f"  {summary['example_accounting']}\n"
     )
     if summary["releases_without_client_level_noise"]:
         sys.stdout.write(

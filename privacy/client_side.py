@@ -215,6 +215,29 @@ class ClientPrivacy:
             return False
         return True
 
+    def planned_dpsgd(self, training: LocalTraining) -> tuple[float, float, int] | None:
+        """Example level: the ``(z, q, steps)`` DP-SGD would run for ``training`` (else None)."""
+        if self.cfg.unit != "example":
+            return None
+        from privacy.dpsgd import dpsgd_steps
+
+        steps = dpsgd_steps(self.num_examples, training, self.sample_rate)
+        return self.noise_multiplier, self.sample_rate, steps
+
+    @staticmethod
+    def released_dpsgd(metrics: dict[str, float]) -> tuple[float, float, int] | None:
+        """The ``(z, q, steps)`` an example-level update went out with (else None).
+
+        Read from the metrics :meth:`release` returned with it.
+        """
+        try:
+            z = float(metrics["dp_noise_multiplier"])
+            q = float(metrics["dp_sample_rate"])
+            steps = int(metrics["dp_steps"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        return z, q, steps
+
     # ------------------------------------------------------------ release
     def release(
         self, update: Tensors, metrics: dict[str, float], trained: bool

@@ -30,8 +30,22 @@ Two figures, by what the site trusts:
 
 A release without client-level noise (a non-private run, example-level DP-SGD, central noise,
 which the server adds after it has seen the sum) makes the client-level figures unbounded.
-Example-level DP-SGD keeps its own accountant (:class:`privacy.client_side.ClientPrivacy`),
-whose sampling the server does not see.
+
+A third figure, ``example_epsilon``, protects one training image of the site (add/remove one
+image) instead of the whole site, over every release the ledger holds:
+
+* an example-level DP-SGD release (``privacy.unit = "example"``) is ``T`` steps of the
+  Poisson-subsampled Gaussian with the site's own ``q`` and ``z``: its sampling is drawn at
+  the site, so the amplification holds against the server too; a release of the unchanged
+  parameters (the run's own budget spent) costs nothing;
+* a client-level release is a Gaussian of multiplier ``z / 2`` (``own / 2`` if the peers
+  collude): one image more or less moves the clipped update by up to ``2 C``;
+* a release with neither makes it unbounded.
+
+They compose in dp_accounting's PLD accountant (the accountant of
+:mod:`privacy.accountants.pld`, same grid). A site can hold a budget on it
+(``max_example_epsilon``): an example-level run is then joined, and a round declined before
+it trains when its planned steps would pass the budget.
 
 The same file also lets a restarted client keep refusing tasks it already answered
 (:meth:`SiteLedger.refusal`): a replayed task, an older round, a round past ``train.rounds``,
@@ -63,7 +77,9 @@ from fl_secure.runs import atomic_write_json
 log = logging.getLogger(__name__)
 
 FORMAT = "fl-secure site ledger"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
+"""Version 1 rows lack the DP-SGD fields: an example-level one counts as unbounded."""
 FILE_NAME = "site_ledger.json"
 
 
@@ -123,6 +139,10 @@ class Release:
             the release carries no client-level noise against the server.
         own_noise_multiplier: Client level: ``z`` of this site's own noise alone (0: none).
         time: When it was recorded (UTC, ISO 8601).
+        dpsgd_noise_multiplier: Example level: the DP-SGD noise multiplier (0 otherwise).
+        dpsgd_sample_rate: Example level: the Poisson sampling rate ``q`` (0 otherwise).
+        dpsgd_steps: Example level: DP-SGD steps of the release (0: the unchanged
+            parameters, or not example level; -1: not recorded, a version 1 row).
     """
 
     run_id: str
@@ -134,6 +154,9 @@ class Release:
     noise_multiplier: float
     own_noise_multiplier: float
     time: str
+    dpsgd_noise_multiplier: float = 0.0
+    dpsgd_sample_rate: float = 0.0
+    dpsgd_steps: int = 0
 
     @classmethod
     def from_dict(cls, row: Mapping[str, Any], where: str) -> Release:
@@ -149,20 +172,52 @@ class Release:
             "own_noise_multiplier": (int, float),
             "time": str,
         }
+        dpsgd = {
+            "dpsgd_noise_multiplier": (int, float),
+            "dpsgd_sample_rate": (int, float),
+            "dpsgd_steps": int,
+        }
+        if isinstance(row, Mapping) and set(row) == set(types):  # a version 1 row
+            row = {**row, "dpsgd_noise_multiplier": 0, "dpsgd_sample_rate": 0}
+            row["dpsgd_steps"] = -1 if row["unit"] == "example" else 0
+        types |= dpsgd
         if not isinstance(row, Mapping) or set(row) != set(types):
             raise PrivacyError(f"{where}: a release row must have exactly the keys {sorted(types)}")
         for key, kind in types.items():
             value = row[key]
             if isinstance(value, bool) or not isinstance(value, kind):  # type: ignore[arg-type]
                 raise PrivacyError(f"{where}: release field {key!r} has the wrong type")
-        for key in ("noise_multiplier", "own_noise_multiplier"):
+        for key in ("noise_multiplier", "own_noise_multiplier", "dpsgd_noise_multiplier"):
             try:
                 value = float(row[key])
             except OverflowError:
                 value = math.inf
             if not (math.isfinite(value) and value >= 0):
                 raise PrivacyError(f"{where}: release field {key!r} is not a finite number >= 0")
+        if not 0 <= row["dpsgd_sample_rate"] <= 1 or row["dpsgd_steps"] < -1:
+            raise PrivacyError(
+                f"{where}: release fields dpsgd_sample_rate/dpsgd_steps out of range"
+            )
         return cls(**{k: row[k] for k in types})
+
+    def example_events(self, *, own: bool) -> tuple[float, tuple[float, float, int] | None]:
+        """This release for one image: (Gaussian ``mu`` at sensitivity 1, DP-SGD steps).
+
+        ``mu``: a client-level release, ``2 / z`` (one image moves the clipped update by up
+        to ``2 C``); ``inf`` for a release without noise of either kind. The DP-SGD part is
+        ``(z, q, steps)`` of an example-level release that trained, else None.
+        """
+        if self.unit == "example":
+            if self.dpsgd_steps < 0:
+                return math.inf, None  # a version 1 row: its steps were not recorded
+            if self.dpsgd_steps == 0:
+                return 0.0, None  # the unchanged parameters: data-independent
+            z, q = self.dpsgd_noise_multiplier, self.dpsgd_sample_rate
+            if not (z > 0 and q > 0):
+                return math.inf, None
+            return 0.0, (z, q, self.dpsgd_steps)
+        z = self.own_noise_multiplier if own else self.noise_multiplier
+        return (2.0 / z if z > 0 else math.inf), None
 
 
 def pinned_digest(config: Config) -> str:
@@ -176,8 +231,55 @@ def pinned_digest(config: Config) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-def release_for(config: Config, run_id: str, round_: int, nonce: bytes) -> Release:
-    """The row of a release under ``config`` (the run config this site joined under)."""
+def example_epsilon(releases: Iterable[Release], delta: float, *, own: bool = False) -> float:
+    """One image's epsilon at ``delta`` over ``releases`` (see the module docstring).
+
+    The Gaussian releases compose exactly into one Gaussian (``mu = sqrt(sum mu_i^2)``);
+    DP-SGD releases with the same ``(z, q)`` into one self-composition; the pieces compose
+    in dp_accounting's PLD accountant (add/remove one image).
+    """
+    if not 0 < delta < 1:
+        raise PrivacyError(f"delta must be in (0, 1), not {delta!r}")
+    mu2 = 0.0
+    steps: dict[tuple[float, float], int] = {}
+    for row in releases:
+        mu, dpsgd = row.example_events(own=own)
+        if math.isinf(mu):
+            return math.inf
+        mu2 += mu * mu
+        if dpsgd is not None:
+            z, q, n = dpsgd
+            steps[(z, q)] = steps.get((z, q), 0) + n
+    if not steps:
+        return gaussian_epsilon(math.sqrt(mu2), delta)
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    from privacy.accountants.pld import VALUE_DISCRETIZATION_INTERVAL
+
+    acc = pld_privacy_accountant.PLDAccountant(
+        value_discretization_interval=VALUE_DISCRETIZATION_INTERVAL
+    )
+    if mu2 > 0:
+        acc.compose(dp_accounting.GaussianDpEvent(1.0 / math.sqrt(mu2)))
+    for (z, q), n in sorted(steps.items()):
+        sampled = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
+        acc.compose(dp_accounting.SelfComposedDpEvent(sampled, n))
+    return float(acc.get_epsilon(delta))
+
+
+def release_for(
+    config: Config,
+    run_id: str,
+    round_: int,
+    nonce: bytes,
+    dpsgd: tuple[float, float, int] | None = None,
+) -> Release:
+    """The row of a release under ``config`` (the run config this site joined under).
+
+    ``dpsgd``: example level, the release's DP-SGD ``(z, q, steps)`` as the site ran (or
+    plans) it; None for a release that did not train.
+    """
     p, s = config.privacy, config.secure_aggregation
     z = own = 0.0
     if p.unit == "client" and p.noise_placement in ("local", "distributed"):
@@ -195,6 +297,9 @@ def release_for(config: Config, run_id: str, round_: int, nonce: bytes) -> Relea
         noise_multiplier=float(z),
         own_noise_multiplier=float(own),
         time=datetime.now(UTC).isoformat(timespec="seconds"),
+        dpsgd_noise_multiplier=float(dpsgd[0]) if dpsgd and p.unit == "example" else 0.0,
+        dpsgd_sample_rate=float(dpsgd[1]) if dpsgd and p.unit == "example" else 0.0,
+        dpsgd_steps=int(dpsgd[2]) if dpsgd and p.unit == "example" else 0,
     )
 
 
@@ -207,6 +312,9 @@ class SiteLedger:
             it is refused (None: no budget, the figures are only kept and logged).
         delta: The delta of the site's figures (the site's choice, not the server's).
         colluding_peers: Hold the budget against ``epsilon_colluding_peers`` instead.
+        max_example_epsilon: The site's budget for one training image
+            (:func:`example_epsilon`, at ``delta``; None: no such budget). Unlike
+            ``max_epsilon`` it admits example-level runs.
         exclusive: Hold an exclusive lock on the folder while this object lives (a client
             process): a second client on the same folder would overwrite this one's rows.
 
@@ -223,19 +331,22 @@ class SiteLedger:
         max_epsilon: float | None = None,
         delta: float = 1e-5,
         colluding_peers: bool = False,
+        max_example_epsilon: float | None = None,
         exclusive: bool = False,
     ) -> None:
-        if max_epsilon is not None and not (max_epsilon > 0 and math.isfinite(max_epsilon)):
-            raise PrivacyError(f"the site's epsilon budget must be a number > 0, not {max_epsilon}")
+        for name, budget in (("epsilon", max_epsilon), ("example-level", max_example_epsilon)):
+            if budget is not None and not (budget > 0 and math.isfinite(budget)):
+                raise PrivacyError(f"the site's {name} budget must be a number > 0, not {budget}")
         if not 0 < delta < 1:
             raise PrivacyError(f"the site's delta must be in (0, 1), not {delta}")
-        if max_epsilon is not None and state_dir is None:
+        if (max_epsilon is not None or max_example_epsilon is not None) and state_dir is None:
             raise PrivacyError(
                 "a site epsilon budget needs a state folder (--state-dir) to keep its ledger "
                 "in: without one a restarted client would start the budget afresh"
             )
         self.path = state_dir / FILE_NAME if state_dir is not None else None
         self.max_epsilon = max_epsilon
+        self.max_example_epsilon = max_example_epsilon
         self.delta = delta
         self.colluding_peers = colluding_peers
         self.releases: list[Release] = []
@@ -287,7 +398,7 @@ class SiteLedger:
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise PrivacyError(f"{where} is not a site ledger (format {FORMAT!r} expected)")
         version = doc.get("version")
-        if type(version) is not int or version != VERSION:
+        if type(version) is not int or version not in READABLE_VERSIONS:
             raise PrivacyError(f"{where}: site ledger version {version!r} is unknown")
         rows = doc.get("releases")
         if not isinstance(rows, list):
@@ -344,8 +455,15 @@ class SiteLedger:
         rows = [*self.releases, *([extra] if extra else [])]
         return self._epsilon(rows, self.delta, own=own)
 
+    def example_epsilon(
+        self, *, colluding_peers: bool | None = None, extra: Release | None = None
+    ) -> float:
+        """One training image's epsilon at :attr:`delta` over every release (+ ``extra``)."""
+        own = self.colluding_peers if colluding_peers is None else colluding_peers
+        return example_epsilon([*self.releases, *([extra] if extra else [])], self.delta, own=own)
+
     def summary(self) -> dict[str, Any]:
-        """What the site can show: releases by run and unit, and both epsilon figures."""
+        """What the site can show: releases by run and unit, and its epsilon figures."""
         runs: dict[str, int] = {}
         units: dict[str, int] = {}
         for r in self.releases:
@@ -360,10 +478,17 @@ class SiteLedger:
             "delta": self.delta,
             "epsilon": self.epsilon(colluding_peers=False),
             "epsilon_colluding_peers": self.epsilon(colluding_peers=True),
+            "example_epsilon": self.example_epsilon(colluding_peers=False),
+            "example_epsilon_colluding_peers": self.example_epsilon(colluding_peers=True),
+            "dpsgd_steps": sum(max(r.dpsgd_steps, 0) for r in self.releases),
             "max_epsilon": self.max_epsilon,
+            "max_example_epsilon": self.max_example_epsilon,
             "budget_against": "colluding_peers" if self.colluding_peers else "peers_honest",
             "adjacency": "zero-out (one site's whole update)",
             "accounting": "exact: composed Gaussian mechanisms (GDP), no sampling amplification",
+            "example_adjacency": "add/remove one training image of the site",
+            "example_accounting": "PLD (dp_accounting): the site's own DP-SGD sampling, and "
+            "client-level releases as Gaussians of sensitivity 2 C",
         }
 
     # ------------------------------------------------------------ policy
@@ -377,10 +502,12 @@ class SiteLedger:
         site's figures and budget follow it. (``run_id`` None: only the budget is checked.)
 
         Raises:
-            PrivacyError: the run id is known with another config; or a budget is set and
-                the run's releases would carry no client-level noise against the server (no
-                DP, central noise, example level), a client-level run came without its
-                calibrated noise multiplier, or one release would already pass the budget.
+            PrivacyError: the run id is known with another config; or ``max_epsilon`` is
+                set and the run's releases would carry no client-level noise against the
+                server (no DP, central noise, example level); or ``max_example_epsilon`` is
+                set and they would carry no noise at all against it (no DP, central noise);
+                or a client-level run came without its calibrated noise multiplier, or one
+                release would already pass a budget.
         """
         digest = ""
         if run_id is not None:
@@ -398,9 +525,20 @@ class SiteLedger:
             self._save_or_raise(lambda: self.run_configs.pop(run_id))
 
     def _check_budget(self, config: Config) -> None:
-        if self.max_epsilon is None:
-            return
         p = config.privacy
+        if self.max_example_epsilon is not None:
+            if p.unit == "none" or (p.unit == "client" and p.noise_placement == "central"):
+                raise PrivacyError(
+                    f"this site holds an example-level epsilon budget "
+                    f"({self.max_example_epsilon:g}), and the run's updates would leave without "
+                    f"noise against the server (privacy.unit {p.unit!r}"
+                    + (", central noise" if p.unit == "client" else "")
+                    + "); refusing to join"
+                )
+        if self.max_epsilon is None:
+            if p.unit == "client":
+                self._check_first_release(config)
+            return
         if p.unit != "client":
             raise PrivacyError(
                 f"this site holds a client-level epsilon budget ({self.max_epsilon:g}), and the "
@@ -412,24 +550,41 @@ class SiteLedger:
                 "this site holds an epsilon budget against the server, and the run's noise is "
                 "central: the server adds it after it has seen the sum; refusing to join"
             )
+        self._check_first_release(config)
+
+    def _check_first_release(self, config: Config) -> None:
+        """A client-level run: one release of it must keep the site's budgets."""
+        p = config.privacy
+        if self.max_epsilon is None and self.max_example_epsilon is None:
+            return
         if not p.noise_multiplier > 0:
             raise PrivacyError(
                 "the run config came without a calibrated privacy.noise_multiplier; refusing "
                 "to join"
             )
         first = self._over_budget(release_for(config, "", 0, b""))
-        if first is not None:
+        if first:
             raise PrivacyError(
-                f"one more update of this run would bring this site's epsilon against the "
-                f"server to {first:.4g} (delta {self.delta:g}), above its budget of "
-                f"{self.max_epsilon:g}: the run's noise multiplier z = {p.noise_multiplier:g} is "
-                "too small (or the budget is spent); refusing to join"
+                f"one more update of this run would bring {first}: the run's noise multiplier "
+                f"z = {p.noise_multiplier:g} is too small (or the budget is spent); refusing to "
+                "join"
             )
 
     def refusal(
-        self, config: Config | None, run_id: str, round_: int, nonce: bytes, *, last_round: int
+        self,
+        config: Config | None,
+        run_id: str,
+        round_: int,
+        nonce: bytes,
+        *,
+        last_round: int,
+        dpsgd: tuple[float, float, int] | None = None,
     ) -> str:
-        """Why the site will not release an update for this task ("" if it will)."""
+        """Why the site will not release an update for this task ("" if it will).
+
+        ``dpsgd``: an example-level run, the ``(z, q, steps)`` the task would train with;
+        the example-level budget is held against it before any training.
+        """
         if self._counted(run_id, round_, nonce):
             return "this client already sent its update for this task (a replayed task)"
         mine = [r for r in self.releases if r.run_id == run_id]
@@ -446,20 +601,26 @@ class SiteLedger:
                 f"this client already sent {attempts} updates for round {round_}, as many "
                 f"as server.max_retries = {config.server.max_retries} allows"
             )
-        after = self._over_budget(release_for(config, run_id, round_, nonce))
-        if after is not None:
-            return (
-                f"another update would bring this site's epsilon against the server to "
-                f"{after:.4g} (delta {self.delta:g}), above its budget of {self.max_epsilon:g}"
-            )
-        return ""
+        after = self._over_budget(release_for(config, run_id, round_, nonce, dpsgd))
+        return f"another update would bring {after}" if after else ""
 
-    def _over_budget(self, row: Release) -> float | None:
-        """The site's epsilon after ``row`` if that passes its budget (None: within it)."""
-        if self.max_epsilon is None:
-            return None
-        after = self.epsilon(extra=row)
-        return after if after > self.max_epsilon * (1 + 1e-12) else None
+    def _over_budget(self, row: Release) -> str:
+        """Which budget ``row`` would pass, and to what ("" if it keeps both)."""
+        if self.max_epsilon is not None:
+            after = self.epsilon(extra=row)
+            if after > self.max_epsilon * (1 + 1e-12):
+                return (
+                    f"this site's epsilon against the server to {after:.4g} (delta "
+                    f"{self.delta:g}), above its budget of {self.max_epsilon:g}"
+                )
+        if self.max_example_epsilon is not None:
+            after = self.example_epsilon(extra=row)
+            if after > self.max_example_epsilon * (1 + 1e-12):
+                return (
+                    f"this site's example-level epsilon (one training image) to {after:.4g} "
+                    f"(delta {self.delta:g}), above its budget of {self.max_example_epsilon:g}"
+                )
+        return ""
 
     def _counted(self, run_id: str, round_: int, nonce: bytes) -> bool:
         """Whether this task's update is in the ledger already."""
@@ -468,11 +629,21 @@ class SiteLedger:
             r.run_id == run_id and r.round == round_ and r.nonce == key for r in self.releases
         )
 
-    def record(self, config: Config, run_id: str, round_: int, nonce: bytes) -> Release | None:
-        """Count a release (saved before the caller uploads); None if it was counted already."""
+    def record(
+        self,
+        config: Config,
+        run_id: str,
+        round_: int,
+        nonce: bytes,
+        dpsgd: tuple[float, float, int] | None = None,
+    ) -> Release | None:
+        """Count a release (saved before the caller uploads); None if it was counted already.
+
+        ``dpsgd``: example level, the ``(z, q, steps)`` the update was trained with.
+        """
         if self._counted(run_id, round_, nonce):
             return None
-        row = release_for(config, run_id, round_, nonce)
+        row = release_for(config, run_id, round_, nonce, dpsgd)
         self.releases.append(row)
         self._save_or_raise(self.releases.pop)
         return row
@@ -536,6 +707,7 @@ __all__ = [
     "Release",
     "SiteLedger",
     "composed_mu",
+    "example_epsilon",
     "gaussian_epsilon",
     "release_for",
 ]

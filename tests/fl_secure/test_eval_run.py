@@ -76,6 +76,29 @@ def test_a_checkpoint_altered_after_it_was_written_is_refused(tmp_path: Path) ->
     assert latest is not None and latest.round == 3 and "sha256" not in latest.state
 
 
+@pytest.mark.parametrize("named", [3, 4])
+def test_a_round_named_by_number_is_checked_like_the_latest(tmp_path: Path, named: int) -> None:
+    # Prepare: rounds 3 and 4 saved (4 the latest), and one bit of round `named` flipped
+    _, run, model = _run(tmp_path)
+    store = CheckpointStore(run.checkpoints)
+    store.save(4, get_tensors(model, FedPE().shared_names(model)), {"status": "running"})
+    path = store.path_of(named)
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x01
+    path.write_bytes(bytes(raw))
+    # Execute / Assert: --round N is refused as the latest is, by name
+    with pytest.raises(CheckpointError, match=f"round-00000{named}.safetensors is damaged or alt"):
+        evaluate_run(run.path, round_=named)
+    other = 7 - named  # the untouched round loads, and its state has no digest bookkeeping
+    loaded = store.load(other)
+    assert loaded.round == other and "kept_sha256" not in loaded.state
+    # pruned files leave the record: keep = 3 of rounds 3..6
+    for r in (5, 6):
+        store.save(r, get_tensors(model, FedPE().shared_names(model)), {})
+    kept = store.latest_state()["kept_sha256"]  # type: ignore[index]
+    assert sorted(kept) == [f"round-00000{r}.safetensors" for r in (4, 5, 6)]
+
+
 def test_damaged_checkpoints_are_named_not_loaded(tmp_path: Path) -> None:
     config, run, model = _run(tmp_path)
     store = CheckpointStore(run.checkpoints)
@@ -260,3 +283,67 @@ def test_lfw_options_without_a_pairs_file_are_refused(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="--lfw-root and --center-crop apply to LFW pairs only"):
         evaluate_run(tmp_path, lfw_root=tmp_path, center_crop=0)
     assert evaluate_run(tmp_path)["round"] == 3  # the held-out identities, as before
+
+
+def test_disjoint_pairs_in_one_fold_keep_the_other_figures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fl_secure.cli import main
+
+    # Prepare: a 2-fold pairs file whose pairs of untrained identities all sit in fold 1
+    (tmp_path / "run").mkdir()
+    config, run, model = _run(tmp_path / "run")
+    _, root = _pairs_of_the_runs_identities(tmp_path, config)
+    (run.path / "logs").mkdir()
+    trained, held = (
+        sorted(p.name for p in root.iterdir() if p.name in names)
+        for names in (_trained_names_of(config), {p.name for p in root.iterdir()})
+    )
+    held = [n for n in held if n not in trained]
+    t0, t1 = trained
+    h0, h1 = held
+    pairs = tmp_path / "pairs2.txt"
+    pairs.write_text(
+        "2 2\n"
+        f"{h0} 1 2\n{h1} 1 2\n{h0} 1 {h1} 1\n{h0} 2 {h1} 2\n"
+        f"{t0} 1 2\n{t1} 1 2\n{t0} 1 {t1} 1\n{t0} 2 {h1} 1\n"
+    )
+    # Execute: it used to stop on "folds must name at least two distinct folds"
+    found = evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root)
+    # Assert: the 10-fold (here 2-fold) accuracy of all pairs, and the disjoint figures
+    # that need no folds, over the four untrained pairs (checked against sklearn)
+    assert found[COUNT] == 4 and "lfw_accuracy_mean" in found
+    assert "disjoint_lfw_accuracy_mean" not in found
+    images = load_pair_images(read_pairs(pairs), root, image_size=32)
+    emb = embed(model.backbone, images.dataset.images)
+    scores = np.sum(emb[images.left] * emb[images.right], axis=1)
+    expected = roc_auc_score(images.same[:4], scores[:4])
+    assert found["disjoint_roc_auc"] == pytest.approx(expected, abs=1e-9)
+    # and the printout says the crop is none (0), not unknown
+    argv = ["eval", "--run", str(run.path), "--lfw-pairs", str(pairs), "--lfw-root", str(root)]
+    assert main(argv) == 0
+    assert "center_crop: none\n" in capsys.readouterr().out
+
+
+def _trained_names_of(config) -> set[str]:
+    plan = plan_federation(config)
+    return {c.train.identity_names[int(i)] for c in plan.clients for i in c.train.identities()}
+
+
+def test_a_centralized_domain_run_trained_on_its_source_client_only() -> None:
+    from fl_secure.centralized import pretraining_clients
+    from fl_secure.eval_run import _trained_names
+
+    # Prepare: a FedFR domain plan: client 0 the labelled source, the others targets
+    config = config_from_dict({
+        "data": {"image_size": 32, "num_identities": 12, "images_per_identity": 4,
+                 "held_out_identities": 2},
+        "partition": {"kind": "domain", "num_clients": 3}, "server": {"min_clients": 2},
+    })  # fmt: skip
+    plan = plan_federation(config)
+    source = {plan.clients[0].train.identity_names[int(i)]
+              for i in plan.clients[0].train.identities()}  # fmt: skip
+    # Assert: a centralized run pooled the source client's identities alone
+    assert len(pretraining_clients(config, plan)) == 1
+    assert _trained_names(config, centralized=True) == source
+    assert _trained_names(config) == _trained_names_of(config) > source

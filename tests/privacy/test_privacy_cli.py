@@ -104,11 +104,18 @@ def test_site_prints_the_site_ledger_and_a_client_budget_needs_a_state_dir(
     assert main(["privacy", "site", "--state-dir", str(tmp_path), "--delta", "1e-6"]) == 0
     text = capsys.readouterr().out
     assert "3 updates released: run-x (3)" in text and "at delta = 1e-06" in text
+    one_image = SiteLedger(tmp_path, delta=1e-6).example_epsilon()
+    from fl_secure.report.build import round_up
+
+    assert f"example-level epsilon (one training image) = {round_up(one_image, 5)}" in text
+    assert out["example_epsilon"] == pytest.approx(site.example_epsilon())
     assert main(["privacy", "site", "--state-dir", str(tmp_path / "none")]) == 2
     assert "does not exist" in capsys.readouterr().err
     # a budget without a state folder is refused before the client dials (port 1 would hang)
     base = ["client", "--server", "127.0.0.1:1", "--id", "site-a", "--insecure", "--quiet"]
     assert main([*base, "--max-epsilon", "4"]) == 2
+    assert "needs a state folder (--state-dir)" in capsys.readouterr().err
+    assert main([*base, "--max-example-epsilon", "4"]) == 2
     assert "needs a state folder (--state-dir)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*base, "--max-epsilon", "0"])

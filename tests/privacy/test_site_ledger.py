@@ -183,3 +183,133 @@ def test_a_client_level_config_without_its_calibrated_noise_is_refused() -> None
     )
     with pytest.raises(PrivacyError, match="without a calibrated privacy.noise_multiplier"):
         ClientPrivacy(config, num_examples=10)
+
+
+# ------------------------------------------------------------------ example level
+
+
+def _example_config(**privacy: object) -> Config:
+    return config_from_dict(
+        {"partition": {"num_clients": 6}, "server": {"min_clients": 4, "max_retries": 1},
+         "train": {"rounds": 100},
+         "privacy": {"unit": "example", "noise_multiplier": 1.1, "sample_rate": 0.05,
+                     **privacy}}
+    )  # fmt: skip
+
+
+def _opacus_prv(z: float, q: float, steps: int, delta: float) -> float:
+    from opacus.accountants import PRVAccountant
+
+    acc = PRVAccountant()
+    acc.history = [(z, q, steps)]
+    return float(acc.get_epsilon(delta, eps_error=0.01))
+
+
+def test_example_epsilon_of_dpsgd_releases_matches_opacus_prv(tmp_path: Path) -> None:
+    # Prepare: three rounds of 40 DP-SGD steps at z = 1.1, q = 0.05, one untrained release
+    config = _example_config()
+    site = SiteLedger(tmp_path)
+    for round_ in (1, 2, 3):
+        site.record(config, "run", round_, bytes([round_]) * 16, (1.1, 0.05, 40))
+    site.record(config, "run", 4, b"\4" * 16, (1.1, 0.05, 0))  # the unchanged parameters
+    # Assert: the PLD composition agrees with Opacus' PRV accountant (another numerical
+    # method) over the same 120 steps; the untrained release costs nothing; it survives
+    # a restart, and the client-level figure is unbounded (no client-level noise)
+    reference = _opacus_prv(1.1, 0.05, 120, 1e-5)
+    assert site.example_epsilon() == pytest.approx(reference, rel=0.02)
+    again = SiteLedger(tmp_path)
+    assert again.example_epsilon() == site.example_epsilon()
+    assert again.summary()["dpsgd_steps"] == 120
+    assert again.epsilon() == math.inf
+
+
+def test_a_client_level_release_counts_for_one_image_at_twice_the_sensitivity(
+    tmp_path: Path,
+) -> None:
+    # Prepare: five client-level releases with z = 3 (local noise)
+    config = _config(noise_multiplier=3.0)
+    site = SiteLedger(tmp_path)
+    for round_ in range(1, 6):
+        site.record(config, "run", round_, bytes([round_]) * 16)
+    # Assert: one image moves the clipped update by up to 2 C: five Gaussians of z / 2,
+    # checked against dp_accounting's PLD (the closed form is exact)
+    assert site.example_epsilon() == pytest.approx(_pld_epsilon([1.5] * 5, 1e-5), abs=1e-4)
+    # the site's own figure (its whole update present or zeroed: sensitivity C) is smaller
+    assert site.example_epsilon() > site.epsilon()
+    # a non-private release makes it unbounded
+    site.record(config_from_dict({}), "run-b", 1, b"b" * 16)
+    assert site.example_epsilon() == math.inf
+
+
+def test_a_version_1_ledger_is_read_and_its_example_rows_count_as_unbounded(
+    tmp_path: Path,
+) -> None:
+    # Prepare: a version 1 file (before the DP-SGD fields) with a client and an example row
+    row = {"run_id": "r", "round": 1, "nonce": "00", "unit": "client", "placement": "local",
+           "scheme": "none", "noise_multiplier": 2.0, "own_noise_multiplier": 2.0,
+           "time": "2026-11-01T00:00:00+00:00"}  # fmt: skip
+    doc = {"format": "fl-secure site ledger", "version": 1, "releases": [row]}
+    (tmp_path / FILE_NAME).write_text(json.dumps(doc), "utf-8")
+    # Assert: read as it was; the client row counts at z / 2 for one image
+    site = SiteLedger(tmp_path)
+    assert site.epsilon() == pytest.approx(_pld_epsilon([2.0], 1e-5), abs=1e-4)
+    assert site.example_epsilon() == pytest.approx(_pld_epsilon([1.0], 1e-5), abs=1e-4)
+    # an example row of version 1 did not record its steps: unbounded, not zero
+    doc["releases"] = [row, {**row, "round": 2, "unit": "example", "noise_multiplier": 0.0,
+                             "own_noise_multiplier": 0.0}]  # fmt: skip
+    (tmp_path / FILE_NAME).write_text(json.dumps(doc), "utf-8")
+    assert SiteLedger(tmp_path).example_epsilon() == math.inf
+    # the next save writes version 2 rows
+    site = SiteLedger(tmp_path)
+    site.record(_example_config(), "r2", 1, b"x" * 16, (1.1, 0.05, 10))
+    saved = json.loads((tmp_path / FILE_NAME).read_text("utf-8"))
+    assert saved["version"] == 2 and saved["releases"][1]["dpsgd_steps"] == -1
+    assert saved["releases"][2]["dpsgd_steps"] == 10
+
+
+def test_the_example_budget_declines_rounds_the_reference_would_pass(tmp_path: Path) -> None:
+    # Prepare: an example budget of 3 at delta 1e-5; each round plans 50 steps, z 1.1, q 0.05
+    config = _example_config()
+    site = SiteLedger(tmp_path, max_example_epsilon=3.0)
+    site.check_run(config, "run")  # an example-level run is joined (max_epsilon refuses it)
+    plan = (1.1, 0.05, 50)
+    # Execute: rounds until the site declines one
+    for round_ in range(1, 50):
+        refusal = site.refusal(config, "run", round_, bytes([round_]) * 16, last_round=0,
+                               dpsgd=plan)  # fmt: skip
+        if refusal:
+            break
+        site.record(config, "run", round_, bytes([round_]) * 16, plan)
+    # Assert: the releases kept the budget and one more would have passed it, by the
+    # reference too (Opacus PRV, to its tolerance)
+    done = len(site.releases)
+    assert done >= 2
+    assert "example-level epsilon (one training image)" in refusal
+    assert "above its budget of 3" in refusal
+    assert site.example_epsilon() <= 3.0
+    assert _opacus_prv(1.1, 0.05, 50 * done, 1e-5) <= 3.0 * 1.02
+    assert _opacus_prv(1.1, 0.05, 50 * (done + 1), 1e-5) > 3.0 * 0.98
+    # a smaller round still fits if the budget allows it: the plan, not a fixed cost
+    assert site.refusal(config, "run", 90, b"s" * 16, last_round=0, dpsgd=(1.1, 0.05, 1)) == ""
+
+
+@pytest.mark.parametrize(
+    ("privacy", "match"),
+    [
+        ({"unit": "none"}, "privacy.unit 'none'"),
+        ({"unit": "client", "noise_placement": "central"}, "central noise"),
+        ({"unit": "client", "noise_multiplier": 0.0, "target_epsilon": 4.0}, "without a calib"),
+        ({"unit": "client", "noise_multiplier": 0.1}, "example-level epsilon"),
+    ],
+)
+def test_an_example_budget_refuses_a_run_without_noise_against_the_server(
+    tmp_path: Path, privacy: dict[str, object], match: str
+) -> None:
+    config = config_from_dict({"privacy": {"noise_multiplier": 1.0, **privacy}})
+    with pytest.raises(PrivacyError, match=match):
+        SiteLedger(tmp_path, max_example_epsilon=2.0).check_run(config)
+    SiteLedger(tmp_path, max_example_epsilon=2.0).check_run(_config(noise_multiplier=4.0))
+    with pytest.raises(PrivacyError, match="example-level budget must be a number > 0"):
+        SiteLedger(tmp_path, max_example_epsilon=0.0)
+    with pytest.raises(PrivacyError, match="needs a state folder"):
+        SiteLedger(None, max_example_epsilon=1.0)

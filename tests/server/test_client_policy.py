@@ -323,6 +323,56 @@ def test_a_site_budget_stops_releases_and_withdraws_from_a_secure_round(
     assert stub.withdrawals == [pb.WITHDRAW_REASON_DECLINED]
 
 
+def test_an_example_budget_declines_a_round_before_it_trains(tmp_path: Path) -> None:
+    from privacy.client_side import ClientPrivacy
+    from privacy.site_ledger import SiteLedger, example_epsilon, release_for
+
+    # Prepare: example-level DP-SGD, z = 1.1, q = 0.05, 60 steps a round; a site budget
+    # between the epsilon of one round and that of two
+    config = config_from_dict(
+        {"partition": {"num_clients": 3}, "server": {"min_clients": 2},
+         "train": {"rounds": 4, "lr": 0.1},
+         "privacy": {"unit": "example", "noise_multiplier": 1.1, "sample_rate": 0.05}}
+    )  # fmt: skip
+    plan = (1.1, 0.05, 60)
+    one, two = (
+        example_epsilon([release_for(config, "r", i, b"", plan) for i in range(n)], 1e-5)
+        for n in (1, 2)
+    )
+    budget = (one + two) / 2
+
+    class DpTrainer(_Trainer):
+        privacy = ClientPrivacy(config, num_examples=100)
+
+        def train(self, shared: Any, training: Any) -> Any:
+            update, n, _ = super().train(shared, training)
+            steps = self.privacy.planned_dpsgd(training)
+            assert steps == plan  # the task's local_steps at the site's own q
+            z, q, t = steps
+            return update, n, {"dp_noise_multiplier": z, "dp_sample_rate": q, "dp_steps": t}
+
+    trainer = DpTrainer()
+    site = SiteLedger(tmp_path, max_example_epsilon=budget)
+    client = FlClient(
+        Connection("localhost:1", "client-0"), lambda r: trainer, sleep=lambda s: None, site=site
+    )  # type: ignore[arg-type,return-value]
+    toml = config_to_toml(config)
+    # Execute: rounds 1 and 2 (the plan's 60 steps each)
+    for round_ in (1, 2):
+        stub = _replaying_stub(
+            toml, _train_task(round_, bytes([round_]) * 16, local_steps=60), times=1
+        )
+        assert client._session(stub, Backoff()) == "done"
+    # Assert: round 1 trained, went out and was counted with its steps; round 2 was
+    # declined before training, and the server was told
+    from fl_secure.v1 import transport_pb2 as pb
+
+    assert trainer.trained == 1
+    assert [(r.round, r.dpsgd_steps) for r in SiteLedger(tmp_path).releases] == [(1, 60)]
+    assert stub.uploads == 0 and stub.withdrawals == [pb.WITHDRAW_REASON_DECLINED]
+    assert site.example_epsilon() == pytest.approx(one)
+
+
 def test_a_site_refuses_runs_past_their_rounds_their_evaluations_and_a_changed_config(
     tmp_path: Path,
 ) -> None:
