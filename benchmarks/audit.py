@@ -11,6 +11,13 @@ Prints one JSON object:
   SecAgg) in a temporary folder and says so. ``--run DIR`` audits an existing run instead
   (the audit writes ``DIR/audit/``).
 
+Each figure has its baseline from the same run: inversion steps per second against plain
+forward/backward passes of the same batch through the same backbone
+(``ratio_to_forward_backward``), and the audit's wall time against the training it audits
+(``audit_to_train_ratio``; null with ``--run``, whose training was not timed here).
+``--table RUN ...`` is not a measurement: it prints the README's Markdown table of audited
+runs.
+
 Run on 2 cores with torch pinned to 1 thread (the project's default)::
 
     python benchmarks/audit.py [--rounds 2] [--run DIR] [--steps 200]
@@ -51,6 +58,16 @@ def inversion_speed(steps: int, targets: int = 10, restarts: int = 4) -> dict[st
     started = time.perf_counter()
     invert(backbone, directions, image_size=64, config=cfg, face_prior=prior)
     seconds = time.perf_counter() - started
+    # the baseline, in the same run: plain forward/backward passes of a batch of the same
+    # size through the same backbone (what any inversion step must at least do)
+    batch = torch.rand(targets * restarts, 3, 64, 64, requires_grad=True)
+    backbone.eval()
+    base_steps = max(5, steps // 10)
+    started = time.perf_counter()
+    for _ in range(base_steps):
+        backbone(batch).sum().backward()
+        batch.grad = None
+    base_rate = base_steps / (time.perf_counter() - started)
     return {
         "model": "cnn (quickstart), 64x64, 512-d embedding, PCA face prior (64 components)",
         "batch_images": targets * restarts,
@@ -58,6 +75,8 @@ def inversion_speed(steps: int, targets: int = 10, restarts: int = 4) -> dict[st
         "seconds": round(seconds, 2),
         "steps_per_second": steps / seconds,
         "image_iterations_per_second": steps * targets * restarts / seconds,
+        "baseline_forward_backward_per_second": base_rate,
+        "ratio_to_forward_backward": round(steps / seconds / base_rate, 3),
     }
 
 
@@ -117,6 +136,8 @@ def main() -> None:
             "run": trained,
             "train_seconds": train_seconds,
             "audit_seconds": round(seconds, 1),
+            # the audit against the training it audits, both timed in this run
+            "audit_to_train_ratio": (round(seconds / train_seconds, 3) if train_seconds else None),
             "attacks": sorted(audit["attacks"]),
             "settings": audit["settings"],
             "inversion_top1_server": audit["attacks"]["inversion"]["server"][

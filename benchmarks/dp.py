@@ -9,7 +9,9 @@ same number of steps on every side. DP-SGD runs twice: with the default clipping
 (multiprocessing "spawn", one torch thread), the sides alternating, so each side's peak
 memory is its own process's max RSS (``ru_maxrss``) and all sides see the same machine
 load. Reports the medians over repeats and the ratios DP-SGD / plain (throughput goal:
->= 0.5).
+>= 0.5). Memory in MiB, two ratios each: whole-process peak (``*_peak_memory_ratio``) and
+what training adds over the set-up every side shares (``*_training_memory_ratio``: peak
+minus the RSS after imports, data and model).
 
 Part ``curve``: the utility-privacy curve. Embedded runs (server + client processes over gRPC
 + mTLS) of the committed synthetic quickstart and ORL configs without DP and with a budget of
@@ -91,8 +93,9 @@ class CountingNoise:
         return draws
 
 
-def _max_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+def _max_rss_mib() -> float:
+    """This process's peak RSS in MiB (2^20 bytes; ``ru_maxrss`` is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def make_faces(setup: ThroughputSetup, directory: Path) -> None:
@@ -139,7 +142,7 @@ def measure_training(side: str, setup: ThroughputSetup, directory: Path) -> dict
         clipping=SIDES[side] or "auto",
     )
     noise = CountingNoise(SecureGaussian(), setup.sample_rate)
-    setup_rss = _max_rss_mb()
+    setup_rss = _max_rss_mib()
     start = time.perf_counter()
     if side == "plain":
         train_local(model, data, training, generator=torch.Generator().manual_seed(0))
@@ -153,8 +156,8 @@ def measure_training(side: str, setup: ThroughputSetup, directory: Path) -> dict
         "seconds": round(seconds, 3),
         "examples": examples,
         "examples_per_s": round(examples / seconds, 1),
-        "setup_rss_mb": round(setup_rss, 1),
-        "peak_rss_mb": round(_max_rss_mb(), 1),
+        "setup_rss_mib": round(setup_rss, 1),
+        "peak_rss_mib": round(_max_rss_mib(), 1),
         "noise": noise.description,
     }
 
@@ -180,11 +183,16 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
         return float(statistics.median(r[key] for r in runs if r["side"] == side))
 
     plain_rate, dp_rate = median("plain", "examples_per_s"), median("dpsgd", "examples_per_s")
-    plain_rss, dp_rss = median("plain", "peak_rss_mb"), median("dpsgd", "peak_rss_mb")
-    setup_rss = median("plain", "setup_rss_mb")
+    plain_rss, dp_rss = median("plain", "peak_rss_mib"), median("dpsgd", "peak_rss_mib")
+    setup_rss = median("plain", "setup_rss_mib")
+
+    def training_ratio(side_rss: float) -> float:
+        """What training adds over the set-up (imports, data, model: the same on each side)."""
+        return round((side_rss - setup_rss) / (plain_rss - setup_rss), 3)
+
     ratio = dp_rate / plain_rate
     hooks_rate = median("dpsgd-opacus-hooks", "examples_per_s")
-    hooks_rss = median("dpsgd-opacus-hooks", "peak_rss_mb")
+    hooks_rss = median("dpsgd-opacus-hooks", "peak_rss_mib")
     return {
         "setup": {
             **asdict(setup),
@@ -202,11 +210,13 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
         "opacus_hooks_examples_per_s": hooks_rate,
         "opacus_hooks_throughput_ratio": round(hooks_rate / plain_rate, 3),
         "opacus_hooks_peak_memory_ratio": round(hooks_rss / plain_rss, 3),
-        "plain_peak_rss_mb": plain_rss,
-        "dpsgd_peak_rss_mb": dp_rss,
+        "opacus_hooks_peak_rss_mib": hooks_rss,
+        "opacus_hooks_training_memory_ratio": training_ratio(hooks_rss),
+        "plain_peak_rss_mib": plain_rss,
+        "dpsgd_peak_rss_mib": dp_rss,
         "dpsgd_peak_memory_ratio": round(dp_rss / plain_rss, 3),
-        "setup_rss_mb": setup_rss,  # data loaded and model built, before training
-        "dpsgd_training_memory_ratio": round((dp_rss - setup_rss) / (plain_rss - setup_rss), 3),
+        "setup_rss_mib": setup_rss,  # data loaded and model built, before training
+        "dpsgd_training_memory_ratio": training_ratio(dp_rss),
         "runs": runs,
         "machine": {"cpus": os.cpu_count(), "torch_threads": 1},
     }

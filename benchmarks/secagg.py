@@ -557,7 +557,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: n=10, d=1e4")
     parser.add_argument("--flower-python", type=Path, default=None)
-    parser.add_argument("--repeats", type=int, default=7, help="rounds per configuration")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="rounds per configuration (default: 7; 2 with --quick)",
+    )
     parser.add_argument(
         "--large-repeats", type=int, default=5, help="rounds for the largest (n=50, d=1e6)"
     )
@@ -573,11 +578,14 @@ def main() -> None:
     if flower_reason is not None:
         flower = None
 
+    if args.repeats is None:
+        args.repeats = 2 if args.quick else 7
+
     def case(n: int, d: int, repeats: int) -> Case:
         return Case(n=n, d=d, k=min(n - 1, args.k), repeats=repeats)
 
     if args.quick:
-        cases = [case(10, 10**4, 2)]
+        cases = [case(10, 10**4, args.repeats)]
     else:
         cases = [
             case(n, d, args.large_repeats if (n, d) == (50, 10**6) else args.repeats)
@@ -598,9 +606,12 @@ def main() -> None:
             "dropout": f"{DROPOUT:.0%} of n, after sharing keys, before the masked input",
             "k_rule": f"k = min(n - 1, {args.k}), t = k // 2 + 1; Flower num_shares = k + 1",
             "repeats": (
-                f"{args.repeats} rounds per configuration, {args.large_repeats} for "
-                "n=50, d=1e6 (runtime); client medians pool every client of every round"
-            ),
+                f"{args.repeats} rounds (n=10, d=1e4: --quick)"
+                if args.quick
+                else f"{args.repeats} rounds per configuration, {args.large_repeats} for "
+                "n=50, d=1e6 (runtime)"
+            )
+            + "; client medians pool every client of every round",
             "update": "default_rng([0, i]).uniform(-1, 1, d) as float32, weight 1",
             "order": "ours first on even repeats, Flower first on odd repeats",
         },
