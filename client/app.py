@@ -378,25 +378,22 @@ class FlClient:
 
         dpsgd = ClientPrivacy.released_dpsgd(metrics or {})
         row = self.site.record(self._run_config, self._run_id, task.round, task.nonce, dpsgd)
-        if row is not None and row.unit == "client":
-            log.info(
-                "round %d: site ledger: %d releases; this site's epsilon against the server "
-                "%.4g (%.4g if the other sites collude), delta %g",
-                task.round,
-                len(self.site.releases),
-                self.site.epsilon(colluding_peers=False),
-                self.site.epsilon(colluding_peers=True),
-                self.site.delta,
-            )
-        elif row is not None and row.unit == "example":
-            log.info(
-                "round %d: site ledger: %d releases; this site's example-level epsilon (one "
-                "training image) %.4g, delta %g",
-                task.round,
-                len(self.site.releases),
-                self.site.example_epsilon(),
-                self.site.delta,
-            )
+        if row is None or row.unit not in ("client", "example"):
+            return
+        if row.unit == "client":
+            honest = self.site.epsilon(colluding_peers=False)
+            colluding = self.site.epsilon(colluding_peers=True)
+            figure = f"epsilon against the server {honest:.4g} ({colluding:.4g} if the other "
+            figure += "sites collude)"
+        else:
+            figure = f"example-level epsilon (one training image) {self.site.example_epsilon():.4g}"
+        log.info(
+            "round %d: site ledger: %d releases; this site's %s, delta %g",
+            task.round,
+            len(self.site.releases),
+            figure,
+            self.site.delta,
+        )
 
     def _secure_round(
         self,

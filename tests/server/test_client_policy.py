@@ -323,7 +323,9 @@ def test_a_site_budget_stops_releases_and_withdraws_from_a_secure_round(
     assert stub.withdrawals == [pb.WITHDRAW_REASON_DECLINED]
 
 
-def test_an_example_budget_declines_a_round_before_it_trains(tmp_path: Path) -> None:
+def test_an_example_budget_declines_a_round_before_it_trains(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     from privacy.client_side import ClientPrivacy
     from privacy.site_ledger import SiteLedger, example_epsilon, release_for
 
@@ -359,10 +361,10 @@ def test_an_example_budget_declines_a_round_before_it_trains(tmp_path: Path) -> 
     toml = config_to_toml(config)
     # Execute: rounds 1 and 2 (the plan's 60 steps each)
     for round_ in (1, 2):
-        stub = _replaying_stub(
-            toml, _train_task(round_, bytes([round_]) * 16, local_steps=60), times=1
-        )
-        assert client._session(stub, Backoff()) == "done"
+        task = _train_task(round_, bytes([round_]) * 16, local_steps=60)
+        stub = _replaying_stub(toml, task, times=1)
+        with caplog.at_level("INFO", logger="client.app"):
+            assert client._session(stub, Backoff()) == "done"
     # Assert: round 1 trained, went out and was counted with its steps; round 2 was
     # declined before training, and the server was told
     from fl_secure.v1 import transport_pb2 as pb
@@ -371,6 +373,9 @@ def test_an_example_budget_declines_a_round_before_it_trains(tmp_path: Path) -> 
     assert [(r.round, r.dpsgd_steps) for r in SiteLedger(tmp_path).releases] == [(1, 60)]
     assert stub.uploads == 0 and stub.withdrawals == [pb.WITHDRAW_REASON_DECLINED]
     assert site.example_epsilon() == pytest.approx(one)
+    assert f"1 releases; this site's example-level epsilon (one training image) {one:.4g}" in (
+        caplog.text
+    )
 
 
 def test_a_site_refuses_runs_past_their_rounds_their_evaluations_and_a_changed_config(
