@@ -142,7 +142,7 @@ class Release:
         dpsgd_noise_multiplier: Example level: the DP-SGD noise multiplier (0 otherwise).
         dpsgd_sample_rate: Example level: the Poisson sampling rate ``q`` (0 otherwise).
         dpsgd_steps: Example level: DP-SGD steps of the release (0: the unchanged
-            parameters, or not example level; -1: not recorded, a version 1 row).
+            parameters, or not example level; -1: not recorded, as in a version 1 row).
     """
 
     run_id: str
@@ -278,9 +278,13 @@ def release_for(
     """The row of a release under ``config`` (the run config this site joined under).
 
     ``dpsgd``: example level, the release's DP-SGD ``(z, q, steps)`` as the site ran (or
-    plans) it; None for a release that did not train.
+    plans) it; ``steps`` 0 for the unchanged parameters. An example-level row without it
+    records its steps as unknown (-1), which counts as unbounded, never as free.
     """
     p, s = config.privacy, config.secure_aggregation
+    steps = 0
+    if p.unit == "example":
+        steps = int(dpsgd[2]) if dpsgd is not None else -1
     z = own = 0.0
     if p.unit == "client" and p.noise_placement in ("local", "distributed"):
         z = p.noise_multiplier
@@ -299,7 +303,7 @@ def release_for(
         time=datetime.now(UTC).isoformat(timespec="seconds"),
         dpsgd_noise_multiplier=float(dpsgd[0]) if dpsgd and p.unit == "example" else 0.0,
         dpsgd_sample_rate=float(dpsgd[1]) if dpsgd and p.unit == "example" else 0.0,
-        dpsgd_steps=int(dpsgd[2]) if dpsgd and p.unit == "example" else 0,
+        dpsgd_steps=steps,
     )
 
 

@@ -313,3 +313,17 @@ def test_an_example_budget_refuses_a_run_without_noise_against_the_server(
         SiteLedger(tmp_path, max_example_epsilon=0.0)
     with pytest.raises(PrivacyError, match="needs a state folder"):
         SiteLedger(None, max_example_epsilon=1.0)
+
+
+def test_an_example_release_without_its_steps_counts_as_unbounded(tmp_path: Path) -> None:
+    # a release (or a plan) that came without its DP-SGD figures is never taken as free
+    config = _example_config()
+    site = SiteLedger(tmp_path, max_example_epsilon=50.0)
+    refusal = site.refusal(config, "run", 1, b"a" * 16, last_round=0)  # no plan given
+    assert "example-level epsilon (one training image) to inf" in refusal
+    assert site.record(config, "run", 1, b"a" * 16).dpsgd_steps == -1  # type: ignore[union-attr]
+    assert site.example_epsilon() == math.inf
+    # the unchanged parameters (0 steps) are free
+    free = SiteLedger(tmp_path / "free")
+    free.record(config, "run", 1, b"a" * 16, (1.1, 0.05, 0))
+    assert free.example_epsilon() == 0.0
