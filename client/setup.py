@@ -117,6 +117,7 @@ def trainer_factory(
             client_id=reply.client_id,
             image_size=image_size,
             state_dir=state_dir,
+            run_id=reply.run_id,
         )
 
     return make
@@ -131,6 +132,7 @@ def build_local_trainer(
     client_id: str,
     image_size: int,
     state_dir: Path | None = None,
+    run_id: str = "",
 ) -> LocalTrainer:
     """One client's trainer: model, label space, batch-order seed and DP, from the run config.
 
@@ -158,6 +160,7 @@ def build_local_trainer(
             num_examples=len(local.train),
             state_dir=state_dir,
             min_survivors=run_config.server.min_clients,
+            run_id=run_id,
             source=None
             if run_config.privacy.secure_rng
             else seeded_source(run_config.run.seed, client_id),

@@ -5,14 +5,17 @@
   client (:mod:`privacy.client_level`). Training metrics, which depend on the data, are not
   sent, and the example count is hidden (the aggregate does not use it).
 * Example level (``privacy.unit = "example"``): local training is DP-SGD
-  (:mod:`privacy.dpsgd`). The client keeps its own accountant, persisted in its state folder,
-  calibrates its noise to the target over the planned rounds, reports its cumulative
-  (epsilon, delta) with each update, and once another round would pass its budget it sends
+  (:mod:`privacy.dpsgd`). The client keeps its own accountant for the run, persisted in its
+  state folder under a name derived from the run id (a restarted client resumes the run's
+  spending; another run starts afresh, its site's total being the site ledger's), calibrates
+  its noise to the target over the planned rounds, reports its cumulative (epsilon, delta)
+  with each update, and once another round would pass its budget it sends
   the unchanged parameters (a data-independent, privacy-free update) instead of training.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Callable
@@ -46,13 +49,15 @@ class ClientPrivacy:
         state_dir: Path | None = None,
         source: NoiseSource | None = None,
         min_survivors: int = 1,
+        run_id: str = "",
     ) -> None:
         self.cfg = config.privacy
         if not self.cfg.enabled:
             raise PrivacyError("ClientPrivacy is only for private runs")
         self.source: NoiseSource = source or SecureGaussian()
         self.min_survivors = min_survivors
-        self.state_path = state_dir / "privacy_accountant.json" if state_dir else None
+        self.run_id = run_id
+        self.state_path = accountant_state_path(state_dir, run_id) if state_dir else None
         self.accountant_name = self.cfg.accountant_name()
         self.accountant = create_accountant(self.accountant_name)
         self.noise_multiplier = self.cfg.noise_multiplier
@@ -137,12 +142,30 @@ class ClientPrivacy:
             raise PrivacyError(
                 f"cannot read the accountant state {self.state_path}: {exc}"
             ) from exc
-        self.accountant.load_state_dict(state)
-        log.info("restored the accountant: epsilon %.4f so far", self.epsilon())
+        if not isinstance(state, dict):
+            raise PrivacyError(f"the accountant state {self.state_path} is not a JSON object")
+        saved_run = state.get("run_id", self.run_id)
+        if saved_run != self.run_id:  # the file name is the run id's digest: a copied file
+            raise PrivacyError(
+                f"the accountant state {self.state_path} belongs to run {saved_run!r}, not "
+                f"{self.run_id!r}; move it away (the site ledger keeps every run's releases)"
+            )
+        try:
+            self.accountant.load_state_dict(state)
+        except PrivacyError as exc:
+            raise PrivacyError(
+                f"the accountant state {self.state_path} does not fit this run: {exc} (the "
+                f"run uses the {self.accountant_name!r} accountant)"
+            ) from exc
+        log.info(
+            "restored the accountant of run %r: epsilon %.4f so far", self.run_id, self.epsilon()
+        )
 
     def _save(self) -> None:
         if self.state_path is not None:
-            atomic_write_json(self.state_path, self.accountant.state_dict())
+            state = self.accountant.state_dict()
+            state["run_id"] = self.run_id
+            atomic_write_json(self.state_path, state)
 
     def epsilon(self) -> float:
         """This client's example-level epsilon so far."""
@@ -275,3 +298,18 @@ class ClientPrivacy:
             "dp_noise_secure": 1.0 if self.source.secure else 0.0,
         }
         return update, out
+
+
+def accountant_state_path(state_dir: Path, run_id: str) -> Path:
+    """Where a client keeps its example-level accountant for the run ``run_id``.
+
+    One file per run, named by a digest of the run id (which comes from the server, so it is
+    never used as a path itself): a client restarted into the same run resumes its spending,
+    while a new run in the same state folder starts its own accountant instead of inheriting
+    the last run's history (each run's budget is its own; the site's total over runs is the
+    site ledger's, :mod:`privacy.site_ledger`).
+    """
+    if not run_id:
+        return state_dir / "privacy_accountant.json"
+    digest = hashlib.sha256(run_id.encode("utf-8")).hexdigest()[:16]
+    return state_dir / f"privacy_accountant-{digest}.json"

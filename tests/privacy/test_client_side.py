@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from hashlib import sha256
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from fl_secure.config import config_from_dict
+from fl_secure.errors import PrivacyError
 from privacy.calibration import epsilon_for
 from privacy.client_level import update_norm
 from privacy.client_side import ClientPrivacy
@@ -62,6 +64,41 @@ def test_example_level_accountant_persists_and_stops_at_the_budget(tmp_path: Pat
     assert not restarted.may_train()
     _, idle = restarted.release(zero, {}, trained=False)
     assert idle["dp_steps"] == 0.0 and idle["dp_epsilon"] == pytest.approx(one_round, rel=1e-6)
+
+
+def test_example_level_accountant_is_kept_per_run(tmp_path: Path) -> None:
+    # Prepare: one round of 20 steps at q = 0.05, z = 1 in run "a"
+    table = {
+        "train": {"rounds": 10, "local_epochs": 1, "batch_size": 32},
+        "privacy": {"unit": "example", "noise_multiplier": 1.0, "target_epsilon": 2.2},
+    }
+    cfg = config_from_dict(table)
+    one_round = epsilon_for(accountant="prv", noise_multiplier=1.0, sample_rate=0.05,
+                            steps=20, delta=1e-5)  # fmt: skip
+    zero = OrderedDict(w=np.zeros(3, np.float32))
+    run_a = ClientPrivacy(cfg, num_examples=640, state_dir=tmp_path, run_id="a")
+    run_a.release(zero, {"local_steps": 20.0}, trained=True)
+    # Execute: a new run "b" in the same folder, and run "a" restarted
+    run_b = ClientPrivacy(cfg, num_examples=640, state_dir=tmp_path, run_id="b")
+    resumed = ClientPrivacy(cfg, num_examples=640, state_dir=tmp_path, run_id="a")
+    # Assert: "b" starts from nothing and may train; "a" resumes its round and may not
+    assert run_b.epsilon() == 0.0 and run_b.may_train()
+    assert resumed.epsilon() == pytest.approx(one_round, rel=1e-6)
+    assert not resumed.may_train()
+    assert run_a.state_path is not None and run_a.state_path != run_b.state_path
+    # named by a digest, not by the server's string: a run id is never a path
+    assert run_a.state_path.name == f"privacy_accountant-{sha256(b'a').hexdigest()[:16]}.json"
+    sneaky = ClientPrivacy(cfg, num_examples=640, state_dir=tmp_path, run_id="../../x")
+    assert sneaky.state_path is not None and sneaky.state_path.parent == tmp_path
+    # a file of run "a" copied over run "b"'s name is refused, not taken as b's spending
+    assert run_b.state_path is not None
+    run_b.state_path.write_bytes(run_a.state_path.read_bytes())
+    with pytest.raises(PrivacyError, match="belongs to run 'a', not 'b'"):
+        ClientPrivacy(cfg, num_examples=640, state_dir=tmp_path, run_id="b")
+    # the same run resumed under another accountant names both
+    rdp = config_from_dict({**table, "privacy": {**table["privacy"], "accountant": "rdp"}})
+    with pytest.raises(PrivacyError, match="does not fit this run.*'rdp'"):
+        ClientPrivacy(rdp, num_examples=640, state_dir=tmp_path, run_id="a")
 
 
 def test_example_level_calibrates_to_the_target_over_the_planned_rounds() -> None:
