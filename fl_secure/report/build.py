@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from privacy.ledger import Entry
 
 #: Version of the report JSON (``schema/report-v{major}.schema.json``).
-REPORT_VERSION = "1.3"  # 1.2: run.failed_attempts, sites; 1.3: sites' example_epsilon
+REPORT_VERSION = "1.4"  # 1.2: run.failed_attempts, sites; 1.3: sites' example_epsilon
+# 1.4: sites' example_epsilon_colluding_peers
 SCHEMA_FILE = Path(__file__).with_name("schema") / "report-v1.schema.json"
 
 #: Whom each noise placement trusts (shown beside the placement).
@@ -158,13 +159,14 @@ def site_figures(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
         except PrivacyError as exc:
             row |= {"problem": str(exc), "releases": None, "epsilon": None}
             row |= {"epsilon_colluding_peers": None, "releases_without_client_level_noise": None}
-            row["example_epsilon"] = None
+            row["example_epsilon"] = row["example_epsilon_colluding_peers"] = None
         else:
             row |= {k: found[k] for k in ("releases", "epsilon", "epsilon_colluding_peers")}
             row["releases_without_client_level_noise"] = found[
                 "releases_without_client_level_noise"
             ]
             row["example_epsilon"] = found["example_epsilon"]
+            row["example_epsilon_colluding_peers"] = found["example_epsilon_colluding_peers"]
         rows.append(row)
     return {
         "delta": delta,
@@ -178,9 +180,9 @@ def site_figures(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
         "takes amplification by the server's own sampling; with every client in every round "
         "the two agree (the run's is the PLD accountant's, a hair above the exact figure). "
         "'One image': the site's epsilon for one of its training images (add/remove one "
-        "image) over the same releases, peers honest: a client-level release counts as a "
-        "Gaussian of sensitivity 2 C, an example-level one as its DP-SGD steps at the site's "
-        "own sampling (PLD accountant)",
+        "image) over the same releases, with honest and with colluding peers: a client-level "
+        "release counts as a Gaussian of sensitivity 2 C (of the noise as above), an "
+        "example-level one as its DP-SGD steps at the site's own sampling (PLD accountant)",
         "source": f"clients/<id>/{FILE_NAME} (embedded runs; a standalone server's sites keep "
         "theirs: fl-secure privacy site --state-dir DIR)",
     }

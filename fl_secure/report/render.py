@@ -410,13 +410,13 @@ def _example_rows(led: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 def _site_rows(sites: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Each site's own epsilon against the server (its site ledger)."""
     header = ["site", "updates released", "epsilon (peers honest)", "epsilon (peers collude)",
-              "releases without client-level noise", "epsilon (one image)",
-              "problem"]  # fmt: skip
+              "releases without client-level noise", "epsilon (one image, peers honest)",
+              "epsilon (one image, peers collude)", "problem"]  # fmt: skip
     rows = [
         [r["client"], fmt(r["releases"]), fmt_bound(r["epsilon"]),
          fmt_bound(r["epsilon_colluding_peers"]),
          fmt(r["releases_without_client_level_noise"]), fmt_bound(r.get("example_epsilon")),
-         r["problem"] or ""]
+         fmt_bound(r.get("example_epsilon_colluding_peers")), r["problem"] or ""]
         for r in sites["sites"]
     ]  # fmt: skip
     return header, rows

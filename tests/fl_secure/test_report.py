@@ -188,6 +188,9 @@ def test_each_sites_own_epsilon_is_the_reference_accountants(run_dir: Path) -> N
         assert site["epsilon_colluding_peers"] == pytest.approx(pld(1.5 / 3**0.5, 3), abs=2e-4)
         # one image moves a clipped update by up to 2 C: three Gaussians of z / 2
         assert site["example_epsilon"] == pytest.approx(pld(1.5 / 2, 3), abs=2e-4)
+        assert site["example_epsilon_colluding_peers"] == pytest.approx(
+            pld(1.5 / 3**0.5 / 2, 3), abs=2e-4
+        )
     # the run's own epsilon (PLD, the same three releases of z = 1.5) agrees
     summary = json.loads((run_dir / "summary.json").read_text())
     assert sites["sites"][0]["epsilon"] == pytest.approx(summary["epsilon"], abs=2e-4)
