@@ -99,6 +99,16 @@ class DataConfig:
         _check(self.num_identities > 1, "data.num_identities", "an integer > 1")
         _check(self.images_per_identity > 1, "data.images_per_identity", "an integer > 1")
         _check(self.held_out_identities >= 0, "data.held_out_identities", "an integer >= 0")
+        _check(self.max_identities >= 0, "data.max_identities", "an integer >= 0 (0 = all)")
+        _check(self.min_images_per_identity >= 1, "data.min_images_per_identity", "an integer >= 1")
+        _check(
+            self.max_images_per_identity == 0
+            or self.max_images_per_identity >= self.min_images_per_identity,
+            "data.max_images_per_identity",
+            f"0 (all) or an integer >= data.min_images_per_identity "
+            f"({self.min_images_per_identity})",
+        )
+        _check(self.center_crop >= 0, "data.center_crop", "an integer >= 0 (0 = off)")
         _check(0.0 < self.test_fraction < 1.0, "data.test_fraction", "a number in (0, 1)")
         _check(
             0.0 <= self.expression_strength <= 2.5,

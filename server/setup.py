@@ -81,13 +81,16 @@ def _first_data_manifest(run_dir: RunDir, config: Config) -> dict[str, Any]:
     The report states it: the data the run trained on, hashed when it started, not what the
     folder holds when the report is written.
     """
-    now = data_manifest(dataclasses.asdict(config.data))
+    now = data_manifest(dataclasses.asdict(config.data), seed=config.run.seed)
     previous = run_dir.path / "partition.json"
     if not previous.is_file():
         return now
     recorded = read_json_object(previous, "the run's partition record").get("data_manifest")
     if not isinstance(recorded, dict):
         return now
+    if recorded.get("kind") != now.get("kind"):  # hashed by an earlier release: not comparable
+        log.info("the run's data manifest was recorded as %r; kept", recorded.get("kind"))
+        return recorded
     if recorded.get("sha256") != now.get("sha256"):
         log.warning(
             "the data differ from those the run started with (manifest %s, now %s)",

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fl_secure.data.folders import keep_identities, load_image, natural_key
+from fl_secure.data.folders import check_filters, keep_identities, load_image, natural_order
 from fl_secure.data.types import FaceDataset
 from fl_secure.errors import DataError
 
@@ -44,7 +44,13 @@ class AttributeTable:
 def _lines(path: Path) -> list[str]:
     if not path.is_file():
         raise DataError(f"{path} does not exist")
-    return [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"{path} is not a UTF-8 text file ({exc.reason} at byte {exc.start})"
+        ) from None
+    return [line for line in text.splitlines() if line.strip()]
 
 
 def read_attribute_file(path: str | Path) -> AttributeTable:
@@ -96,7 +102,7 @@ def read_identity_file(path: str | Path) -> dict[str, int]:
     identities: dict[str, int] = {}
     for i, line in enumerate(_lines(p)):
         parts = line.split()
-        number = parts[1].lstrip("-") if len(parts) == 2 else ""
+        number = parts[1].removeprefix("-") if len(parts) == 2 else ""
         if not (number.isascii() and number.isdigit()):  # isdigit alone accepts '²'
             raise DataError(f"{p} line {i + 1}: expected 'filename identity', got {line!r}")
         if parts[0] in identities:
@@ -160,6 +166,13 @@ def load_celeba(
     Raises:
         DataError: unreadable files, a missing image, or no identity left after the filters.
     """
+    check_filters(
+        image_size=image_size,
+        min_images_per_identity=min_images_per_identity,
+        max_identities=max_identities,
+        max_images_per_identity=max_images_per_identity,
+        center_crop=center_crop,
+    )
     folder = Path(image_dir)
     if not folder.is_dir():
         raise DataError(f"CelebA image folder {folder} does not exist")
@@ -173,7 +186,7 @@ def load_celeba(
             by_identity[identity].append(filename)
     chosen = keep_identities(
         (
-            (identity, sorted(by_identity[identity], key=natural_key))
+            (identity, sorted(by_identity[identity], key=natural_order))
             for identity in sorted(by_identity)
         ),
         min_images=min_images_per_identity,

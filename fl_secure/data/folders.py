@@ -31,9 +31,20 @@ _UNREADABLE = (UnidentifiedImageError, Image.DecompressionBombError, OSError, Va
 
 
 def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
-    """Sort key that orders digit runs by value: ``s2 < s10``, ``2.pgm < 10.pgm``."""
+    """Sort key that orders digit runs by value: ``s2 < s10``, ``2.pgm < 10.pgm``.
+
+    ``s1`` and ``s01`` get the same key: sort by :func:`natural_order` for a total order.
+    """
     parts = re.split(r"(\d+)", name)
     return tuple((0, int(p)) if p.isdigit() else (1, p) for p in parts if p)
+
+
+def natural_order(name: str) -> tuple[tuple[tuple[int, int | str], ...], str]:
+    """:func:`natural_key` with ties (``s1``, ``s01``) broken by the name.
+
+    So a folder gives the same order whatever order the file system lists it in.
+    """
+    return natural_key(name), name
 
 
 def list_images(folder: Path) -> list[Path]:
@@ -43,7 +54,7 @@ def list_images(folder: Path) -> list[Path]:
         for p in folder.iterdir()
         if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in IMAGE_SUFFIXES
     ]
-    return sorted(files, key=lambda p: natural_key(p.name))
+    return sorted(files, key=lambda p: natural_order(p.name))
 
 
 def load_image(
@@ -139,6 +150,37 @@ def keep_identities(
     return chosen
 
 
+def check_filters(
+    *,
+    image_size: int,
+    min_images_per_identity: int,
+    max_identities: int | None,
+    max_images_per_identity: int | None,
+    center_crop: int | None,
+) -> None:
+    """Refuse loader settings out of range (``None``: the filter is off).
+
+    Raises:
+        DataError: a value below its floor, or a cap on images per identity below the
+            minimum (every identity kept would be cut under the minimum it was kept for).
+    """
+    for name, value, low in (
+        ("image_size", image_size, 8),
+        ("min_images_per_identity", min_images_per_identity, 1),
+        ("max_identities", max_identities, 1),
+        ("max_images_per_identity", max_images_per_identity, 1),
+        ("center_crop", center_crop, 1),
+    ):
+        if value is not None and value < low:
+            raise DataError(f"{name} must be >= {low}, got {value}")
+    if max_images_per_identity is not None and max_images_per_identity < min_images_per_identity:
+        raise DataError(
+            f"max_images_per_identity = {max_images_per_identity} is below "
+            f"min_images_per_identity = {min_images_per_identity}: every identity kept would "
+            "be cut under the minimum"
+        )
+
+
 def list_identity_folders(
     root: str | Path,
     *,
@@ -163,7 +205,7 @@ def list_identity_folders(
         raise DataError(f"data root {root} does not exist or is not a folder")
     folders = sorted(
         (p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")),
-        key=lambda p: natural_key(p.name),
+        key=lambda p: natural_order(p.name),
     )
     if not folders:
         raise DataError(f"data root {root} has no identity folders (expected <root>/<name>/*.jpg)")
@@ -224,15 +266,13 @@ def load_identity_folders(
             unreadable image (named), or nothing left after the filters.
     """
     root = Path(root)
-    for name, value, low in (
-        ("image_size", image_size, 8),
-        ("min_images_per_identity", min_images_per_identity, 1),
-        ("max_identities", max_identities, 1),
-        ("max_images_per_identity", max_images_per_identity, 1),
-        ("center_crop", center_crop, 1),
-    ):
-        if value is not None and value < low:
-            raise DataError(f"{name} must be >= {low}, got {value}")
+    check_filters(
+        image_size=image_size,
+        min_images_per_identity=min_images_per_identity,
+        max_identities=max_identities,
+        max_images_per_identity=max_images_per_identity,
+        center_crop=center_crop,
+    )
     chosen = list_identity_folders(
         root,
         min_images_per_identity=min_images_per_identity,

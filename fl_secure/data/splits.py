@@ -80,6 +80,9 @@ def held_out_identities(
 
 def _allocate(n: int, fractions: np.ndarray) -> np.ndarray:
     """Image counts per part: largest remainder, then at least one per part when possible."""
+    if not (np.isfinite(fractions).all() and (fractions >= 0).all() and fractions.sum() > 0):
+        raise DataError(f"cannot split by the shares {fractions.tolist()}: not finite shares")
+    fractions = fractions / fractions.sum()
     raw = n * fractions
     counts: np.ndarray = np.floor(raw).astype(np.int64)
     order = np.argsort(-(raw - counts), kind="stable")
@@ -175,7 +178,9 @@ def lognormal_partition(
     ``S_i ~ lognormal(mu, sigma)`` once per client (the paper: mu = sigma = 3), ``C`` the
     number of identities; counts are rounded by largest remainder and every client keeps at
     least one identity. A few clients get many identities, many get few. ``mu`` cancels in the
-    normalisation (``e^mu`` scales every ``S_i``): only ``sigma`` shapes the split.
+    normalisation (``e^mu`` scales every ``S_i``): only ``sigma`` shapes the split. The shares
+    are taken in log space, ``exp(log S_i - max_j log S_j)``, the same numbers as the
+    lognormal draws for any ``mu`` and ``sigma`` whose ``S_i`` overflow (or underflow) a float.
 
     Raises:
         DataError: as :func:`equal_partition`.
@@ -183,7 +188,11 @@ def lognormal_partition(
     ids = np.asarray(identity_ids, dtype=np.int64)
     _check_partition_ids(ids, num_clients)
     rng = np.random.default_rng(seed)
-    weights = rng.lognormal(mean=mu, sigma=sigma, size=num_clients)
+    if not (np.isfinite(mu) and np.isfinite(sigma) and sigma > 0):
+        raise DataError(f"lognormal partition needs a finite mu and sigma > 0: {mu}, {sigma}")
+    # numpy's lognormal is exp of this normal draw (the same stream): no overflow in exp
+    log_s = rng.normal(loc=mu, scale=sigma, size=num_clients)
+    weights = np.exp(log_s - log_s.max())
     counts = _allocate(len(ids), weights / weights.sum())
     return _deal(ids, counts, rng)
 

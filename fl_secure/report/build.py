@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fl_secure.data.manifest import data_manifest
-from fl_secure.errors import CheckpointError
+from fl_secure.errors import CheckpointError, FlSecureError
 from fl_secure.runs import RunDir, read_json_object
 
 if TYPE_CHECKING:
@@ -558,12 +558,12 @@ def _provenance(
         "started_at": prov.get("started_at"),
         "ended_at": prov.get("ended_at"),
         "config_sha256": hashlib.sha256(config_text).hexdigest(),
-        "data_manifest": _recorded_manifest(path, config.get("data", {})),
+        "data_manifest": _recorded_manifest(path, config),
         "source": "summary.json (provenance), config.toml, partition.json (data manifest)",
     }
 
 
-def _recorded_manifest(path: Path, data: dict[str, Any]) -> dict[str, Any]:
+def _recorded_manifest(path: Path, config: dict[str, Any]) -> dict[str, Any]:
     """The data manifest ``partition.json`` recorded when the run started.
 
     Runs written before it was recorded get one computed now, said as such.
@@ -574,8 +574,17 @@ def _recorded_manifest(path: Path, data: dict[str, Any]) -> dict[str, Any]:
         manifest = recorded.get("data_manifest")
         if isinstance(manifest, dict):  # with "changed_on_resume" when a resume saw other data
             return manifest
+    import dataclasses
+
+    from fl_secure.config import config_from_dict
+
+    try:  # the table with its defaults filled in, as the server hashes it
+        parsed = config_from_dict(config)
+        data, seed = dataclasses.asdict(parsed.data), parsed.run.seed
+    except FlSecureError:
+        data, seed = config.get("data", {}), 0
     return {
-        **data_manifest(data),
+        **data_manifest(data, seed=seed),
         "note": "computed when this report was written: the run recorded no data manifest",
     }
 

@@ -173,3 +173,45 @@ def test_an_identity_number_with_a_non_ascii_digit_is_named(tmp_path: Path) -> N
         read_identity_file(tmp_path / "id.txt")
     (tmp_path / "id.txt").write_text("a.jpg 7\nb.jpg -3\n")
     assert read_identity_file(tmp_path / "id.txt") == {"a.jpg": 7, "b.jpg": -3}
+
+
+def test_a_doubled_sign_or_a_non_utf8_file_is_named(tmp_path: Path) -> None:
+    # '--5' passes a check that strips every '-' but not int(); a Latin-1 byte is not UTF-8:
+    # both are DataErrors naming the file, not tracebacks
+    (tmp_path / "id.txt").write_text("a.jpg 7\nb.jpg --5\n")
+    with pytest.raises(DataError, match=r"id.txt line 2: expected 'filename identity'"):
+        read_identity_file(tmp_path / "id.txt")
+    (tmp_path / "id.txt").write_bytes(b"a.jpg 7\n\xe9.jpg 8\n")
+    with pytest.raises(DataError, match=r"id.txt is not a UTF-8 text file"):
+        read_identity_file(tmp_path / "id.txt")
+    (tmp_path / "attr.txt").write_bytes(b"1\nA\n\xff.jpg 1\n")
+    with pytest.raises(DataError, match=r"attr.txt is not a UTF-8 text file"):
+        read_attribute_file(tmp_path / "attr.txt")
+
+
+def test_the_loader_filters_are_checked_for_celeba_too(
+    tmp_path: Path, synthetic: FaceDataset
+) -> None:
+    # a negative cap would slice files[:-1] and never stop at -1 identities; a cap below the
+    # minimum would cut every kept identity under it: refused, as for identity folders
+    folder, attr_file, id_file, _ = write_celeba(tmp_path, synthetic)
+    for kwargs, message in (
+        ({"max_images_per_identity": -1}, "max_images_per_identity must be >= 1, got -1"),
+        ({"max_identities": -2}, "max_identities must be >= 1, got -2"),
+        ({"max_images_per_identity": 2, "min_images_per_identity": 3}, "is below"),
+    ):
+        with pytest.raises(DataError, match=message):
+            load_celeba(folder, attr_file, id_file, image_size=32, **kwargs)  # type: ignore[arg-type]
+    # the same values in a run config are refused when it is read
+    for key, value in (
+        ("max_images_per_identity", -1),
+        ("max_identities", -2),
+        ("max_images_per_identity", 1),  # below the default minimum of 2
+        ("min_images_per_identity", 0),
+        ("center_crop", -5),
+    ):
+        (tmp_path / "run.toml").write_text(
+            f'[data]\nsource = "folders"\npath = "x"\n{key} = {value}\n'
+        )
+        with pytest.raises(ConfigError, match=f"data.{key}: invalid value"):
+            load_config(tmp_path / "run.toml")

@@ -52,6 +52,25 @@ def test_orl_loads_40_identities_of_10_grayscale_images() -> None:
     assert float(data.images.std()) > 0.2  # real content, not a constant
 
 
+def test_names_with_the_same_natural_key_keep_one_order(tmp_path: Path) -> None:
+    # 's1' and 's01' (and '1.pgm', '01.pgm') tie under natural_key: the listing order of the
+    # file system must not decide the labels, so two folders created in opposite orders agree
+    from fl_secure.data.folders import list_identity_folders
+
+    orders = []
+    for k, names in enumerate((("s1", "s01"), ("s01", "s1"))):
+        root = tmp_path / str(k)
+        for name in names:
+            (root / name).mkdir(parents=True)
+            for image in ("s1.pgm", "1.pgm", "01.pgm", "s01.pgm"):
+                (root / name / image).write_bytes(b"P5 1 1 255 x")
+        found = list_identity_folders(root)
+        orders.append([(who, [p.name for p in files]) for who, files in found])
+    assert orders[0] == orders[1]
+    assert [who for who, _ in orders[0]] == ["s01", "s1"]
+    assert orders[0][0][1] == ["01.pgm", "1.pgm", "s01.pgm", "s1.pgm"]
+
+
 def test_orl_files_in_natural_order() -> None:
     root = _needs("orl")
     data = load_identity_folders(root, image_size=32, max_identities=2)

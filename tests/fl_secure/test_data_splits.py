@@ -175,6 +175,22 @@ def test_lognormal_counts_follow_eq5() -> None:
     assert np.all(np.abs(sizes - expected) <= 1.0 + (expected < 1))  # rounding, min one each
 
 
+@pytest.mark.parametrize(("mu", "sigma"), [(800.0, 3.0), (-800.0, 3.0), (3.0, 300.0)])
+def test_lognormal_shares_that_overflow_a_float_still_partition(mu: float, sigma: float) -> None:
+    # S_i = exp(800 + ...) is inf in float64 and exp(-800 + ...) is 0: the shares are taken in
+    # log space, so mu still cancels and the partition is the one of Eq. 5
+    from fl_secure.data.splits import lognormal_partition
+
+    ids = np.arange(26)
+    with np.errstate(over="raise", invalid="raise", divide="raise"):  # no inf, no 0/0
+        parts = lognormal_partition(ids, 4, seed=34, mu=mu, sigma=sigma)
+    assert sorted(np.concatenate(parts).tolist()) == ids.tolist()  # each identity once
+    assert all(len(p) >= 1 for p in parts)
+    if sigma == 3.0:  # mu cancels in Eq. 5: the same partition as at the paper's mu = 3
+        paper = lognormal_partition(ids, 4, seed=34, mu=3.0, sigma=3.0)
+        assert all(np.array_equal(a, b) for a, b in zip(parts, paper, strict=True))
+
+
 def test_dirichlet_with_large_alpha_is_nearly_equal() -> None:
     from fl_secure.data.splits import dirichlet_partition
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from fl_secure.data.manifest import SYNTHETIC_KIND
 from fl_secure.errors import FlSecureError
 from fl_secure.report import load_schema, write_report
 from fl_secure.report.build import build_report
@@ -597,7 +598,7 @@ def test_the_report_states_the_data_manifest_the_run_recorded_at_its_start(
 ) -> None:
     partition = json.loads((run_dir / "partition.json").read_text())
     recorded = partition["data_manifest"]
-    assert recorded["kind"] == "synthetic generator parameters" and len(recorded["sha256"]) == 64
+    assert recorded["kind"] == SYNTHETIC_KIND and len(recorded["sha256"]) == 64
     assert build_report(run_dir)["provenance"]["data_manifest"] == recorded
     # the report copies the record; it does not hash whatever is there when it is written
     copy = _copy_run(run_dir, tmp_path / "run")
@@ -625,20 +626,46 @@ def test_a_folder_manifest_hashes_the_images_only_and_a_resume_keeps_the_first(
         for k in range(2):
             (faces / who / f"{k}.pgm").write_bytes(f"P5 1 1 255 {who}{k}".encode())
     data = {"source": "folders", "path": str(faces)}
-    first = data_manifest(data)
+    first = data_manifest(data, seed=0)
     assert first["files"] == 4
     (faces / "README").write_text("not an image")
-    assert data_manifest(data) == first  # other files are not data
+    assert data_manifest(data, seed=0) == first  # other files are not data
     config = config_from_dict({"data": {**data, "min_images_per_identity": 1}})
     run = RunDir(tmp_path / "run")
     run.path.mkdir()
     manifest = _first_data_manifest(run, config)
-    assert manifest == data_manifest(dataclasses.asdict(config.data))
+    assert manifest == data_manifest(dataclasses.asdict(config.data), seed=0)
     (run.path / "partition.json").write_text(json.dumps({"data_manifest": manifest}))
     (faces / "b" / "2.pgm").write_bytes(b"P5 1 1 255 new")
     resumed = _first_data_manifest(run, config)
     assert resumed["sha256"] == manifest["sha256"]  # the run started on these
     assert resumed["changed_on_resume"][0]["files"] == 5
+
+
+def test_the_synthetic_manifest_covers_the_seed_and_celeba_its_annotations(
+    tmp_path: Path,
+) -> None:
+    from fl_secure.data.manifest import data_manifest
+
+    # the generator draws other faces under another run.seed: another manifest
+    table = {"source": "synthetic", "num_identities": 10}
+    assert data_manifest(table, seed=0)["sha256"] != data_manifest(table, seed=1)["sha256"]
+    # CelebA's labels and attributes come from its annotation files: relabelling changes it
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "000001.jpg").write_bytes(b"\xff\xd8 not decoded here")
+    (tmp_path / "id.txt").write_text("000001.jpg 7\n")
+    (tmp_path / "attr.txt").write_text("1\nMale\n000001.jpg 1\n")
+    celeba = {"source": "celeba", "path": str(tmp_path / "img"),
+              "identities_file": str(tmp_path / "id.txt"),
+              "attributes_file": str(tmp_path / "attr.txt")}  # fmt: skip
+    first = data_manifest(celeba, seed=0)
+    (tmp_path / "id.txt").write_text("000001.jpg 8\n")
+    relabelled = data_manifest(celeba, seed=0)
+    (tmp_path / "attr.txt").write_text("1\nMale\n000001.jpg -1\n")
+    flipped = data_manifest(celeba, seed=0)
+    assert len({first["sha256"], relabelled["sha256"], flipped["sha256"]}) == 3
+    (tmp_path / "attr.txt").unlink()  # unreadable: no hash rather than one of the images alone
+    assert data_manifest(celeba, seed=0)["sha256"] is None
 
 
 def test_an_example_level_statement_counts_images_and_states_z_and_q(run_dir: Path) -> None:
