@@ -16,9 +16,11 @@ leaves neither, and the round is run again. Either way nothing is counted twice 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from fl_secure.config import PrivacyConfig
@@ -214,6 +216,65 @@ class ServerPrivacy:
             "noise_secure": bool(self.source.secure),
         }
 
+    # ------------------------------------------------------------ in-flight releases
+    @property
+    def inflight_path(self) -> Path:
+        """The marker of an attempt whose release is not yet in the ledger (beside it)."""
+        return Path(self.ledger.path).with_name(Path(self.ledger.path).stem + ".inflight.json")
+
+    def _counts_server_view(self) -> bool:
+        """Whether what the server sees of an attempt is a release the ledger must count."""
+        return self.unit == "client" and self.placement != "central"
+
+    def begin_release(self, round_: int, attempt: int, cohort_size: int) -> None:
+        """Mark that round ``round_``'s attempt may now show the server its updates or sum.
+
+        Written (synced) before the attempt's tasks go out, and removed once what the
+        server saw is in the ledger: by :meth:`commit`, or by :meth:`end_release` after the
+        coordinator accounted a failed attempt (:meth:`discard_sum`). A server process that
+        ends in between (killed, crashed) leaves the marker, and :meth:`resume` counts that
+        attempt as a discarded sum: it may have seen the sum, the clients did release it, and
+        the rerun releases the round again.
+        """
+        if not self._counts_server_view():
+            return
+        from fl_secure.runs import atomic_write_json
+
+        marker = {"round": round_, "attempt": attempt, "cohort_size": cohort_size}
+        atomic_write_json(self.inflight_path, marker)
+
+    def end_release(self) -> None:
+        """Remove the in-flight marker: what the server saw is accounted (or was nothing)."""
+        self.inflight_path.unlink(missing_ok=True)
+
+    def _account_inflight(self, completed_round: int) -> None:
+        """Resume: count an attempt the last server process left in flight (see above)."""
+        path = self.inflight_path
+        if not path.exists():
+            return
+        try:
+            marker = json.loads(path.read_text(encoding="utf-8"))
+            round_, attempt = int(marker["round"]), int(marker["attempt"])
+            cohort = int(marker["cohort_size"])
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise PrivacyError(
+                f"the in-flight marker {path} is damaged ({exc}): the last server process "
+                "ended during a round whose release the ledger may not count; refusing to "
+                "resume until it is restored (or, if that round's updates never left the "
+                "clients, removed)"
+            ) from exc
+        if round_ > completed_round and self._counts_server_view():
+            reason = (
+                f"round {round_} attempt {attempt}: the server process ended before the "
+                "round's ledger entry was written, after the cohort had been sent its tasks; "
+                "the server may have seen the round's updates or sum, and the resumed run "
+                "releases the round again"
+            )
+            # the least noise such a sum can carry: t = min_survivors shares (distributed)
+            self.discard_sum(round_, cohort, min(cohort, self.min_survivors), attempt, reason)
+            log.warning("%s; counted in epsilon like a round (ledger kind discarded_sum)", reason)
+        self.end_release()
+
     def discard_sum(
         self, round_: int, cohort_size: int, updates: int, attempt: int, message: str
     ) -> bool:
@@ -333,6 +394,7 @@ class ServerPrivacy:
                 row["kind"], round=round_, party=row["party"], payload=row["payload"]
             )
             self._absorb(entry)
+        self.end_release()
         return self.metrics()
 
     def _absorb(self, entry: Entry) -> None:
@@ -528,6 +590,7 @@ class ServerPrivacy:
                 len(missing),
             )
             self.commit(completed_round, missing)
+        self._account_inflight(completed_round)
 
     def note(self, round_: int, message: str) -> None:
         """Record a free-text event (for example a budget stop)."""

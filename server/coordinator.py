@@ -706,6 +706,8 @@ class Coordinator:
             elif kind is TaskKind.TRAIN:
                 dp = self.privacy.make_aggregator(self.specs) if self.privacy else None
                 aggregator = dp if dp is not None else StreamingMean(self.specs)
+            if kind is TaskKind.TRAIN and self.privacy is not None:
+                self.privacy.begin_release(number, attempt, len(cohort))  # before any task
             with self._cv:
                 rnd = _Round(
                     number=number,
@@ -743,6 +745,8 @@ class Coordinator:
                     cancel()
                 self._cv.notify_all()
             if self._stop.is_set():
+                if kind is TaskKind.TRAIN:
+                    self._account_stopped_attempt(number, attempt, rnd)
                 raise RoundAborted(self.stop_reason or "stopped")
             event = {
                 "round": number,
@@ -811,6 +815,30 @@ class Coordinator:
         raise RoundAborted(
             f"round {number} aborted: fewer than {needed} updates after {tries}{why}"
         )
+
+    def _account_stopped_attempt(self, number: int, attempt: int, rnd: _Round) -> None:
+        """Count what an attempt showed the server before a stop ended it (client-level DP).
+
+        A stop (a signal, the embedded driver) can end an attempt after the server unmasked
+        its sum, or received plain updates: released all the same, and a resume runs the
+        round again. Counted like any discarded sum (see :meth:`_account_failed_attempt`).
+        """
+        if self.privacy is None:
+            return
+        if rnd.secure is not None:
+            if not rnd.secure.sum_seen():
+                return
+            updates = len(rnd.secure.survivors())
+        elif rnd.received:
+            updates = len(rnd.received)
+        else:
+            return
+        reason = (
+            f"round {number} attempt {attempt}: the run was stopped after the server had "
+            f"{'unmasked the sum' if rnd.secure is not None else 'received updates'}"
+        )
+        if self.privacy.discard_sum(number, len(rnd.cohort), updates, attempt, reason):
+            log.warning("%s; counted in epsilon like a round", reason)
 
     def _account_failed_attempt(self, number: int, attempt: int, rnd: _Round, needed: int) -> None:
         """Count the updates a failed plain attempt showed the server (client-level DP).
@@ -974,6 +1002,9 @@ class Coordinator:
                 self.status = "completed"
                 self.stop_reason = self.stop_reason or f"{s.rounds} rounds completed"
         except RoundAborted as exc:
+            # every path to here accounted what the server saw: no attempt is in flight
+            if self.privacy is not None:
+                self.privacy.end_release()
             self.status = "aborted" if not self._stop.is_set() else "stopped"
             self.stop_reason = str(exc)
             log.error("%s", exc)

@@ -549,6 +549,100 @@ def test_a_sum_the_server_saw_and_discarded_is_composed_like_a_round(tmp_path: P
     assert central.ledger.entries() == []
 
 
+def test_an_attempt_in_flight_when_the_server_died_is_counted_at_resume(tmp_path: Path) -> None:
+    # Prepare: local noise; round 1 committed; round 2's tasks went out (the marker is
+    # written first), and the server process was killed before round 2's ledger entry
+    first = _noised_before_the_server(tmp_path)
+    first.begin_release(1, 0, 3)
+    _account(first, 1)
+    assert not first.inflight_path.exists()  # the commit settles the marker
+    first.begin_release(2, 0, 3)
+    marker = first.inflight_path
+    assert marker.exists() and marker.parent == tmp_path
+    first.ledger.close()  # (kill -9: nothing else runs)
+    # Execute: a restarted server resumes from round 1's checkpoint and runs round 2 again
+    again = _noised_before_the_server(tmp_path)
+    again.resume(1, [])
+    resumed = again.epsilon
+    _account(again, 2)
+    again.ledger.close()
+
+    # Assert: the attempt in flight counts like a round (the clients released it; the
+    # server may have seen it): PLD composition of 2, then 3 Gaussian releases
+    def eps(steps: int) -> float:
+        return epsilon_for(
+            accountant="pld", noise_multiplier=1.5, sample_rate=1.0, steps=steps, delta=1e-5
+        )
+
+    with Ledger.read(tmp_path / "ledger.sqlite") as ledger:
+        entries = ledger.entries()
+    assert [(e.kind, e.round) for e in entries] == [
+        ("client_level", 1), ("discarded_sum", 2), ("client_level", 2)
+    ]  # fmt: skip
+    assert "server process ended" in str(entries[1].payload["message"])
+    assert resumed == pytest.approx(eps(2), rel=1e-9)
+    assert entries[2].payload["epsilon"] == pytest.approx(eps(3), rel=1e-9)
+    assert not marker.exists()
+    # a marker of the round the checkpoint already holds is no release to add
+    (tmp_path / "done").mkdir()
+    done = _noised_before_the_server(tmp_path / "done")
+    _account(done, 1)
+    done.begin_release(1, 0, 3)  # (killed after the commit, before the marker went)
+    done.ledger.close()
+    done = _noised_before_the_server(tmp_path / "done")
+    done.resume(1, [])
+    assert [e.kind for e in done.ledger.entries()] == ["client_level"]
+    # a damaged marker is named, not guessed at
+    done.begin_release(2, 0, 3)
+    done.inflight_path.write_text("{")
+    done.ledger.close()
+    with pytest.raises(PrivacyError, match="in-flight marker .* is damaged"):
+        _noised_before_the_server(tmp_path / "done").resume(1, [])
+    # central noise trusts the server with what it sees: no marker
+    (tmp_path / "central").mkdir()
+    central = _noised_before_the_server(tmp_path / "central", "central")
+    central.begin_release(1, 0, 3)
+    assert not central.inflight_path.exists()
+
+
+def test_a_stop_after_plain_updates_arrived_counts_them(tmp_path: Path) -> None:
+    # Prepare: local noise without secure aggregation: the server sees each update as it
+    # arrives; round 1 completes, then two of round 2's three updates arrive
+    cfg = PrivacyConfig(unit="client", noise_placement="local", noise_multiplier=1.5)
+    coord = _coordinator(tmp_path, cfg, rounds=3)
+    for c in CLIENTS:
+        coord.join(c, 10)
+    driver = threading.Thread(target=coord.run)
+    driver.start()
+    for number, senders in ((1, CLIENTS), (2, CLIENTS[:2])):
+        workers = [threading.Thread(target=_submit, args=(coord, c)) for c in senders]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=30)
+        if number == 1:
+            deadline = time.monotonic() + 30
+            while coord.completed_round < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+    # Execute: the run is stopped (a signal) with round 2 half in
+    coord.stop("stopped by a signal")
+    driver.join(timeout=30)
+    assert coord.privacy is not None
+    coord.privacy.ledger.close()
+    # Assert: the two updates the server saw count like a round; nothing is left in flight
+    assert coord.status == "stopped"
+    with Ledger.read(tmp_path / "ledger.sqlite") as ledger:
+        entries = ledger.entries()
+    assert [(e.kind, e.round) for e in entries] == [("client_level", 1), ("discarded_sum", 2)]
+    assert entries[1].payload["updates"] == 2
+    assert "stopped after the server had received updates" in str(entries[1].payload["message"])
+    assert entries[1].payload["epsilon"] == pytest.approx(
+        epsilon_for(accountant="pld", noise_multiplier=1.5, sample_rate=1.0, steps=2, delta=1e-5),
+        rel=1e-9,
+    )
+    assert not coord.privacy.inflight_path.exists()
+
+
 def _example_session(path: Path, rounds: int = 3):
     from privacy.noise import seeded_source
 
