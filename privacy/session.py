@@ -179,7 +179,7 @@ class ServerPrivacy:
             f"privacy budget reached: round {round_} would bring {whose}'s epsilon to "
             f"{after:.4f} > target {self.cfg.target_epsilon:g} (delta {self.cfg.delta:g}, "
             f"{self.accountant_name} accountant, {self.adjacency} adjacency); stopped after "
-            f"round {round_ - 1} with epsilon {self.epsilon:.4f}"
+            f"round {round_ - 1} with epsilon {_up4(self.epsilon)}"
         )
 
     def _client_payload(self, cohort_size: int, updates: int, attempt: int) -> dict[str, Any]:
@@ -595,6 +595,11 @@ class ServerPrivacy:
     def note(self, round_: int, message: str) -> None:
         """Record a free-text event (for example a budget stop)."""
         self.ledger.append("note", round=round_, party="server", payload={"message": message})
+
+
+def _up4(value: float) -> str:
+    """``value`` to 4 decimals, rounded up: a spent epsilon is never stated lower."""
+    return f"{math.ceil(value * 1e4 - 1e-6) / 1e4:.4f}"
 
 
 def _example_event(payload: Mapping[str, Any]) -> list[dict[str, Any]]:

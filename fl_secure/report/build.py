@@ -138,6 +138,16 @@ def _non_finite_to_null(node: Any, path: str) -> list[str]:
     return found
 
 
+#: A site row's epsilons; an infinite one (a release without noise against the server) is
+#: null in the JSON and named in the row's ``unbounded`` list.
+SITE_EPSILONS = (
+    "epsilon",
+    "epsilon_colluding_peers",
+    "example_epsilon",
+    "example_epsilon_colluding_peers",
+)
+
+
 def site_figures(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
     """Each site's own epsilon against the server, from the site ledgers in the run folder.
 
@@ -153,7 +163,7 @@ def site_figures(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
     folder = run_dir / "clients"
     rows: list[dict[str, Any]] = []
     for path in sorted(folder.glob(f"*/{FILE_NAME}")) if folder.is_dir() else []:
-        row: dict[str, Any] = {"client": path.parent.name, "problem": None}
+        row: dict[str, Any] = {"client": path.parent.name, "problem": None, "unbounded": []}
         try:
             found = SiteLedger(path.parent, delta=delta).summary()
         except PrivacyError as exc:
@@ -167,6 +177,10 @@ def site_figures(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
             ]
             row["example_epsilon"] = found["example_epsilon"]
             row["example_epsilon_colluding_peers"] = found["example_epsilon_colluding_peers"]
+            for key in SITE_EPSILONS:  # no noise against the server: stated as unbounded
+                if isinstance(row[key], float) and math.isinf(row[key]):
+                    row[key] = None
+                    row["unbounded"].append(key)
         rows.append(row)
     return {
         "delta": delta,
@@ -218,9 +232,16 @@ def _ledger(path: Path, summary: dict[str, Any]) -> tuple[dict[str, Any], list[E
 
     recorded = recorded_head(summary)
     if not path.exists():
+        spent = summary.get("epsilon")
+        rounds = (summary.get("privacy") or {}).get("rounds_accounted")
         return {
             "present": False,
             "recorded_entries": None if recorded is None else recorded[0],
+            # a summary from before ledger heads were recorded still states what was spent
+            "summary_states_spending": bool(
+                (isinstance(spent, (int, float)) and spent > 0)
+                or (isinstance(rounds, int) and rounds > 0)
+            ),
             "source": "ledger.sqlite",
         }, []
     with Ledger.read(path) as ledger:
@@ -343,8 +364,9 @@ def _privacy(
                 "not released: at the example level a site's image count stays on the site "
                 "(each client checks delta < 1/N for its own N)"
             )
-    delta = summary.get("delta")
     kept = ledger.get("epsilon")
+    # the ledger's (epsilon, delta) is the record: one pair, from one source
+    delta = summary.get("delta") if kept is None or ledger.get("delta") is None else ledger["delta"]
     out: dict[str, Any] = {
         "setting": "cross-silo federated learning (a few institutions, each a client)",
         "differential_privacy": unit != "none",
@@ -366,6 +388,7 @@ def _privacy(
         "epsilon_in_summary": summary.get("epsilon"),
         "epsilon_source": "summary.json" if kept is None else "ledger.sqlite",
         "delta": delta,
+        "delta_in_summary": summary.get("delta"),
         "population": population,
         "population_of": population_of,
         "delta_below_one_over_population": (
@@ -695,6 +718,25 @@ def _warnings(
                 "checked against its record.",
             }
         )
+    elif not led.get("present") and led.get("summary_states_spending"):
+        w.append(
+            {
+                "code": "ledger-missing",
+                "message": "ledger.sqlite is missing, but summary.json states privacy spent "
+                "(epsilon or accounted rounds): the privacy statement cannot be checked "
+                "against its record.",
+            }
+        )
+    stated_delta, kept_delta = p.get("delta_in_summary"), led.get("delta")
+    if isinstance(stated_delta, (int, float)) and isinstance(kept_delta, (int, float)):
+        if not math.isclose(stated_delta, kept_delta, rel_tol=1e-9, abs_tol=0.0):
+            w.append(
+                {
+                    "code": "ledger-summary-mismatch",
+                    "message": f"summary.json states delta = {stated_delta:.6g} but the privacy "
+                    f"ledger records {kept_delta:.6g}; this report states the ledger's.",
+                }
+            )
     stated, kept = p.get("epsilon_in_summary"), led.get("epsilon")
     if isinstance(stated, (int, float)) and isinstance(kept, (int, float)):
         if not math.isclose(stated, kept, rel_tol=1e-9, abs_tol=1e-12):
@@ -773,12 +815,51 @@ def _warnings(
                 f"assumes ({p['sampling']} at rate {rate}); the stated epsilon may be low.",
             }
         )
+    w += _site_warnings(report)
     if report["run"]["status"] != "completed":
         w.append(
             {
                 "code": "run-not-completed",
                 "message": f"The run ended with status "
                 f"{report['run']['status']!r}: {report['run']['reason']}",
+            }
+        )
+    return w
+
+
+def _site_warnings(report: dict[str, Any]) -> list[dict[str, str]]:
+    """Site ledgers that could not be read, and sites that released more than was accounted."""
+    w: list[dict[str, str]] = []
+    sites = report["sites"]["sites"]
+    damaged = [s["client"] for s in sites if s["problem"]]
+    if damaged:
+        w.append(
+            {
+                "code": "site-ledger-unreadable",
+                "message": f"The site ledgers of {damaged} could not be read (see the sites "
+                "table): those sites' own figures are missing from this report.",
+            }
+        )
+    p = report["privacy"]
+    rounds, discarded = p.get("rounds_accounted"), p.get("discarded_sums_accounted") or 0
+    if p["privacy_unit"] != "client" or not isinstance(rounds, int):
+        return w
+    accounted = rounds + (discarded if isinstance(discarded, int) else 0)
+    more = {
+        s["client"]: s["releases"]
+        for s in sites
+        if isinstance(s["releases"], int) and s["releases"] > accounted
+    }
+    if more:
+        w.append(
+            {
+                "code": "sites-released-more",
+                "message": f"Sites released more updates than the run's ledger accounts "
+                f"({accounted}: {rounds} rounds and {discarded} discarded sums): {more}. The "
+                "difference is secure-aggregation attempts that ended before their sum was "
+                "unmasked (nothing reached the server) or releases the run did not account "
+                "(a server that died mid-round, under a version that did not mark attempts "
+                "in flight); each site's own figure in the sites table counts them all.",
             }
         )
     return w
@@ -795,7 +876,7 @@ def round_up(value: float, digits: int = 3) -> str:
 def _plain_summary(report: dict[str, Any]) -> list[str]:
     p, sa, u = report["privacy"], report["secure_aggregation"], report["utility"]
     lines = []
-    if p["differential_privacy"] and p["epsilon"] is None:
+    if p["differential_privacy"] and not p["epsilon"]:  # None, or 0: nothing released
         lines.append("Differential privacy was configured, but no round was accounted.")
     elif p["differential_privacy"]:
         unit = "institution" if p["privacy_unit"] == "client" else "face image"

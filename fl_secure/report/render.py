@@ -183,6 +183,23 @@ def fmt_bound(value: Any) -> str:
     return fmt(value)
 
 
+def fmt_lower(value: Any) -> str:
+    """A lower bound (an empirical epsilon) to 4 significant digits, rounded down, never up."""
+    if isinstance(value, float) and math.isfinite(value) and value > 0:
+        step = 10.0 ** (math.floor(math.log10(value)) - 3)
+        return f"{math.floor(value / step + 1e-9) * step:.4g}"
+    return fmt(value)
+
+
+def fmt_measure(key: str, value: Any) -> str:
+    """An audit figure: epsilon lower bounds rounded down, epsilons and deltas up."""
+    if "epsilon" in key and "lower" in key:
+        return fmt_lower(value)
+    if "epsilon" in key or "delta" in key:
+        return fmt_bound(value)
+    return fmt(value)
+
+
 #: Rows shown with :func:`fmt_bound`: a statement must not round a bound down.
 BOUNDS = frozenset({"epsilon", "delta", "target_epsilon"})
 
@@ -276,7 +293,7 @@ def _audit_summary_row(r: dict[str, Any]) -> list[str]:
     def with_chance(value: Any, chance: Any) -> str:
         return fmt(value) + (f" ({fmt(chance)})" if chance is not None else "")
 
-    eps = fmt(r.get("epsilon_lower_bound"))
+    eps = fmt_lower(r.get("epsilon_lower_bound"))
     if r.get("epsilon_lower_bound_at_audit_cap"):
         eps += " (the audit's cap: a perfect attack; a larger audit could show more)"
     return [
@@ -288,7 +305,7 @@ def _audit_summary_row(r: dict[str, Any]) -> list[str]:
         with_chance(r.get("ssim"), r.get("chance_ssim")),
         with_ci(r.get("templates_top1"), r.get("templates_top1_ci95")),
         eps,
-        fmt(r.get("accountant_epsilon")),
+        fmt_bound(r.get("accountant_epsilon")),
     ]
 
 
@@ -328,7 +345,8 @@ def _audit_rows(audit: dict[str, Any]) -> list[list[str]]:
             for k, v in sorted(node.items()):
                 if number(v) and not k.startswith("chance"):
                     level = levels.get(k, levels.get("*") if k in _CHANCE_MEASURES else None)
-                    rows.append([prefix, k, fmt(v), fmt(level) if level is not None else ""])
+                    shown = fmt_measure(k, v)
+                    rows.append([prefix, k, shown, fmt(level) if level is not None else ""])
                 elif isinstance(v, dict | list):
                     inherit = levels if k == "by_attack" else {}
                     walk(f"{prefix}/{k}" if prefix else k, v, inherit)
@@ -412,11 +430,14 @@ def _site_rows(sites: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     header = ["site", "updates released", "epsilon (peers honest)", "epsilon (peers collude)",
               "releases without client-level noise", "epsilon (one image, peers honest)",
               "epsilon (one image, peers collude)", "problem"]  # fmt: skip
+
+    def eps(r: dict[str, Any], key: str) -> str:
+        return "∞ (unbounded)" if key in r.get("unbounded", ()) else fmt_bound(r.get(key))
+
     rows = [
-        [r["client"], fmt(r["releases"]), fmt_bound(r["epsilon"]),
-         fmt_bound(r["epsilon_colluding_peers"]),
-         fmt(r["releases_without_client_level_noise"]), fmt_bound(r.get("example_epsilon")),
-         fmt_bound(r.get("example_epsilon_colluding_peers")), r["problem"] or ""]
+        [r["client"], fmt(r["releases"]), eps(r, "epsilon"), eps(r, "epsilon_colluding_peers"),
+         fmt(r["releases_without_client_level_noise"]), eps(r, "example_epsilon"),
+         eps(r, "example_epsilon_colluding_peers"), r["problem"] or ""]
         for r in sites["sites"]
     ]  # fmt: skip
     return header, rows
@@ -853,6 +874,8 @@ def _no_ledger(led: dict[str, Any]) -> str:
             f"No ledger: ledger.sqlite is MISSING, though the run recorded "
             f"{led['recorded_entries']} entries."
         )
+    if led.get("summary_states_spending"):
+        return "No ledger: ledger.sqlite is MISSING, though summary.json states privacy spent."
     return "No ledger: this run spent no privacy budget."
 
 

@@ -352,6 +352,71 @@ def test_report_checks_the_ledger_against_what_the_run_recorded(
     assert "ledger-missing" in codes(report)
     written = write_report(gone, ["md"], out=tmp_path / "gone-report")
     assert "ledger.sqlite is MISSING" in written["md"].read_text()
+    # ... nor when summary.json predates the recorded ledger head but states epsilon spent
+    _edit_json(gone / "summary.json", lambda s: s["privacy"].pop("ledger_entries", None))
+    _edit_json(gone / "summary.json", lambda s: s["privacy"].pop("ledger_head", None))
+    report = build_report(gone)
+    assert report["ledger"]["summary_states_spending"] is True and "ledger-missing" in codes(report)
+    written = write_report(gone, ["md"], out=tmp_path / "gone-report-2")
+    assert "no privacy budget" not in written["md"].read_text()
+    # delta edited in summary.json: the statement is the ledger's pair, and the edit is named
+    other = copy("delta")
+    _edit_json(other / "summary.json", lambda s: s.update(delta=1e-9))
+    report = build_report(other)
+    assert report["privacy"]["delta"] == report["ledger"]["delta"] == 1e-5
+    assert report["privacy"]["delta_in_summary"] == 1e-9
+    assert any("states delta = 1e-09" in w["message"] for w in report["warnings"])
+
+
+def test_site_figures_say_unbounded_damaged_and_released_more(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    from fl_secure.report.render import _site_rows
+
+    # Prepare: client-0's ledger gains a release without noise against the server (central
+    # placement); client-1's ledger is truncated; client-2's gains one release more
+    copy = _copy_run(run_dir, tmp_path / "run")
+    sites = copy / "clients"
+
+    def add_release(site: str, noise: float, placement: str) -> None:
+        def change(ledger: dict[str, Any]) -> None:
+            extra = dict(ledger["releases"][-1])
+            extra.update(round=extra["round"] + 10, placement=placement)
+            extra.update(noise_multiplier=noise, own_noise_multiplier=noise / 3**0.5)
+            ledger["releases"].append(extra)
+
+        _edit_json(sites / site / "site_ledger.json", change)
+
+    add_release("client-0", 0.0, "central")
+    text = (sites / "client-1" / "site_ledger.json").read_text()
+    (sites / "client-1" / "site_ledger.json").write_text(text[: len(text) // 2])
+    add_release("client-2", 1.5, "distributed")
+    # Execute
+    report = build_report(copy)
+    # Assert: client-0's figures are unbounded, named so, not "missing"
+    rows = {r["client"]: r for r in report["sites"]["sites"]}
+    assert rows["client-0"]["epsilon"] is None
+    assert "epsilon" in rows["client-0"]["unbounded"]
+    assert rows["client-2"]["unbounded"] == [] and rows["client-2"]["releases"] == 4
+    _, table = _site_rows(report["sites"])
+    assert table[0][2] == "∞ (unbounded)" and table[2][2] != "∞ (unbounded)"
+    warned = {w["code"]: w["message"] for w in report["warnings"]}
+    assert "client-1" in warned["site-ledger-unreadable"]
+    assert "non-finite-figures" not in warned  # the unbounded figures are stated as such
+    # the run accounted 3 rounds and no discarded sum; client-0 and client-2 released 4
+    assert "{'client-0': 4, 'client-2': 4}" in warned["sites-released-more"]
+    assert "sites-released-more" not in {w["code"] for w in build_report(run_dir)["warnings"]}
+
+
+def test_audit_bounds_round_toward_the_safe_side() -> None:
+    from fl_secure.report.render import _audit_summary_row, fmt_lower, fmt_measure
+
+    row = _audit_summary_row({"epsilon_lower_bound": 1.44475, "accountant_epsilon": 4.089234})
+    assert row[-2] == "1.444" and row[-1] == "4.09"  # (nearest: 1.445 and 4.089)
+    assert fmt_lower(2.0) == "2" and fmt_lower(0.0012345) == "0.001234"
+    assert fmt_measure("epsilon_lower_bound", 3.33339) == "3.333"
+    assert fmt_measure("accountant_epsilon", 3.33331) == "3.334"
+    assert fmt_measure("top1", 0.33336) == "0.3334"
 
 
 def test_damaged_run_records_are_named(
@@ -966,3 +1031,15 @@ def test_failed_attempt_records_are_not_rounds_to_the_report(run_dir: Path, tmp_
     assert [w["code"] for w in report["warnings"]] == [w["code"] for w in before["warnings"]]
     md = write_report(copy, ["md"], out=tmp_path / "out")["md"].read_text()
     assert "| 2 | 0 | train | retried | 1 of 3 needed updates arrived | client-1: &lt;b&gt;" in md
+
+
+def test_a_run_that_accounted_nothing_is_not_stated_as_epsilon_zero(run_dir: Path) -> None:
+    from fl_secure.report.build import _plain_summary
+
+    # a run aborted before its first round: summary.json's epsilon is 0.0 (nothing spent)
+    report = build_report(run_dir)
+    report["privacy"]["epsilon"] = 0.0
+    first = _plain_summary(report)[0]
+    assert first == "Differential privacy was configured, but no round was accounted."
+    report["privacy"]["epsilon"] = 1.25
+    assert "epsilon = 1.25" in _plain_summary(report)[0]

@@ -147,6 +147,13 @@ def test_small_budget_stops_early_within_the_target(tmp_path: Path) -> None:
     assert coord.status == "budget_exhausted"
     assert coord.completed_round == 2
     assert "privacy budget reached: round 3 would bring" in coord.stop_reason
+    # the epsilon spent is stated rounded up (4 decimals), never to the nearest
+    import math
+
+    from privacy.session import _up4
+
+    assert coord.stop_reason.endswith(f"with epsilon {math.ceil(eps2 * 1e4) / 1e4:.4f}")
+    assert (_up4(2.75334), _up4(2.7533), _up4(0.0)) == ("2.7534", "2.7533", "0.0000")
     assert coord.privacy is not None
     assert coord.privacy.epsilon == pytest.approx(eps2) and coord.privacy.epsilon <= target
     with Ledger.read(tmp_path / "ledger.sqlite") as ledger:
