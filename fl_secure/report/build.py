@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 
 #: Version of the report JSON (``schema/report-v{major}.schema.json``).
 REPORT_VERSION = "1.4"  # 1.2: run.failed_attempts, sites; 1.3: sites' example_epsilon
-# 1.4: sites' example_epsilon_colluding_peers
+# 1.4: sites' example_epsilon_colluding_peers and unbounded, ledger.summary_states_spending,
+# privacy.delta_in_summary
 SCHEMA_FILE = Path(__file__).with_name("schema") / "report-v1.schema.json"
 
 #: Whom each noise placement trusts (shown beside the placement).
@@ -46,12 +47,71 @@ HEADLINE = ("tar_at_far_1e-1", "tar_at_far_1e-2", "tar_at_far_1e-3", "rank1", "r
 NO_UTILITY_MARGIN = 0.02
 
 
+#: summary.json fields the report reads, with the JSON types each may have (null aside)
+SUMMARY_TYPES: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys(("epsilon", "delta"), (int, float)),
+    **dict.fromkeys(("rounds_completed", "rounds_planned", "num_clients"), (int,)),
+    **dict.fromkeys(
+        (
+            "status",
+            "reason",
+            "algorithm",
+            "exposure",
+            "transport",
+            "accountant",
+            "version",
+            "privacy_unit",
+            "noise_placement",
+            "evaluation",
+            "partition",
+            "initial_model",
+        ),
+        (str,),
+    ),  # fmt: skip
+    **dict.fromkeys(
+        (
+            "privacy",
+            "secure_aggregation",
+            "provenance",
+            "held_out",
+            "untrained",
+            "clients",
+            "client_reported_examples",
+            "clients_summary",
+            "untrained_clients_summary",
+        ),
+        (dict,),
+    ),  # fmt: skip
+    "client_train_sizes": (list,),
+}
+
+
+def check_summary(summary: dict[str, Any], path: Path) -> None:
+    """Refuse a ``summary.json`` whose fields have the wrong JSON type, naming the field.
+
+    Raises:
+        CheckpointError: A field the report reads is of another type (the file was edited
+            or damaged); a missing field is the report's n/a, not an error.
+    """
+    for key, types in SUMMARY_TYPES.items():
+        value = summary.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, types):
+            wanted = " or ".join(t.__name__ for t in types)
+            raise CheckpointError(
+                f"{path}: {key} is {type(value).__name__} {str(value)[:40]!r}, expected "
+                f"{wanted} (the file was edited or damaged)"
+            )
+
+
 def build_report(run_dir: Path) -> dict[str, Any]:
     """The report of a run directory as a JSON-ready dict (deterministic for a given run)."""
     run = RunDir(Path(run_dir))
     if not run.config.exists():
         raise CheckpointError(f"{run_dir} is not a run directory (no config.toml)")
     summary = run.read_summary()
+    check_summary(summary, run.path / "summary.json")
     if summary.get("algorithm") == "centralized":
         raise CheckpointError(
             f"{run_dir} is a centralized baseline run (fl-secure train --centralized): no "
@@ -887,7 +947,8 @@ def _plain_summary(report: dict[str, Any]) -> list[str]:
         }.get(p["adjacency"], f"whether or not any one {unit} took part")
         lines.append(
             f"Training was differentially private at the level of a whole {unit}: with "
-            f"epsilon = {round_up(p['epsilon'])} and delta = {round_up(p['delta'])} "
+            f"epsilon = {round_up(p['epsilon'])} and delta = "
+            f"{round_up(p['delta']) if p['delta'] is not None else 'not recorded'} "
             f"({p['adjacency']} adjacency, {p['accountant']} accountant), the probability of "
             "any outcome of the released models changes by at most a factor e^epsilon = "
             f"{round_up(math.exp(min(p['epsilon'], 700)))} (plus delta) {change}"

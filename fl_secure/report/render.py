@@ -443,6 +443,19 @@ def _site_rows(sites: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+def _secure_rows(sa: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The secure-aggregation rounds, one row per attempt (HTML and Markdown alike)."""
+    header = ["round", "attempt", "cohort", "survivors", "SecAgg threshold (shares to unmask)",
+              "dropped", "aborted"]  # fmt: skip
+    rows = [
+        [fmt(r["round"]), fmt(r.get("attempt")), str(len(r["cohort"] or [])),
+         str(len(r["survivors"] or [])), fmt(r["threshold"]), fmt(r.get("dropped")),
+         r["aborted"]]
+        for r in sa["rounds"]
+    ]  # fmt: skip
+    return header, rows
+
+
 def _sites_text(sites: dict[str, Any]) -> str:
     return f"At delta = {fmt_bound(sites['delta'])}: {sites['what']}. Source: {sites['source']}."
 
@@ -564,31 +577,7 @@ def render_html(
         f"{e(fmt(sa['aborted_rounds']) if sa['aborted_rounds'] else 'none')}.</p>"
     )
     if sa["rounds"]:
-        parts.append(
-            table(
-                [
-                    "round",
-                    "attempt",
-                    "cohort",
-                    "survivors",
-                    "SecAgg threshold (shares to unmask)",
-                    "dropped",
-                    "aborted",
-                ],
-                [
-                    [
-                        fmt(r["round"]),
-                        fmt(r["attempt"]),
-                        str(len(r["cohort"] or [])),
-                        str(len(r["survivors"] or [])),
-                        fmt(r["threshold"]),
-                        fmt(r["dropped"]),
-                        r["aborted"],
-                    ]
-                    for r in sa["rounds"]
-                ],
-            )
-        )
+        parts.append(table(*_secure_rows(sa)))
     parts.append("<h2>Threat model and design</h2>")
     parts.append(
         f"<p>Exposure: <b>{e(fmt(tm['exposure']))}</b> — {e(tm['design'])}. "
@@ -719,34 +708,12 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
         "",
         "## Secure aggregation",
         "",
-        f"Scheme **{t(sa['scheme'])}**; server sees: {t(fmt(sa['server_sees']))}; aborted "
-        f"rounds: {t(fmt(sa['aborted_rounds'])) if sa['aborted_rounds'] else 'none'}.",
+        f"Scheme **{t(sa['scheme'])}**; server sees: {t(fmt(sa['server_sees']))}; "
+        f"parameters: {t(fmt(sa['parameters']))}; aborted rounds: "
+        f"{t(fmt(sa['aborted_rounds'])) if sa['aborted_rounds'] else 'none'}.",
     ]
     if sa["rounds"]:
-        out += [
-            "",
-            table(
-                [
-                    "round",
-                    "attempt",
-                    "cohort",
-                    "survivors",
-                    "SecAgg threshold (shares to unmask)",
-                    "aborted",
-                ],
-                [
-                    [
-                        fmt(r["round"]),
-                        fmt(r.get("attempt")),
-                        str(len(r["cohort"] or [])),
-                        str(len(r["survivors"] or [])),
-                        fmt(r["threshold"]),
-                        r["aborted"],
-                    ]
-                    for r in sa["rounds"]
-                ],
-            ),
-        ]
+        out += ["", table(*_secure_rows(sa))]
     out += [
         "",
         "## Threat model and design",

@@ -327,6 +327,9 @@ def test_report_checks_the_ledger_against_what_the_run_recorded(
     md = write_report(run_dir, ["md"], out=tmp_path / "md-report")["md"].read_text()
     assert "t = server.min_clients, not the secure-aggregation threshold" in md
     assert "SecAgg threshold (shares to unmask)" in md
+    # the Markdown carries the secure-aggregation figures the HTML does
+    assert "| SecAgg threshold (shares to unmask) | dropped | aborted |" in md
+    assert "; parameters: " in md
     # the newest rows dropped: a valid chain on its own, but shorter than the run recorded
     short = copy("short")
     with sqlite3.connect(short / "ledger.sqlite") as db:
@@ -440,6 +443,22 @@ def test_damaged_run_records_are_named(
     (run / "summary.json").write_text("[]")
     with pytest.raises(CheckpointError, match="summary.json is damaged"):
         build_report(run)
+    # fields of the wrong type are named; a missing one is n/a (delta: the ledger's)
+    for key, value, expected in (
+        ("clients", [1, 2], "clients is list"),
+        ("delta", "1e-5", "delta is str"),
+        ("rounds_completed", 2.5, "rounds_completed is float"),
+        ("privacy", True, "privacy is bool"),
+    ):
+        (run / "summary.json").write_text(json.dumps({**json.loads(summary), key: value}))
+        with pytest.raises(CheckpointError, match=f"summary.json: {expected} .*, expected"):
+            build_report(run)
+    no_delta = json.loads(summary)
+    del no_delta["delta"]
+    (run / "summary.json").write_text(json.dumps(no_delta))
+    (run / "ledger.sqlite").rename(run / "ledger.kept")
+    assert "delta = not recorded" in build_report(run)["plain_summary"][0]
+    (run / "ledger.kept").rename(run / "ledger.sqlite")
     (run / "summary.json").write_text(summary)
     (run / "audit" / "results.json").write_text("[1]")
     with pytest.raises(CheckpointError, match="results.json is damaged"):
