@@ -102,6 +102,23 @@ def _first_data_manifest(run_dir: RunDir, config: Config) -> dict[str, Any]:
     return recorded
 
 
+def _starts(run_dir: RunDir) -> list[str]:
+    """When the server started on this run (UTC, ISO 8601): the first start, then each resume.
+
+    Kept in ``partition.json`` so that the summary and the report state when the run began
+    and that it was resumed, not only the last start.
+    """
+    from datetime import UTC, datetime
+
+    previous = run_dir.path / "partition.json"
+    starts: list[str] = []
+    if previous.is_file():
+        recorded = read_json_object(previous, "the run's partition record").get("starts")
+        if isinstance(recorded, list):
+            starts = [s for s in recorded if isinstance(s, str)]
+    return [*starts, datetime.now(UTC).isoformat(timespec="seconds")]
+
+
 def build_server(
     config: Config,
     run_dir: RunDir,
@@ -119,6 +136,7 @@ def build_server(
         "kind": config.partition.kind,
         **plan.manifest(),
         "data_manifest": _first_data_manifest(run_dir, config),
+        "starts": _starts(run_dir),
     }
     atomic_write_bytes(
         run_dir.path / "partition.json", (json.dumps(manifest, indent=1) + "\n").encode()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 from fl_secure import __version__
@@ -82,7 +84,7 @@ def build_summary(
         "secure_aggregation": _secure_aggregation(config, metrics, heads=strategy.uploads_head),
         "version": __version__,
         "duration_s": round(time.time() - started, 1),
-        "provenance": provenance(started),
+        "provenance": provenance(started, _recorded_starts(coordinator.run_dir.path)),
     }
     return summary
 
@@ -108,8 +110,21 @@ PACKAGES = ("torch", "torchvision", "numpy", "opacus", "dp-accounting", "tenseal
             "cryptography", "grpcio", "protobuf", "safetensors")  # fmt: skip
 
 
-def provenance(started: float) -> dict[str, Any]:
-    """Project version and commit, package versions, start and end times (UTC)."""
+def _recorded_starts(run_path: Path) -> list[str]:
+    """The server's starts on this run as ``partition.json`` records them (first, resumes)."""
+    try:
+        starts = json.loads((run_path / "partition.json").read_text(encoding="utf-8"))["starts"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [s for s in starts if isinstance(s, str)] if isinstance(starts, list) else []
+
+
+def provenance(started: float, starts: list[str] | None = None) -> dict[str, Any]:
+    """Project version and commit, package versions, start and end times (UTC).
+
+    ``starts``: the server's recorded starts on the run; the first is the run's start, the
+    others its resumes (``resumed_at``). Without them, ``started`` is the start.
+    """
     import subprocess
     from datetime import UTC, datetime
     from importlib import metadata
@@ -139,7 +154,8 @@ def provenance(started: float) -> dict[str, Any]:
         "version": __version__,
         "commit": commit,
         "packages": packages,
-        "started_at": when(started),
+        "started_at": starts[0] if starts else when(started),
+        "resumed_at": starts[1:] if starts else [],
         "ended_at": when(time.time()),
     }
 

@@ -639,6 +639,8 @@ def _provenance(
         "commit": prov.get("commit"),
         "packages": prov.get("packages", {}),
         "started_at": prov.get("started_at"),
+        # the server's later starts on the run (--resume); absent from older summaries
+        "resumed_at": [s for s in prov.get("resumed_at") or [] if isinstance(s, str)],
         "ended_at": prov.get("ended_at"),
         "config_sha256": hashlib.sha256(config_text).hexdigest(),
         "data_manifest": _recorded_manifest(path, config),

@@ -617,7 +617,7 @@ def render_html(
     parts.append("<h2>Provenance</h2>")
     rows = [
         [k, fmt(prov.get(k))]
-        for k in ("version", "commit", "started_at", "ended_at", "config_sha256")
+        for k in ("version", "commit", "started_at", "resumed_at", "ended_at", "config_sha256")
     ]
     rows.append(["data manifest", fmt(prov["data_manifest"])])
     rows.append(["released model", model_line(report.get("model"))])
@@ -751,7 +751,14 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
             ["item", "value"],
             [
                 [k, fmt(prov.get(k))]
-                for k in ("version", "commit", "started_at", "ended_at", "config_sha256")
+                for k in (
+                    "version",
+                    "commit",
+                    "started_at",
+                    "resumed_at",
+                    "ended_at",
+                    "config_sha256",
+                )
             ]
             + [["data manifest", fmt(prov["data_manifest"])]]
             + [["released model", model_line(report.get("model"))]]

@@ -192,6 +192,11 @@ def test_kill_9_server_then_resume(federation) -> None:
     assert done_before >= 2
     summary = json.loads((fed.run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["rounds_completed"] == 4
+    # the run began at the first start and was resumed once: both kept (partition.json)
+    starts = json.loads((fed.run_dir / "partition.json").read_text())["starts"]
+    assert len(starts) == 2 and starts[0] <= starts[1]
+    assert summary["provenance"]["started_at"] == starts[0]
+    assert summary["provenance"]["resumed_at"] == starts[1:]
     # a standalone server describes its enrolled sites, not the config's plan: the sizes
     # are what each site reported (1 under client-level DP), the held-out set its own
     assert summary["num_clients"] == 3 and summary["client_train_sizes"] is None
