@@ -708,7 +708,8 @@ def build_parser() -> argparse.ArgumentParser:
         "issue",
         help="add a site (or re-issue one) to an existing CA and enrollment list",
         description="Issue a client certificate and signing key for each ID, enroll it in "
-        "enrolled.json and re-sign signing_keys.json. With --overwrite an existing site's "
+        "enrolled.json and re-sign signing_keys.json (only if it verifies against ca.pem: an "
+        "altered list is refused, never re-signed). With --overwrite an existing site's "
         "certificate is replaced and, by fingerprint pinning, the old one is refused from "
         "then on (revocation). A server reads enrolled.json when it starts, so a change "
         "applies to the runs started after it.",

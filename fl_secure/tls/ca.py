@@ -22,7 +22,7 @@ from fl_secure.tls.certs import (
     make_certificate,
 )
 from fl_secure.tls.enrollment import EnrollmentList, certificate_fingerprint
-from fl_secure.tls.identity import write_signing_keys
+from fl_secure.tls.identity import enrolled_signing_keys, write_signing_keys
 from fl_secure.tls.layout import CertificateSet, validate_client_id
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,8 @@ def issue_client_certificate(
 
     Raises:
         TlsError: invalid id, client already issued without ``overwrite``, CA or enrollment
-            list missing or invalid.
+            list missing or invalid, or a signing-key registry that does not verify against
+            ``ca.pem`` (it is never re-signed).
     """
     paths = CertificateSet(Path(ca_dir), (validate_client_id(client_id),))
     cert_path = paths.client_cert(client_id)
@@ -129,6 +130,7 @@ def issue_client_certificate(
         )
     ca = load_certified_key(paths.ca_cert, Path(ca_key) if ca_key else paths.ca_key)
     enrollment = EnrollmentList.load(paths.enrollment)
+    enrolled_signing_keys(paths.directory)  # an altered registry stops the issue before writes
     now = dt.datetime.now(dt.UTC)
     end = min(now + dt.timedelta(days=days), ca.certificate.not_valid_after_utc)
     if end < now + dt.timedelta(days=days):

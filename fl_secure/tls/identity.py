@@ -57,12 +57,15 @@ def write_signing_keys(
     Clients already in the registry keep their key unless ``replace`` (a re-issued client:
     a key that may have leaked with the old certificate must not outlive it); ``fresh``
     starts the registry over (a new CA: no earlier entry is carried into its signature).
-    The registry is signed with ``ca.key``.
+    Otherwise the existing registry must verify against ``ca.pem`` before its entries are
+    signed again: the CA key must not launder a key substituted in the folder. The registry
+    is signed with ``ca.key``.
+
+    Raises:
+        TlsError: the existing registry or its signature is missing or does not verify.
     """
     directory = paths.directory
-    registry: dict[str, str] = {}
-    if not fresh and (directory / REGISTRY_FILE).exists():
-        registry = _read_registry_unverified(directory)
+    registry = {} if fresh else enrolled_signing_keys(directory)
     for client_id in client_ids:
         key_path = signing_key_path(directory, client_id)
         if client_id in registry and key_path.exists() and not replace:
@@ -87,6 +90,18 @@ def write_signing_keys(
     write_atomic(directory / REGISTRY_FILE, body, mode=0o644)
     write_atomic(directory / REGISTRY_SIGNATURE, signature, mode=0o644)
     return registry
+
+
+def enrolled_signing_keys(directory: Path) -> dict[str, str]:
+    """The registry's entries (id -> hex public key) once it verifies; {} when there is none.
+
+    Raises:
+        TlsError: ``signing_keys.json`` or ``signing_keys.sig`` exists but the pair does not
+            verify against ``ca.pem`` (or one of the two is missing).
+    """
+    if not (directory / REGISTRY_FILE).exists() and not (directory / REGISTRY_SIGNATURE).exists():
+        return {}
+    return {k: v.public_bytes_raw().hex() for k, v in load_signing_registry(directory).items()}
 
 
 def _read_registry_unverified(directory: Path) -> dict[str, str]:
@@ -120,8 +135,10 @@ def load_signing_registry(directory: Path) -> dict[str, Ed25519PublicKey]:
             raise TlsError(f"unsupported CA key type {type(public).__name__}")
     except InvalidSignature as exc:
         raise TlsError(
-            f"{directory / REGISTRY_FILE} is not signed by the CA in {directory / 'ca.pem'}: "
-            "the list of client signing keys was altered; refusing to use it"
+            f"{directory / REGISTRY_FILE} does not verify against {directory / 'ca.pem'}: it "
+            f"is not signed by the CA ({directory / REGISTRY_SIGNATURE} does not match it), so "
+            "the list of client signing keys was altered; refusing to use it. Restore both "
+            "files from the operator's trusted copy"
         ) from exc
     out: dict[str, Ed25519PublicKey] = {}
     for client_id, hex_key in _read_registry_unverified(directory).items():

@@ -6,10 +6,26 @@ import json
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fl_secure.errors import TlsError
 from fl_secure.tls import init_certificates, issue_client_certificate
-from fl_secure.tls.identity import REGISTRY_FILE, load_signing_key, load_signing_registry
+from fl_secure.tls.identity import (
+    REGISTRY_FILE,
+    REGISTRY_SIGNATURE,
+    load_signing_key,
+    load_signing_registry,
+)
+
+
+def _ca_sign(directory: Path, body: bytes) -> None:
+    """Write ``body`` as the registry with a valid CA signature (what only the CA can do)."""
+    ca_key = serialization.load_pem_private_key((directory / "ca.key").read_bytes(), None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    (directory / REGISTRY_FILE).write_bytes(body)
+    (directory / REGISTRY_SIGNATURE).write_bytes(ca_key.sign(body, ec.ECDSA(hashes.SHA256())))
 
 
 def test_registry_holds_every_client_key_and_verifies(tmp_path: Path) -> None:
@@ -47,9 +63,32 @@ def test_an_altered_registry_is_refused(tmp_path: Path) -> None:
 
 def test_a_registry_nested_past_the_parsers_limit_is_named(tmp_path: Path) -> None:
     # `certs issue` reads the registry it re-signs: a damaged one is named, not a traceback
+    # (signed by the CA, so that the check of its signature lets it through to the parser)
     init_certificates(tmp_path, clients=1)
-    (tmp_path / REGISTRY_FILE).write_text("[" * 100_000)
+    _ca_sign(tmp_path, b"[" * 100_000)
     with pytest.raises(TlsError, match="is not a valid signing-key registry"):
+        issue_client_certificate(tmp_path, "late-site")
+
+
+def test_an_altered_registry_is_not_re_signed_by_a_later_issue(tmp_path: Path) -> None:
+    # Prepare: whoever controls the server's folder swaps client-1's key for their own
+    init_certificates(tmp_path, clients=2)
+    doc = json.loads((tmp_path / REGISTRY_FILE).read_text())
+    forged = Ed25519PrivateKey.generate().public_key().public_bytes_raw().hex()
+    doc["keys"]["client-1"] = forged
+    (tmp_path / REGISTRY_FILE).write_text(json.dumps(doc, indent=2) + "\n")
+    altered = (tmp_path / REGISTRY_FILE).read_bytes()
+    # Execute / Assert: adding a site refuses to sign the altered list with the CA key
+    with pytest.raises(TlsError, match=r"signing_keys\.json does not verify against .*ca\.pem"):
+        issue_client_certificate(tmp_path, "late-site")
+    assert (tmp_path / REGISTRY_FILE).read_bytes() == altered
+    with pytest.raises(TlsError, match="not signed by the CA"):
+        load_signing_registry(tmp_path)  # still refused by every party: not laundered
+    assert not (tmp_path / "clients" / "late-site.pem").exists()
+    # a registry whose signature was deleted is refused too, not signed afresh
+    init_certificates(tmp_path, clients=2, overwrite=True)
+    (tmp_path / REGISTRY_SIGNATURE).unlink()
+    with pytest.raises(TlsError, match=r"signing_keys\.sig does not exist"):
         issue_client_certificate(tmp_path, "late-site")
 
 
