@@ -22,7 +22,7 @@ from fl_secure.tls.certs import (
     make_certificate,
 )
 from fl_secure.tls.enrollment import EnrollmentList, certificate_fingerprint
-from fl_secure.tls.identity import enrolled_signing_keys, write_signing_keys
+from fl_secure.tls.identity import REGISTRY_FILE, enrolled_signing_keys, write_signing_keys
 from fl_secure.tls.layout import CertificateSet, validate_client_id
 
 logger = logging.getLogger(__name__)
@@ -110,8 +110,9 @@ def issue_client_certificate(
         days: validity, capped at the CA's own expiry.
         key_type: key algorithm.
         ca_key: path of the CA key when it is kept outside ``ca_dir`` (e.g. on offline media).
-        overwrite: re-issue an existing client; with fingerprint pinning this revokes its old
-            certificate.
+        overwrite: re-issue an existing client (one with ``clients/<id>.pem``, or listed in
+            ``enrolled.json`` or ``signing_keys.json``); with fingerprint pinning this revokes
+            its old certificate.
 
     Returns:
         The new certificate and key, also written to ``clients/<id>.pem`` / ``clients/<id>.key``.
@@ -123,14 +124,24 @@ def issue_client_certificate(
     """
     paths = CertificateSet(Path(ca_dir), (validate_client_id(client_id),))
     cert_path = paths.client_cert(client_id)
-    if cert_path.exists() and not overwrite:
+    enrollment = EnrollmentList.load(paths.enrollment)
+    signing_keys = enrolled_signing_keys(paths.directory)  # an altered registry stops here
+    found = [
+        str(where)
+        for where, present in (
+            (cert_path, cert_path.exists()),
+            (paths.enrollment, enrollment.is_enrolled(client_id)),
+            (paths.directory / REGISTRY_FILE, client_id in signing_keys),
+        )
+        if present
+    ]
+    if found and not overwrite:
         raise TlsError(
-            f"{cert_path} already exists; re-issue it with overwrite=True (`fl-secure certs "
-            "issue --overwrite`); with fingerprint pinning the old certificate is then refused"
+            f"client {client_id!r} is already issued: found in {', '.join(found)}; re-issue it "
+            "with overwrite=True (`fl-secure certs issue --overwrite`); with fingerprint "
+            "pinning the old certificate is then refused"
         )
     ca = load_certified_key(paths.ca_cert, Path(ca_key) if ca_key else paths.ca_key)
-    enrollment = EnrollmentList.load(paths.enrollment)
-    enrolled_signing_keys(paths.directory)  # an altered registry stops the issue before writes
     now = dt.datetime.now(dt.UTC)
     end = min(now + dt.timedelta(days=days), ca.certificate.not_valid_after_utc)
     if end < now + dt.timedelta(days=days):

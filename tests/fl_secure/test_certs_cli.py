@@ -39,7 +39,7 @@ def test_certs_issue_enrolls_new_sites_and_reissue_revokes_the_old_certificate(
     after = EnrollmentList.load(certs / "enrolled.json").fingerprints
     assert sorted(after) == ["client-0", "client-1", "site-a", "site-b"]
     assert sorted(load_signing_registry(certs)) == sorted(after)
-    assert again == 2 and "already exists" in again_err  # no silent re-issue
+    assert again == 2 and "already issued" in again_err  # no silent re-issue
     assert reissued == 0
     assert after["client-1"] == before["client-1"]
     final = EnrollmentList.load(certs / "enrolled.json").fingerprints

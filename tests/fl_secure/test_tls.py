@@ -325,10 +325,32 @@ def test_reissue_needs_overwrite_and_changes_the_pinned_fingerprint(
 ) -> None:
     old = EnrollmentList.load(certs.enrollment).fingerprints["client-0"]
 
-    with pytest.raises(TlsError, match="already exists"):
+    with pytest.raises(TlsError, match=r"already issued: found in .*client-0\.pem"):
         issue_client_certificate(certs.directory, "client-0")
     issue_client_certificate(certs.directory, "client-0", overwrite=True)
     assert EnrollmentList.load(certs.enrollment).fingerprints["client-0"] != old
+
+
+def test_reissue_needs_overwrite_even_when_the_certificate_file_was_moved_away(
+    certs: CertificateSet,
+) -> None:
+    # Prepare: client-0's certificate moved off the operator's machine (given to its site)
+    certs.client_cert("client-0").rename(certs.directory / "client-0.pem.handed-out")
+    enrolled = EnrollmentList.load(certs.enrollment)
+    registry = (certs.directory / "signing_keys.json").read_bytes()
+    # Execute / Assert: still enrolled, so no silent re-issue (it would revoke the site)
+    with pytest.raises(TlsError, match=r"'client-0' is already issued: .*enrolled\.json"):
+        issue_client_certificate(certs.directory, "client-0")
+    # enrolled.json edited by hand to drop it: the signing-key registry still lists it
+    without = {k: v for k, v in enrolled.fingerprints.items() if k != "client-0"}
+    EnrollmentList(without).save(certs.enrollment)
+    with pytest.raises(TlsError, match=r"already issued: .*signing_keys\.json"):
+        issue_client_certificate(certs.directory, "client-0")
+    assert not certs.client_cert("client-0").exists()
+    assert (certs.directory / "signing_keys.json").read_bytes() == registry
+    # an explicit re-issue is still possible
+    issue_client_certificate(certs.directory, "client-0", overwrite=True)
+    assert EnrollmentList.load(certs.enrollment).is_enrolled("client-0")
 
 
 def test_issue_with_offline_ca_key(certs: CertificateSet, tmp_path: Path) -> None:
