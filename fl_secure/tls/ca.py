@@ -23,7 +23,7 @@ from fl_secure.tls.certs import (
 )
 from fl_secure.tls.enrollment import EnrollmentList, certificate_fingerprint
 from fl_secure.tls.identity import REGISTRY_FILE, enrolled_signing_keys, write_signing_keys
-from fl_secure.tls.layout import CertificateSet, validate_client_id
+from fl_secure.tls.layout import CertificateSet, StagedFiles, validate_client_id
 
 logger = logging.getLogger(__name__)
 
@@ -78,16 +78,19 @@ def init_certificates(
         client_id: make_certificate("client", client_id, issuer=ca, days=days, key_type=key_type)
         for client_id in ids
     }
-    # Everything is generated before anything is written: a bad argument leaves no partial set.
-    ca.write(paths.ca_cert, paths.ca_key)
-    server.write(paths.server_cert, paths.server_key)
-    enrollment = EnrollmentList({})
-    for client_id, cert in issued.items():
-        cert.write(paths.client_cert(client_id), paths.client_key(client_id))
-        enrollment = enrollment.with_client(client_id, certificate_fingerprint(cert.certificate))
-    enrollment.save(paths.enrollment)
-    # Ed25519 identities for secure aggregation, a CA-signed list of exactly these clients
-    write_signing_keys(paths, ids, replace=True, fresh=True)
+    # Everything is generated before anything is replaced: a bad argument or a failed write
+    # (a full disk) leaves the old set whole, never a new ca.pem beside the old ca.key.
+    with StagedFiles() as files:
+        ca.stage(files, paths.ca_cert, paths.ca_key)
+        server.stage(files, paths.server_cert, paths.server_key)
+        enrollment = EnrollmentList({})
+        for client_id, cert in issued.items():
+            cert.stage(files, paths.client_cert(client_id), paths.client_key(client_id))
+            fingerprint = certificate_fingerprint(cert.certificate)
+            enrollment = enrollment.with_client(client_id, fingerprint)
+        files.write(paths.enrollment, enrollment.to_json(), mode=0o644)
+        # Ed25519 identities for secure aggregation, a CA-signed list of exactly these clients
+        write_signing_keys(paths, ids, files, signer=ca.private_key, replace=True, fresh=True)
     logger.info("wrote a CA, a server and %d client certificates to %s", len(ids), out_dir)
     logger.warning("move %s OFFLINE: whoever holds it can mint client identities", paths.ca_key)
     return paths
@@ -155,12 +158,11 @@ def issue_client_certificate(
         not_after=end,
         key_type=key_type,
     )
-    cert.write(cert_path, paths.client_key(client_id))
-    fingerprint = certificate_fingerprint(cert.certificate)
-    enrollment.with_client(client_id, fingerprint).save(paths.enrollment)
-    write_signing_keys(
-        paths, [client_id], ca_key=Path(ca_key) if ca_key else None, replace=overwrite
-    )
+    enrollment = enrollment.with_client(client_id, certificate_fingerprint(cert.certificate))
+    with StagedFiles() as files:  # all of the files, or none (a failed write changes nothing)
+        cert.stage(files, cert_path, paths.client_key(client_id))
+        files.write(paths.enrollment, enrollment.to_json(), mode=0o644)
+        write_signing_keys(paths, [client_id], files, signer=ca.private_key, replace=overwrite)
     return cert
 
 

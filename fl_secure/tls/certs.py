@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fl_secure.errors import TlsError
-from fl_secure.tls.layout import INIT_HINT, read_bytes, write_atomic
+from fl_secure.tls.layout import INIT_HINT, StagedFiles, read_bytes
 
 KeyType = Literal["ec-p256", "ec-p384", "rsa-2048", "rsa-3072"]
 Role = Literal["ca", "server", "client"]
@@ -49,9 +49,14 @@ class CertifiedKey:
         )
 
     def write(self, cert_path: Path, key_path: Path) -> None:
-        """Write the key (mode 0600) and then the certificate (mode 0644), each atomically."""
-        write_atomic(key_path, self.key_pem, mode=0o600)
-        write_atomic(cert_path, self.cert_pem, mode=0o644)
+        """Write the key (mode 0600) and the certificate (mode 0644): both, or neither."""
+        with StagedFiles() as files:
+            self.stage(files, cert_path, key_path)
+
+    def stage(self, files: StagedFiles, cert_path: Path, key_path: Path) -> None:
+        """Add the key (mode 0600) and the certificate (mode 0644) to ``files``."""
+        files.write(key_path, self.key_pem, mode=0o600)
+        files.write(cert_path, self.cert_pem, mode=0o644)
 
 
 def make_certificate(

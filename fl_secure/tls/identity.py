@@ -27,12 +27,13 @@ from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from fl_secure.errors import JSON_DOCUMENT_ERRORS, TlsError
+from fl_secure.tls.certs import PrivateKey
 from fl_secure.tls.layout import (
     CLIENTS_DIR,
     CertificateSet,
+    StagedFiles,
     read_bytes,
     validate_client_id,
-    write_atomic,
 )
 
 REGISTRY_FILE = "signing_keys.json"
@@ -47,8 +48,9 @@ def signing_key_path(directory: Path, client_id: str) -> Path:
 def write_signing_keys(
     paths: CertificateSet,
     client_ids: Sequence[str],
+    files: StagedFiles,
     *,
-    ca_key: Path | None = None,
+    signer: PrivateKey,
     replace: bool = False,
     fresh: bool = False,
 ) -> dict[str, str]:
@@ -59,7 +61,8 @@ def write_signing_keys(
     starts the registry over (a new CA: no earlier entry is carried into its signature).
     Otherwise the existing registry must verify against ``ca.pem`` before its entries are
     signed again: the CA key must not launder a key substituted in the folder. The registry
-    is signed with ``ca.key``.
+    is signed with ``signer`` (the CA key). The new files are added to ``files``, written
+    together with the certificates they belong to.
 
     Raises:
         TlsError: the existing registry or its signature is missing or does not verify.
@@ -76,19 +79,16 @@ def write_signing_keys(
             serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption(),
         )
-        write_atomic(key_path, pem, mode=0o600)
+        files.write(key_path, pem, mode=0o600)
         registry[client_id] = key.public_key().public_bytes_raw().hex()
     text = json.dumps({"version": 1, "keys": dict(sorted(registry.items()))}, indent=2) + "\n"
-    signer = serialization.load_pem_private_key(read_bytes(ca_key or paths.ca_key, "CA key"), None)
     body = text.encode()
     if isinstance(signer, ec.EllipticCurvePrivateKey):
         signature = signer.sign(body, ec.ECDSA(hashes.SHA256()))
-    elif isinstance(signer, rsa.RSAPrivateKey):
+    else:
         signature = signer.sign(body, padding.PKCS1v15(), hashes.SHA256())
-    else:  # pragma: no cover - the CA is made with one of the two
-        raise TlsError(f"unsupported CA key type {type(signer).__name__}")
-    write_atomic(directory / REGISTRY_FILE, body, mode=0o644)
-    write_atomic(directory / REGISTRY_SIGNATURE, signature, mode=0o644)
+    files.write(directory / REGISTRY_FILE, body, mode=0o644)
+    files.write(directory / REGISTRY_SIGNATURE, signature, mode=0o644)
     return registry
 
 

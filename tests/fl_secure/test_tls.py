@@ -12,7 +12,10 @@ import hashlib
 import ipaddress
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
@@ -28,6 +31,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509 import verification
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+import fl_secure
 from fl_secure.errors import TlsError
 from fl_secure.tls import (
     CertificateSet,
@@ -369,6 +373,54 @@ def test_issued_certificate_ends_no_later_than_the_ca(tmp_path: Path) -> None:
 
     issued = issue_client_certificate(tmp_path, "late", days=365)
     assert issued.certificate.not_valid_after_utc == _load(made.ca_cert).not_valid_after_utc
+
+
+# A disk that takes a 241-byte EC key but not a certificate (550-700 bytes): the file-size
+# limit makes a write past 400 bytes fail with EFBIG, as ENOSPC would on a full disk.
+_FULL_DISK = """
+import resource, signal, sys
+from pathlib import Path
+from fl_secure.errors import TlsError
+from fl_secure.tls import init_certificates, issue_client_certificate
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (400, 400))
+command, out = sys.argv[1], Path(sys.argv[2])
+try:
+    if command == "init":
+        init_certificates(out, clients=2, overwrite=True)
+    else:
+        issue_client_certificate(out, "client-1", overwrite=True)
+except TlsError as exc:
+    sys.exit(f"TlsError: {exc}")
+"""
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*.*")}
+
+
+@pytest.mark.parametrize(("command", "failing"), [("init", "ca.pem"), ("issue", "client-1.pem")])
+def test_a_failed_write_replaces_no_file(certs: CertificateSet, command: str, failing: str) -> None:
+    # Prepare
+    before = _files(certs.directory)
+    root = Path(fl_secure.__file__).parents[1]
+    # Execute: init / issue with overwrite=True on a full disk
+    done = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, command, str(certs.directory)],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    # Assert: a TlsError names the file; every file is the old one, no temporary is left over
+    assert done.returncode == 1 and done.stderr.startswith("TlsError: cannot write"), done.stderr
+    assert f"{failing}: File too large; no file was replaced" in done.stderr
+    assert _files(certs.directory) == before
+    assert [p.name for p in certs.directory.rglob(".*")] == []
+    load_certified_key(certs.ca_cert, certs.ca_key)  # the pairs still match
+    load_certified_key(certs.client_cert("client-1"), certs.client_key("client-1"))
 
 
 # --------------------------------------------------------------------------- loading errors
