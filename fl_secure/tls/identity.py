@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -155,13 +155,52 @@ def load_signing_key(directory: Path, client_id: str) -> Ed25519PrivateKey:
     """A client's Ed25519 private key.
 
     Raises:
-        TlsError: The file is missing or is not an Ed25519 private key.
+        TlsError: The file is missing, unreadable or not an Ed25519 private key.
     """
     path = signing_key_path(Path(directory), client_id)
-    key = serialization.load_pem_private_key(read_bytes(path, "signing key"), password=None)
+    try:
+        key = serialization.load_pem_private_key(read_bytes(path, "signing key"), password=None)
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+        raise TlsError(
+            f"{path} is not a readable PEM private key ({exc}); copy this site's "
+            "clients/<id>.sign.key again from the operator"
+        ) from exc
     if not isinstance(key, Ed25519PrivateKey):
         raise TlsError(f"{path} is not an Ed25519 private key")
     return key
+
+
+def load_signing_identity(
+    directory: Path, client_id: str
+) -> tuple[Ed25519PrivateKey, dict[str, Ed25519PublicKey]]:
+    """A client's signing key and the verified registry, checked to enroll exactly that key.
+
+    A site that keeps an old key after being re-issued (or an old registry) would sign with a
+    key its peers do not accept and be dropped mid-round; it is stopped here instead.
+
+    Raises:
+        TlsError: the key or the registry cannot be loaded, the registry has no entry for
+            ``client_id``, or the entry is another public key.
+    """
+    directory = Path(directory)
+    key = load_signing_key(directory, client_id)
+    registry = load_signing_registry(directory)
+    enrolled = registry.get(client_id)
+    if enrolled is None:
+        raise TlsError(
+            f"no entry for {client_id!r} in {directory / REGISTRY_FILE}: the other sites would "
+            "reject this site's signatures; copy signing_keys.json and signing_keys.sig issued "
+            "last from the operator"
+        )
+    if enrolled.public_bytes_raw() != key.public_key().public_bytes_raw():
+        raise TlsError(
+            f"{signing_key_path(directory, client_id)} is not the key enrolled for "
+            f"{client_id!r} in {directory / REGISTRY_FILE}: one of the two is stale (was the "
+            "site re-issued?) and the other sites would reject this site's signatures; copy "
+            "this site's clients/<id>.sign.key, signing_keys.json and signing_keys.sig issued "
+            "last from the operator"
+        )
+    return key, registry
 
 
 def registry_matches(registry: Mapping[str, Ed25519PublicKey], ids: Sequence[str]) -> list[str]:

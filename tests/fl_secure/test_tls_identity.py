@@ -15,6 +15,7 @@ from fl_secure.tls import init_certificates, issue_client_certificate
 from fl_secure.tls.identity import (
     REGISTRY_FILE,
     REGISTRY_SIGNATURE,
+    load_signing_identity,
     load_signing_key,
     load_signing_registry,
 )
@@ -111,3 +112,28 @@ def test_a_new_ca_signs_only_its_own_clients(tmp_path: Path) -> None:
     new = load_signing_registry(tmp_path)
     assert sorted(new) == ["client-0"]  # client-1 and client-2 are not carried over
     assert new["client-0"].public_bytes_raw() != old["client-0"].public_bytes_raw()
+
+
+def test_a_damaged_signing_key_is_named(tmp_path: Path) -> None:
+    init_certificates(tmp_path, clients=1)
+    path = tmp_path / "clients" / "client-0.sign.key"
+    path.write_bytes(b"not a key\n")
+    with pytest.raises(TlsError, match=r"clients/client-0\.sign\.key is not a readable"):
+        load_signing_key(tmp_path, "client-0")
+
+
+def test_a_signing_key_that_is_not_the_enrolled_one_is_refused(tmp_path: Path) -> None:
+    # Prepare: client-0 re-issued, but the site still has its old signing key
+    init_certificates(tmp_path, clients=2)
+    old = (tmp_path / "clients" / "client-0.sign.key").read_bytes()
+    issue_client_certificate(tmp_path, "client-0", overwrite=True)
+    key, registry = load_signing_identity(tmp_path, "client-0")  # the current key is fine
+    assert key.public_key().public_bytes_raw() == registry["client-0"].public_bytes_raw()
+    (tmp_path / "clients" / "client-0.sign.key").write_bytes(old)
+    # Execute / Assert
+    with pytest.raises(TlsError, match=r"client-0\.sign\.key is not the key enrolled for"):
+        load_signing_identity(tmp_path, "client-0")
+    # a site whose id the registry does not list at all
+    _ca_sign(tmp_path, b'{"version": 1, "keys": {}}\n')
+    with pytest.raises(TlsError, match=r"no entry for 'client-1' in .*signing_keys\.json"):
+        load_signing_identity(tmp_path, "client-1")
