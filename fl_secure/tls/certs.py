@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -145,6 +146,52 @@ def load_certified_key(cert_path: Path, key_path: Path) -> CertifiedKey:
             "the clock or re-issue the certificate"
         )
     return CertifiedKey(cert, key)
+
+
+def load_ca_certificates(path: Path) -> list[x509.Certificate]:
+    """The certificates of a ``ca.pem`` (one CA, or a bundle), each checked to be a CA.
+
+    Raises:
+        TlsError: the file is missing, holds no readable PEM certificate, or holds one that
+            is not a CA certificate (BasicConstraints ca=True).
+    """
+    pem = read_bytes(path, "CA certificate")
+    try:
+        cas = x509.load_pem_x509_certificates(pem)
+        not_ca = [c for c in cas if not _is_ca(c)]
+    except ValueError as exc:
+        raise TlsError(f"{path} is not a readable PEM CA certificate ({exc}); {INIT_HINT}") from exc
+    if not_ca:
+        raise TlsError(
+            f"{path} holds a certificate that is not a CA ({not_ca[0].subject.rfc4514_string()}):"
+            " give the ca.pem written by `fl-secure certs init`, not a server or client "
+            "certificate"
+        )
+    return cas
+
+
+def check_issued_by(
+    cert: x509.Certificate, cert_path: Path, cas: Sequence[x509.Certificate], ca_path: Path
+) -> None:
+    """Raise TlsError unless one of ``cas`` signed ``cert`` (the peer would refuse it)."""
+    for ca in cas:
+        try:
+            cert.verify_directly_issued_by(ca)
+            return
+        except (ValueError, TypeError, InvalidSignature):
+            continue
+    raise TlsError(
+        f"{cert_path} was not issued by the CA in {ca_path}, so the other side would refuse "
+        "the TLS handshake; use ca.pem and the certificate from the same `fl-secure certs init`"
+    )
+
+
+def _is_ca(cert: x509.Certificate) -> bool:
+    """Whether ``cert`` has BasicConstraints ca=True."""
+    try:
+        return bool(cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca)
+    except x509.ExtensionNotFound:
+        return False
 
 
 def _role_extensions(

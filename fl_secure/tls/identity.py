@@ -27,7 +27,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from fl_secure.errors import JSON_DOCUMENT_ERRORS, TlsError
-from fl_secure.tls.certs import PrivateKey
+from fl_secure.tls.certs import PrivateKey, load_ca_certificates
 from fl_secure.tls.layout import (
     CLIENTS_DIR,
     CertificateSet,
@@ -118,28 +118,21 @@ def load_signing_registry(directory: Path) -> dict[str, Ed25519PublicKey]:
     """The enrolled Ed25519 public keys, after checking the CA's signature of the registry.
 
     Raises:
-        TlsError: The registry or its signature is missing, or the signature does not verify
-            against ``ca.pem`` (the list was altered or signed by someone else).
+        TlsError: The registry or its signature is missing, ``ca.pem`` is unreadable or not a
+            CA, or the signature does not verify against it (the list was altered or signed by
+            someone else).
     """
     directory = Path(directory)
     body = read_bytes(directory / REGISTRY_FILE, "signing-key registry")
     signature = read_bytes(directory / REGISTRY_SIGNATURE, "signing-key registry signature")
-    ca = x509.load_pem_x509_certificate(read_bytes(directory / "ca.pem", "CA certificate"))
-    public = ca.public_key()
-    try:
-        if isinstance(public, ec.EllipticCurvePublicKey):
-            public.verify(signature, body, ec.ECDSA(hashes.SHA256()))
-        elif isinstance(public, rsa.RSAPublicKey):
-            public.verify(signature, body, padding.PKCS1v15(), hashes.SHA256())
-        else:  # pragma: no cover
-            raise TlsError(f"unsupported CA key type {type(public).__name__}")
-    except InvalidSignature as exc:
+    cas = load_ca_certificates(directory / "ca.pem")
+    if not any(_signed_by(ca, signature, body) for ca in cas):
         raise TlsError(
             f"{directory / REGISTRY_FILE} does not verify against {directory / 'ca.pem'}: it "
             f"is not signed by the CA ({directory / REGISTRY_SIGNATURE} does not match it), so "
             "the list of client signing keys was altered; refusing to use it. Restore both "
             "files from the operator's trusted copy"
-        ) from exc
+        )
     out: dict[str, Ed25519PublicKey] = {}
     for client_id, hex_key in _read_registry_unverified(directory).items():
         try:
@@ -149,6 +142,21 @@ def load_signing_registry(directory: Path) -> dict[str, Ed25519PublicKey]:
         except ValueError as exc:
             raise TlsError(f"signing key of {client_id!r} is not an Ed25519 key") from exc
     return out
+
+
+def _signed_by(ca: x509.Certificate, signature: bytes, body: bytes) -> bool:
+    """Whether ``signature`` is the CA's ECDSA / RSA PKCS#1 v1.5 signature of ``body``."""
+    public = ca.public_key()
+    try:
+        if isinstance(public, ec.EllipticCurvePublicKey):
+            public.verify(signature, body, ec.ECDSA(hashes.SHA256()))
+        elif isinstance(public, rsa.RSAPublicKey):
+            public.verify(signature, body, padding.PKCS1v15(), hashes.SHA256())
+        else:
+            return False
+    except InvalidSignature:
+        return False
+    return True
 
 
 def load_signing_key(directory: Path, client_id: str) -> Ed25519PrivateKey:

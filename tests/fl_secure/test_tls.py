@@ -435,6 +435,40 @@ def test_missing_files_name_the_path_and_the_fix(tmp_path: Path) -> None:
         EnrollmentList.load(tmp_path / "enrolled.json")
 
 
+def test_a_damaged_or_foreign_ca_pem_is_named_before_grpc_sees_it(
+    certs: CertificateSet, tmp_path: Path
+) -> None:
+    from fl_secure.tls.identity import load_signing_registry
+
+    good = certs.ca_cert.read_bytes()
+    loaders: list[Callable[[], object]] = [
+        lambda: server_credentials(certs.directory),
+        lambda: channel_credentials(certs.directory, "client-0"),
+        lambda: load_signing_registry(certs.directory),
+    ]
+    # a damaged file: gRPC would only fail later, as "port in use" or endless retries
+    certs.ca_cert.write_bytes(good[:200])
+    for load in loaders:
+        with pytest.raises(TlsError, match=r"ca\.pem is not a readable PEM CA certificate"):
+            load()
+    # a certificate that is not a CA (the server's own, copied by mistake)
+    certs.ca_cert.write_bytes(certs.server_cert.read_bytes())
+    for load in loaders:
+        with pytest.raises(TlsError, match=r"ca\.pem holds a certificate that is not a CA"):
+            load()
+    # another CA's certificate: our own certificate was not issued by it
+    other = init_certificates(tmp_path / "other", clients=0)
+    certs.ca_cert.write_bytes(other.ca_cert.read_bytes())
+    with pytest.raises(TlsError, match=r"server\.pem was not issued by the CA in .*ca\.pem"):
+        server_credentials(certs.directory)
+    with pytest.raises(TlsError, match=r"client-0\.pem was not issued by the CA in .*ca\.pem"):
+        channel_credentials(certs.directory, "client-0")
+    # a bundle holding the right CA next to another one is accepted
+    certs.ca_cert.write_bytes(other.ca_cert.read_bytes() + good)
+    server_credentials(certs.directory)
+    channel_credentials(certs.directory, "client-0")
+
+
 def test_mismatched_key_is_refused(certs: CertificateSet) -> None:
     shutil.copy(certs.client_key("client-1"), certs.client_key("client-0"))
 
