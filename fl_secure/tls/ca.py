@@ -18,6 +18,7 @@ from fl_secure.tls.certs import (
     CLOCK_SKEW,
     CertifiedKey,
     KeyType,
+    check_days,
     load_certified_key,
     make_certificate,
 )
@@ -58,8 +59,8 @@ def init_certificates(
         The paths written. ``ca.key`` must be moved offline after issuing.
 
     Raises:
-        TlsError: invalid or duplicate client ids, invalid hosts, or an existing CA without
-            ``overwrite``.
+        TlsError: invalid or duplicate client ids, invalid hosts or days, or an existing CA
+            without ``overwrite``.
     """
     ids = _client_ids(clients)
     paths = CertificateSet(Path(out_dir), ids)
@@ -121,11 +122,12 @@ def issue_client_certificate(
         The new certificate and key, also written to ``clients/<id>.pem`` / ``clients/<id>.key``.
 
     Raises:
-        TlsError: invalid id, client already issued without ``overwrite``, CA or enrollment
-            list missing or invalid, or a signing-key registry that does not verify against
-            ``ca.pem`` (it is never re-signed).
+        TlsError: invalid id or days, client already issued without ``overwrite``, CA or
+            enrollment list missing or invalid, or a signing-key registry that does not verify
+            against ``ca.pem`` (it is never re-signed).
     """
     paths = CertificateSet(Path(ca_dir), (validate_client_id(client_id),))
+    check_days(days)
     cert_path = paths.client_cert(client_id)
     enrollment = EnrollmentList.load(paths.enrollment)
     signing_keys = enrolled_signing_keys(paths.directory)  # an altered registry stops here

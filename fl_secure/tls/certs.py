@@ -25,6 +25,7 @@ PrivateKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
 
 CLIENT_URI_PREFIX = "urn:fl-secure:client:"
 CLOCK_SKEW = dt.timedelta(minutes=5)
+MAX_DAYS = 36_500  # a century; far beyond it the end date overflows datetime (year 9999)
 _DNS_NAME = re.compile(r"(\*\.)?[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
 
 
@@ -89,8 +90,7 @@ def make_certificate(
     Returns:
         The certificate with its new private key.
     """
-    if days < 1:
-        raise TlsError(f"days must be >= 1, got {days}")
+    check_days(days)
     if role == "server" and not hosts:
         raise TlsError("a server certificate needs hosts: the DNS names / IPs clients dial")
     now = dt.datetime.now(dt.UTC)
@@ -118,6 +118,12 @@ def make_certificate(
         builder = builder.add_extension(extension, critical=critical)
     signing_key = issuer.private_key if issuer else key
     return CertifiedKey(builder.sign(signing_key, hashes.SHA256()), key)
+
+
+def check_days(days: int) -> None:
+    """Raise TlsError unless ``days`` is a validity from 1 to ``MAX_DAYS`` days."""
+    if not 1 <= days <= MAX_DAYS:
+        raise TlsError(f"days must be from 1 to {MAX_DAYS} (100 years), got {days}")
 
 
 def load_certified_key(cert_path: Path, key_path: Path) -> CertifiedKey:
