@@ -48,8 +48,8 @@ def init_certificates(
         out_dir: directory to write into (created if needed).
         clients: a count (ids ``client-0`` .. ``client-{N-1}``) or explicit client ids.
         hosts: DNS names and IP addresses clients dial the server at (its SAN).
-        days: validity of the server and client certificates.
-        ca_days: validity of the CA; clients added later stay within it.
+        days: validity of the server and client certificates, capped at the CA's expiry.
+        ca_days: validity of the CA; no certificate it signs outlives it.
         key_type: key algorithm of every key.
         overwrite: replace an existing CA (every certificate it signed stops being trusted).
             Client files of the old CA that are not re-issued are left in ``clients/`` but are
@@ -63,6 +63,7 @@ def init_certificates(
             without ``overwrite``.
     """
     ids = _client_ids(clients)
+    check_days(days)
     paths = CertificateSet(Path(out_dir), ids)
     existing = [p for p in (paths.ca_cert, paths.ca_key) if p.exists()]
     if existing and not overwrite:
@@ -72,11 +73,27 @@ def init_certificates(
             "pass overwrite=True (--overwrite) to start over"
         )
     ca = make_certificate("ca", CA_COMMON_NAME, days=ca_days, key_type=key_type)
+    start, end = _leaf_validity(ca, days, "the server and client certificates")
     server = make_certificate(
-        "server", SERVER_COMMON_NAME, issuer=ca, hosts=hosts, days=days, key_type=key_type
+        "server",
+        SERVER_COMMON_NAME,
+        issuer=ca,
+        hosts=hosts,
+        days=days,
+        not_before=start,
+        not_after=end,
+        key_type=key_type,
     )
     issued = {
-        client_id: make_certificate("client", client_id, issuer=ca, days=days, key_type=key_type)
+        client_id: make_certificate(
+            "client",
+            client_id,
+            issuer=ca,
+            days=days,
+            not_before=start,
+            not_after=end,
+            key_type=key_type,
+        )
         for client_id in ids
     }
     # Everything is generated before anything is replaced: a bad argument or a failed write
@@ -147,16 +164,13 @@ def issue_client_certificate(
             "pinning the old certificate is then refused"
         )
     ca = load_certified_key(paths.ca_cert, Path(ca_key) if ca_key else paths.ca_key)
-    now = dt.datetime.now(dt.UTC)
-    end = min(now + dt.timedelta(days=days), ca.certificate.not_valid_after_utc)
-    if end < now + dt.timedelta(days=days):
-        logger.warning("certificate of %s ends with the CA on %s", client_id, f"{end:%Y-%m-%d}")
+    start, end = _leaf_validity(ca, days, f"the certificate of {client_id}")
     cert = make_certificate(
         "client",
         client_id,
         issuer=ca,
         days=days,
-        not_before=now - CLOCK_SKEW,
+        not_before=start,
         not_after=end,
         key_type=key_type,
     )
@@ -166,6 +180,19 @@ def issue_client_certificate(
         files.write(paths.enrollment, enrollment.to_json(), mode=0o644)
         write_signing_keys(paths, [client_id], files, signer=ca.private_key, replace=overwrite)
     return cert
+
+
+def _leaf_validity(ca: CertifiedKey, days: int, what: str) -> tuple[dt.datetime, dt.datetime]:
+    """Start and end of a certificate signed by ``ca``: ``days`` from now, cut at the CA's end.
+
+    A certificate must not outlive the CA that vouches for it; ``what`` names it in the warning
+    logged when its end is cut.
+    """
+    now = dt.datetime.now(dt.UTC)
+    end = min(now + dt.timedelta(days=days), ca.certificate.not_valid_after_utc)
+    if end < now + dt.timedelta(days=days):
+        logger.warning("%s cut to end with the CA, on %s", what, f"{end:%Y-%m-%d}")
+    return now - CLOCK_SKEW, end
 
 
 def _client_ids(clients: int | Sequence[str]) -> tuple[str, ...]:

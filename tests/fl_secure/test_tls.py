@@ -375,6 +375,16 @@ def test_issued_certificate_ends_no_later_than_the_ca(tmp_path: Path) -> None:
     assert issued.certificate.not_valid_after_utc == _load(made.ca_cert).not_valid_after_utc
 
 
+def test_init_certificates_end_no_later_than_the_ca(tmp_path: Path) -> None:
+    made = init_certificates(tmp_path, clients=1, days=5000, ca_days=10)
+
+    ca_end = _load(made.ca_cert).not_valid_after_utc
+    assert _load(made.server_cert).not_valid_after_utc == ca_end
+    assert _load(made.client_cert("client-0")).not_valid_after_utc == ca_end
+    # and they start when they were made, not 5000 days before the cut end
+    assert _load(made.server_cert).not_valid_before_utc > NOW - dt.timedelta(days=1)
+
+
 # A disk that takes a 241-byte EC key but not a certificate (550-700 bytes): the file-size
 # limit makes a write past 400 bytes fail with EFBIG, as ENOSPC would on a full disk.
 _FULL_DISK = """
