@@ -26,7 +26,7 @@ PrivateKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
 CLIENT_URI_PREFIX = "urn:fl-secure:client:"
 CLOCK_SKEW = dt.timedelta(minutes=5)
 MAX_DAYS = 36_500  # a century; far beyond it the end date overflows datetime (year 9999)
-_DNS_NAME = re.compile(r"(\*\.)?[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
+_DNS_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
 
 @dataclass(frozen=True)
@@ -233,9 +233,19 @@ def _general_name(host: str) -> x509.GeneralName:
         return x509.IPAddress(ipaddress.ip_address(host))
     except ValueError:
         pass
-    if not _DNS_NAME.fullmatch(host):
-        raise TlsError(f"invalid host {host!r}: give an ASCII DNS name or an IP address")
-    return x509.DNSName(host)
+    labels = host.removeprefix("*.").split(".")  # a wildcard only as the whole first label
+    if "" in labels:
+        reason = "a DNS name has no empty label (no leading, trailing or doubled dot)"
+    elif not all(_DNS_LABEL.fullmatch(label) for label in labels) or len(host) > 253:
+        reason = (
+            "give an ASCII DNS name of at most 253 characters, in labels of 1-63 letters, "
+            "digits and inner hyphens, or an IP address"
+        )
+    elif labels[-1].isdigit():  # 10.0.0.300, 1.2.3, 1234: a resolver may read it as an IP
+        reason = "not a valid IP address, and a DNS name does not end in a numeric label"
+    else:
+        return x509.DNSName(host)
+    raise TlsError(f"invalid host {host!r}: {reason}")
 
 
 def _generate_key(key_type: KeyType) -> PrivateKey:

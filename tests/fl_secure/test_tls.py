@@ -303,6 +303,36 @@ def test_duplicate_ids_and_bad_hosts_are_refused(tmp_path: Path) -> None:
         init_certificates(tmp_path, clients=1, hosts=["bad host"])
 
 
+@pytest.mark.parametrize(
+    ("host", "reason"),
+    [
+        ("10.0.0.300", "not a valid IP address"),
+        ("1.2.3", "not a valid IP address"),
+        ("1234", "not a valid IP address"),
+        ("foo..bar", "empty label"),
+        (".example.org", "empty label"),
+        ("example.org.", "empty label"),
+        ("-foo.example.org", "letters, digits and inner hyphens"),
+        ("a" * 64 + ".org", "1-63"),
+    ],
+)
+def test_hosts_that_are_neither_an_ip_nor_a_dns_name_are_refused(
+    tmp_path: Path, host: str, reason: str
+) -> None:
+    with pytest.raises(TlsError, match=f"invalid host '{host}': .*{reason}"):
+        init_certificates(tmp_path, clients=0, hosts=[host])
+    assert not (tmp_path / "ca.pem").exists()
+
+
+def test_valid_dns_names_and_ips_are_accepted(tmp_path: Path) -> None:
+    hosts = ["fl.example.org", "*.fl.example.org", "localhost", "xn--bcher-kva.example",
+             "site-1.a1", "10.0.0.5", "::1"]  # fmt: skip
+    made = init_certificates(tmp_path, clients=0, hosts=hosts)
+    san = _ext(_load(made.server_cert), x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == hosts[:5]
+    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address(h) for h in hosts[5:]]
+
+
 def test_existing_ca_is_not_overwritten_unless_asked(certs: CertificateSet) -> None:
     before = certs.ca_cert.read_bytes()
 
