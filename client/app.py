@@ -36,7 +36,7 @@ from fl_secure.errors import (
 from fl_secure.memory import retain_freed_memory
 from fl_secure.messages import JoinReply, Task, TaskKind, Tensors, UpdateHeader
 from fl_secure.tls import channel_credentials, warn_insecure
-from fl_secure.tls.identity import load_signing_key, load_signing_registry
+from fl_secure.tls.identity import load_signing_identity
 from fl_secure.v1 import transport_pb2 as pb
 from fl_secure.v1 import transport_pb2_grpc as pb_grpc
 from privacy.site_ledger import SiteLedger
@@ -283,8 +283,10 @@ class FlClient:
     def _load_signing_keys(self) -> None:
         """Load this site's signing key at join when the run masks updates (SecAgg/SecAgg+).
 
-        A missing or damaged key then stops the client before it takes part in any round,
-        instead of in the middle of the first secure round, where the cohort waits for it.
+        A missing or damaged key, or one that is not the key the CA-signed registry enrolls for
+        this site (a stale copy after a re-issue, which the peers would reject), then stops
+        the client before it takes part in any round, instead of in the middle of the first
+        secure round, where the cohort waits for it.
         The scheme is the joined run config's (:meth:`_hold_run_config` has read it).
         """
         if self._signing is not None or self._run_config is None:
@@ -293,10 +295,7 @@ class FlClient:
             return
         if self.conn.cert_dir is None:
             raise TlsError("secure aggregation needs the certificate folder (signing keys)")
-        self._signing = (
-            load_signing_key(self.conn.cert_dir, self.conn.client_id),
-            load_signing_registry(self.conn.cert_dir),
-        )
+        self._signing = load_signing_identity(self.conn.cert_dir, self.conn.client_id)
 
     def _do_task(self, stub: pb_grpc.FlSecureStub, task: Task) -> None:
         trainer = self.trainer
@@ -446,10 +445,7 @@ class FlClient:
             self._withdraw(stub, task, pb.WITHDRAW_REASON_MESSAGE_REFUSED)
             return
         if self._signing is None and not ckks:
-            self._signing = (
-                load_signing_key(self.conn.cert_dir, self.conn.client_id),
-                load_signing_registry(self.conn.cert_dir),
-            )
+            self._signing = load_signing_identity(self.conn.cert_dir, self.conn.client_id)
         metrics: dict[str, float] = {}
         timeout = max(60.0, (task.deadline_unix_ms / 1000.0) - time.time() + 60.0)
 

@@ -559,6 +559,21 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _certificate_days(text: str) -> int:
+    """An argparse ``type`` for ``--days``: an integer from 1 to the longest validity."""
+    from fl_secure.tls.certs import MAX_DAYS
+
+    try:
+        days = int(text)
+    except ValueError:
+        days = 0
+    if not 1 <= days <= MAX_DAYS:
+        raise argparse.ArgumentTypeError(
+            f"--days must be an integer from 1 to {MAX_DAYS} (100 years), got {text!r}"
+        )
+    return days
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every sub-command."""
     from privacy.cli import number_arg, positive_int
@@ -700,7 +715,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", type=Path, required=True, help="folder for the CA and certificates")
     q.add_argument("--clients", type=int, required=True, help="client certificates to make")
     q.add_argument("--hosts", nargs="*", help="server DNS names / IPs (default: localhost)")
-    q.add_argument("--days", type=int, default=365, help="certificate validity (default: 365)")
+    q.add_argument(
+        "--days", type=_certificate_days, default=365, help="certificate validity (default: 365)"
+    )
     q.add_argument("--overwrite", action="store_true", help="replace an existing CA")
     common(q)
     q.set_defaults(func=cmd_certs_init)
@@ -708,14 +725,17 @@ def build_parser() -> argparse.ArgumentParser:
         "issue",
         help="add a site (or re-issue one) to an existing CA and enrollment list",
         description="Issue a client certificate and signing key for each ID, enroll it in "
-        "enrolled.json and re-sign signing_keys.json. With --overwrite an existing site's "
+        "enrolled.json and re-sign signing_keys.json (only if it verifies against ca.pem: an "
+        "altered list is refused, never re-signed). With --overwrite an existing site's "
         "certificate is replaced and, by fingerprint pinning, the old one is refused from "
         "then on (revocation). A server reads enrolled.json when it starts, so a change "
         "applies to the runs started after it.",
     )
     q.add_argument("--out", type=Path, required=True, help="the folder `certs init` wrote")
     q.add_argument("--id", nargs="+", required=True, dest="ids", help="client id(s) to issue")
-    q.add_argument("--days", type=int, default=365, help="certificate validity (default: 365)")
+    q.add_argument(
+        "--days", type=_certificate_days, default=365, help="certificate validity (default: 365)"
+    )
     q.add_argument("--ca-key", type=Path, help="the CA key when kept outside --out (offline)")
     q.add_argument(
         "--overwrite", action="store_true", help="re-issue an existing id (revokes the old one)"

@@ -18,12 +18,13 @@ from fl_secure.tls.certs import (
     CLOCK_SKEW,
     CertifiedKey,
     KeyType,
+    check_days,
     load_certified_key,
     make_certificate,
 )
 from fl_secure.tls.enrollment import EnrollmentList, certificate_fingerprint
-from fl_secure.tls.identity import write_signing_keys
-from fl_secure.tls.layout import CertificateSet, validate_client_id
+from fl_secure.tls.identity import REGISTRY_FILE, enrolled_signing_keys, write_signing_keys
+from fl_secure.tls.layout import CertificateSet, StagedFiles, validate_client_id
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,8 @@ def init_certificates(
         out_dir: directory to write into (created if needed).
         clients: a count (ids ``client-0`` .. ``client-{N-1}``) or explicit client ids.
         hosts: DNS names and IP addresses clients dial the server at (its SAN).
-        days: validity of the server and client certificates.
-        ca_days: validity of the CA; clients added later stay within it.
+        days: validity of the server and client certificates, capped at the CA's expiry.
+        ca_days: validity of the CA; no certificate it signs outlives it.
         key_type: key algorithm of every key.
         overwrite: replace an existing CA (every certificate it signed stops being trusted).
             Client files of the old CA that are not re-issued are left in ``clients/`` but are
@@ -58,10 +59,11 @@ def init_certificates(
         The paths written. ``ca.key`` must be moved offline after issuing.
 
     Raises:
-        TlsError: invalid or duplicate client ids, invalid hosts, or an existing CA without
-            ``overwrite``.
+        TlsError: invalid or duplicate client ids, invalid hosts or days, or an existing CA
+            without ``overwrite``.
     """
     ids = _client_ids(clients)
+    check_days(days)
     paths = CertificateSet(Path(out_dir), ids)
     existing = [p for p in (paths.ca_cert, paths.ca_key) if p.exists()]
     if existing and not overwrite:
@@ -71,23 +73,42 @@ def init_certificates(
             "pass overwrite=True (--overwrite) to start over"
         )
     ca = make_certificate("ca", CA_COMMON_NAME, days=ca_days, key_type=key_type)
+    start, end = _leaf_validity(ca, days, "the server and client certificates")
     server = make_certificate(
-        "server", SERVER_COMMON_NAME, issuer=ca, hosts=hosts, days=days, key_type=key_type
+        "server",
+        SERVER_COMMON_NAME,
+        issuer=ca,
+        hosts=hosts,
+        days=days,
+        not_before=start,
+        not_after=end,
+        key_type=key_type,
     )
     issued = {
-        client_id: make_certificate("client", client_id, issuer=ca, days=days, key_type=key_type)
+        client_id: make_certificate(
+            "client",
+            client_id,
+            issuer=ca,
+            days=days,
+            not_before=start,
+            not_after=end,
+            key_type=key_type,
+        )
         for client_id in ids
     }
-    # Everything is generated before anything is written: a bad argument leaves no partial set.
-    ca.write(paths.ca_cert, paths.ca_key)
-    server.write(paths.server_cert, paths.server_key)
-    enrollment = EnrollmentList({})
-    for client_id, cert in issued.items():
-        cert.write(paths.client_cert(client_id), paths.client_key(client_id))
-        enrollment = enrollment.with_client(client_id, certificate_fingerprint(cert.certificate))
-    enrollment.save(paths.enrollment)
-    # Ed25519 identities for secure aggregation, a CA-signed list of exactly these clients
-    write_signing_keys(paths, ids, replace=True, fresh=True)
+    # Everything is generated before anything is replaced: a bad argument or a failed write
+    # (a full disk) leaves the old set whole, never a new ca.pem beside the old ca.key.
+    with StagedFiles() as files:
+        ca.stage(files, paths.ca_cert, paths.ca_key)
+        server.stage(files, paths.server_cert, paths.server_key)
+        enrollment = EnrollmentList({})
+        for client_id, cert in issued.items():
+            cert.stage(files, paths.client_cert(client_id), paths.client_key(client_id))
+            fingerprint = certificate_fingerprint(cert.certificate)
+            enrollment = enrollment.with_client(client_id, fingerprint)
+        files.write(paths.enrollment, enrollment.to_json(), mode=0o644)
+        # Ed25519 identities for secure aggregation, a CA-signed list of exactly these clients
+        write_signing_keys(paths, ids, files, signer=ca.private_key, replace=True, fresh=True)
     logger.info("wrote a CA, a server and %d client certificates to %s", len(ids), out_dir)
     logger.warning("move %s OFFLINE: whoever holds it can mint client identities", paths.ca_key)
     return paths
@@ -110,45 +131,68 @@ def issue_client_certificate(
         days: validity, capped at the CA's own expiry.
         key_type: key algorithm.
         ca_key: path of the CA key when it is kept outside ``ca_dir`` (e.g. on offline media).
-        overwrite: re-issue an existing client; with fingerprint pinning this revokes its old
-            certificate.
+        overwrite: re-issue an existing client (one with ``clients/<id>.pem``, or listed in
+            ``enrolled.json`` or ``signing_keys.json``); with fingerprint pinning this revokes
+            its old certificate.
 
     Returns:
         The new certificate and key, also written to ``clients/<id>.pem`` / ``clients/<id>.key``.
 
     Raises:
-        TlsError: invalid id, client already issued without ``overwrite``, CA or enrollment
-            list missing or invalid.
+        TlsError: invalid id or days, client already issued without ``overwrite``, CA or
+            enrollment list missing or invalid, or a signing-key registry that does not verify
+            against ``ca.pem`` (it is never re-signed).
     """
     paths = CertificateSet(Path(ca_dir), (validate_client_id(client_id),))
+    check_days(days)
     cert_path = paths.client_cert(client_id)
-    if cert_path.exists() and not overwrite:
+    enrollment = EnrollmentList.load(paths.enrollment)
+    signing_keys = enrolled_signing_keys(paths.directory)  # an altered registry stops here
+    found = [
+        str(where)
+        for where, present in (
+            (cert_path, cert_path.exists()),
+            (paths.enrollment, enrollment.is_enrolled(client_id)),
+            (paths.directory / REGISTRY_FILE, client_id in signing_keys),
+        )
+        if present
+    ]
+    if found and not overwrite:
         raise TlsError(
-            f"{cert_path} already exists; re-issue it with overwrite=True (`fl-secure certs "
-            "issue --overwrite`); with fingerprint pinning the old certificate is then refused"
+            f"client {client_id!r} is already issued: found in {', '.join(found)}; re-issue it "
+            "with overwrite=True (`fl-secure certs issue --overwrite`); with fingerprint "
+            "pinning the old certificate is then refused"
         )
     ca = load_certified_key(paths.ca_cert, Path(ca_key) if ca_key else paths.ca_key)
-    enrollment = EnrollmentList.load(paths.enrollment)
-    now = dt.datetime.now(dt.UTC)
-    end = min(now + dt.timedelta(days=days), ca.certificate.not_valid_after_utc)
-    if end < now + dt.timedelta(days=days):
-        logger.warning("certificate of %s ends with the CA on %s", client_id, f"{end:%Y-%m-%d}")
+    start, end = _leaf_validity(ca, days, f"the certificate of {client_id}")
     cert = make_certificate(
         "client",
         client_id,
         issuer=ca,
         days=days,
-        not_before=now - CLOCK_SKEW,
+        not_before=start,
         not_after=end,
         key_type=key_type,
     )
-    cert.write(cert_path, paths.client_key(client_id))
-    fingerprint = certificate_fingerprint(cert.certificate)
-    enrollment.with_client(client_id, fingerprint).save(paths.enrollment)
-    write_signing_keys(
-        paths, [client_id], ca_key=Path(ca_key) if ca_key else None, replace=overwrite
-    )
+    enrollment = enrollment.with_client(client_id, certificate_fingerprint(cert.certificate))
+    with StagedFiles() as files:  # all of the files, or none (a failed write changes nothing)
+        cert.stage(files, cert_path, paths.client_key(client_id))
+        files.write(paths.enrollment, enrollment.to_json(), mode=0o644)
+        write_signing_keys(paths, [client_id], files, signer=ca.private_key, replace=overwrite)
     return cert
+
+
+def _leaf_validity(ca: CertifiedKey, days: int, what: str) -> tuple[dt.datetime, dt.datetime]:
+    """Start and end of a certificate signed by ``ca``: ``days`` from now, cut at the CA's end.
+
+    A certificate must not outlive the CA that vouches for it; ``what`` names it in the warning
+    logged when its end is cut.
+    """
+    now = dt.datetime.now(dt.UTC)
+    end = min(now + dt.timedelta(days=days), ca.certificate.not_valid_after_utc)
+    if end < now + dt.timedelta(days=days):
+        logger.warning("%s cut to end with the CA, on %s", what, f"{end:%Y-%m-%d}")
+    return now - CLOCK_SKEW, end
 
 
 def _client_ids(clients: int | Sequence[str]) -> tuple[str, ...]:

@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Literal
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fl_secure.errors import TlsError
-from fl_secure.tls.layout import INIT_HINT, read_bytes, write_atomic
+from fl_secure.tls.layout import INIT_HINT, StagedFiles, read_bytes
 
 KeyType = Literal["ec-p256", "ec-p384", "rsa-2048", "rsa-3072"]
 Role = Literal["ca", "server", "client"]
@@ -24,7 +25,8 @@ PrivateKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
 
 CLIENT_URI_PREFIX = "urn:fl-secure:client:"
 CLOCK_SKEW = dt.timedelta(minutes=5)
-_DNS_NAME = re.compile(r"(\*\.)?[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
+MAX_DAYS = 36_500  # a century; far beyond it the end date overflows datetime (year 9999)
+_DNS_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
 
 @dataclass(frozen=True)
@@ -49,9 +51,14 @@ class CertifiedKey:
         )
 
     def write(self, cert_path: Path, key_path: Path) -> None:
-        """Write the key (mode 0600) and then the certificate (mode 0644), each atomically."""
-        write_atomic(key_path, self.key_pem, mode=0o600)
-        write_atomic(cert_path, self.cert_pem, mode=0o644)
+        """Write the key (mode 0600) and the certificate (mode 0644): both, or neither."""
+        with StagedFiles() as files:
+            self.stage(files, cert_path, key_path)
+
+    def stage(self, files: StagedFiles, cert_path: Path, key_path: Path) -> None:
+        """Add the key (mode 0600) and the certificate (mode 0644) to ``files``."""
+        files.write(key_path, self.key_pem, mode=0o600)
+        files.write(cert_path, self.cert_pem, mode=0o644)
 
 
 def make_certificate(
@@ -83,8 +90,7 @@ def make_certificate(
     Returns:
         The certificate with its new private key.
     """
-    if days < 1:
-        raise TlsError(f"days must be >= 1, got {days}")
+    check_days(days)
     if role == "server" and not hosts:
         raise TlsError("a server certificate needs hosts: the DNS names / IPs clients dial")
     now = dt.datetime.now(dt.UTC)
@@ -114,6 +120,12 @@ def make_certificate(
     return CertifiedKey(builder.sign(signing_key, hashes.SHA256()), key)
 
 
+def check_days(days: int) -> None:
+    """Raise TlsError unless ``days`` is a validity from 1 to ``MAX_DAYS`` days."""
+    if not 1 <= days <= MAX_DAYS:
+        raise TlsError(f"days must be from 1 to {MAX_DAYS} (100 years), got {days}")
+
+
 def load_certified_key(cert_path: Path, key_path: Path) -> CertifiedKey:
     """Load a PEM certificate and its key.
 
@@ -140,6 +152,52 @@ def load_certified_key(cert_path: Path, key_path: Path) -> CertifiedKey:
             "the clock or re-issue the certificate"
         )
     return CertifiedKey(cert, key)
+
+
+def load_ca_certificates(path: Path) -> list[x509.Certificate]:
+    """The certificates of a ``ca.pem`` (one CA, or a bundle), each checked to be a CA.
+
+    Raises:
+        TlsError: the file is missing, holds no readable PEM certificate, or holds one that
+            is not a CA certificate (BasicConstraints ca=True).
+    """
+    pem = read_bytes(path, "CA certificate")
+    try:
+        cas = x509.load_pem_x509_certificates(pem)
+        not_ca = [c for c in cas if not _is_ca(c)]
+    except ValueError as exc:
+        raise TlsError(f"{path} is not a readable PEM CA certificate ({exc}); {INIT_HINT}") from exc
+    if not_ca:
+        raise TlsError(
+            f"{path} holds a certificate that is not a CA ({not_ca[0].subject.rfc4514_string()}):"
+            " give the ca.pem written by `fl-secure certs init`, not a server or client "
+            "certificate"
+        )
+    return cas
+
+
+def check_issued_by(
+    cert: x509.Certificate, cert_path: Path, cas: Sequence[x509.Certificate], ca_path: Path
+) -> None:
+    """Raise TlsError unless one of ``cas`` signed ``cert`` (the peer would refuse it)."""
+    for ca in cas:
+        try:
+            cert.verify_directly_issued_by(ca)
+            return
+        except (ValueError, TypeError, InvalidSignature):
+            continue
+    raise TlsError(
+        f"{cert_path} was not issued by the CA in {ca_path}, so the other side would refuse "
+        "the TLS handshake; use ca.pem and the certificate from the same `fl-secure certs init`"
+    )
+
+
+def _is_ca(cert: x509.Certificate) -> bool:
+    """Whether ``cert`` has BasicConstraints ca=True."""
+    try:
+        return bool(cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca)
+    except x509.ExtensionNotFound:
+        return False
 
 
 def _role_extensions(
@@ -175,9 +233,19 @@ def _general_name(host: str) -> x509.GeneralName:
         return x509.IPAddress(ipaddress.ip_address(host))
     except ValueError:
         pass
-    if not _DNS_NAME.fullmatch(host):
-        raise TlsError(f"invalid host {host!r}: give an ASCII DNS name or an IP address")
-    return x509.DNSName(host)
+    labels = host.removeprefix("*.").split(".")  # a wildcard only as the whole first label
+    if "" in labels:
+        reason = "a DNS name has no empty label (no leading, trailing or doubled dot)"
+    elif not all(_DNS_LABEL.fullmatch(label) for label in labels) or len(host) > 253:
+        reason = (
+            "give an ASCII DNS name of at most 253 characters, in labels of 1-63 letters, "
+            "digits and inner hyphens, or an IP address"
+        )
+    elif labels[-1].isdigit():  # 10.0.0.300, 1.2.3, 1234: a resolver may read it as an IP
+        reason = "not a valid IP address, and a DNS name does not end in a numeric label"
+    else:
+        return x509.DNSName(host)
+    raise TlsError(f"invalid host {host!r}: {reason}")
 
 
 def _generate_key(key_type: KeyType) -> PrivateKey:

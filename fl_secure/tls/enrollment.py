@@ -58,10 +58,13 @@ class EnrollmentList:
         return cls(entries, pin_fingerprints=pin_fingerprints)
 
     def save(self, path: Path) -> None:
-        """Write the list as ``enrolled.json`` (atomically, sorted by id)."""
+        """Write the list as ``enrolled.json`` (atomically)."""
+        write_atomic(path, self.to_json(), mode=0o644)
+
+    def to_json(self) -> bytes:
+        """The contents of ``enrolled.json``, sorted by id."""
         clients = [{"id": i, "sha256": fp} for i, fp in sorted(self.fingerprints.items())]
-        text = json.dumps({"version": 1, "clients": clients}, indent=2) + "\n"
-        write_atomic(path, text.encode(), mode=0o644)
+        return (json.dumps({"version": 1, "clients": clients}, indent=2) + "\n").encode()
 
     def with_client(self, client_id: str, fingerprint: str | None) -> EnrollmentList:
         """Return a copy with ``client_id`` added, or its fingerprint replaced."""

@@ -16,11 +16,17 @@ from pathlib import Path
 from typing import NoReturn
 
 import grpc
+from cryptography.hazmat.primitives import serialization
 
 from fl_secure.errors import TlsError
-from fl_secure.tls.certs import load_certified_key
+from fl_secure.tls.certs import (
+    CertifiedKey,
+    check_issued_by,
+    load_ca_certificates,
+    load_certified_key,
+)
 from fl_secure.tls.enrollment import EnrollmentList
-from fl_secure.tls.layout import CertificateSet, read_bytes, validate_client_id
+from fl_secure.tls.layout import CertificateSet, validate_client_id
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +40,11 @@ def server_credentials(cert_dir: str | os.PathLike[str]) -> grpc.ServerCredentia
 
     Raises:
         TlsError: ``ca.pem``, ``server.pem`` or ``server.key`` is missing, invalid, mismatched
-            or expired.
+            or expired, or ``server.pem`` was not issued by ``ca.pem``.
     """
     paths = CertificateSet(Path(cert_dir))
     server = load_certified_key(paths.server_cert, paths.server_key)
-    ca_pem = read_bytes(paths.ca_cert, "CA certificate")
+    ca_pem = _trusted_ca_pem(paths, server, paths.server_cert)
     return grpc.ssl_server_credentials(
         [(server.key_pem, server.cert_pem)], root_certificates=ca_pem, require_client_auth=True
     )
@@ -50,14 +56,26 @@ def channel_credentials(
     """Channel credentials presenting ``clients/<client_id>.pem`` and trusting ``ca.pem``.
 
     Raises:
-        TlsError: a file is missing, invalid, mismatched or expired.
+        TlsError: a file is missing, invalid, mismatched or expired, or the client certificate
+            was not issued by ``ca.pem``.
     """
     paths = CertificateSet(Path(cert_dir), (validate_client_id(client_id),))
     client = load_certified_key(paths.client_cert(client_id), paths.client_key(client_id))
-    ca_pem = read_bytes(paths.ca_cert, "CA certificate")
+    ca_pem = _trusted_ca_pem(paths, client, paths.client_cert(client_id))
     return grpc.ssl_channel_credentials(
         root_certificates=ca_pem, private_key=client.key_pem, certificate_chain=client.cert_pem
     )
+
+
+def _trusted_ca_pem(paths: CertificateSet, own: CertifiedKey, own_path: Path) -> bytes:
+    """``ca.pem`` parsed and checked to have issued ``own``, as PEM for gRPC.
+
+    gRPC takes the raw bytes without checking them: a damaged file would only surface as a
+    failed bind on the server ("is the port in use?") or as endless retries on the client.
+    """
+    cas = load_ca_certificates(paths.ca_cert)
+    check_issued_by(own.certificate, own_path, cas, paths.ca_cert)
+    return b"".join(ca.public_bytes(serialization.Encoding.PEM) for ca in cas)
 
 
 def peer_client_id(context: grpc.ServicerContext) -> str | None:

@@ -96,13 +96,50 @@ def write_atomic(path: Path, data: bytes, *, mode: int) -> None:
     The temp file is created 0600 by ``mkstemp``, so a private key is never readable by others,
     not even for an instant, and a crash leaves either the old file or the new one.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with StagedFiles() as files:
+        files.write(path, data, mode=mode)
+
+
+class StagedFiles:
+    """Files that must change together, written to temporary names and renamed at the end.
+
+    Use it as a context manager. ``write`` puts each file into a temporary file next to its
+    target (created 0600, given its mode before the rename). Only when the block ends without
+    an error are they all renamed into place; otherwise the temporaries are removed and every
+    target keeps its old content. So a failed write (a full disk) cannot leave a new key
+    beside an old certificate, or a new CA certificate beside the old CA key.
+    """
+
+    def __init__(self) -> None:
+        self._staged: list[tuple[Path, Path]] = []  # (temporary file, target)
+
+    def __enter__(self) -> StagedFiles:
+        return self
+
+    def write(self, path: Path, data: bytes, *, mode: int) -> None:
+        """Write ``data`` for ``path`` to a temporary file; TlsError naming ``path`` if it fails."""
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+            self._staged.append((Path(tmp), path))
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())  # a full disk may report itself only here
+            os.chmod(tmp, mode)
+        except OSError as exc:
+            raise TlsError(
+                f"cannot write {path}: {exc.strerror or exc}; no file was replaced"
+            ) from exc
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        try:
+            if exc_type is None:  # every file was written: now they replace the old ones
+                for tmp, path in self._staged:
+                    try:
+                        os.replace(tmp, path)
+                    except OSError as exc:
+                        raise TlsError(f"cannot replace {path}: {exc.strerror or exc}") from exc
+        finally:
+            for tmp, _path in self._staged:  # what is left after an error
+                tmp.unlink(missing_ok=True)

@@ -12,7 +12,10 @@ import hashlib
 import ipaddress
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
@@ -28,6 +31,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509 import verification
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+import fl_secure
 from fl_secure.errors import TlsError
 from fl_secure.tls import (
     CertificateSet,
@@ -299,6 +303,36 @@ def test_duplicate_ids_and_bad_hosts_are_refused(tmp_path: Path) -> None:
         init_certificates(tmp_path, clients=1, hosts=["bad host"])
 
 
+@pytest.mark.parametrize(
+    ("host", "reason"),
+    [
+        ("10.0.0.300", "not a valid IP address"),
+        ("1.2.3", "not a valid IP address"),
+        ("1234", "not a valid IP address"),
+        ("foo..bar", "empty label"),
+        (".example.org", "empty label"),
+        ("example.org.", "empty label"),
+        ("-foo.example.org", "letters, digits and inner hyphens"),
+        ("a" * 64 + ".org", "1-63"),
+    ],
+)
+def test_hosts_that_are_neither_an_ip_nor_a_dns_name_are_refused(
+    tmp_path: Path, host: str, reason: str
+) -> None:
+    with pytest.raises(TlsError, match=f"invalid host '{host}': .*{reason}"):
+        init_certificates(tmp_path, clients=0, hosts=[host])
+    assert not (tmp_path / "ca.pem").exists()
+
+
+def test_valid_dns_names_and_ips_are_accepted(tmp_path: Path) -> None:
+    hosts = ["fl.example.org", "*.fl.example.org", "localhost", "xn--bcher-kva.example",
+             "site-1.a1", "10.0.0.5", "::1"]  # fmt: skip
+    made = init_certificates(tmp_path, clients=0, hosts=hosts)
+    san = _ext(_load(made.server_cert), x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == hosts[:5]
+    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address(h) for h in hosts[5:]]
+
+
 def test_existing_ca_is_not_overwritten_unless_asked(certs: CertificateSet) -> None:
     before = certs.ca_cert.read_bytes()
 
@@ -325,10 +359,32 @@ def test_reissue_needs_overwrite_and_changes_the_pinned_fingerprint(
 ) -> None:
     old = EnrollmentList.load(certs.enrollment).fingerprints["client-0"]
 
-    with pytest.raises(TlsError, match="already exists"):
+    with pytest.raises(TlsError, match=r"already issued: found in .*client-0\.pem"):
         issue_client_certificate(certs.directory, "client-0")
     issue_client_certificate(certs.directory, "client-0", overwrite=True)
     assert EnrollmentList.load(certs.enrollment).fingerprints["client-0"] != old
+
+
+def test_reissue_needs_overwrite_even_when_the_certificate_file_was_moved_away(
+    certs: CertificateSet,
+) -> None:
+    # Prepare: client-0's certificate moved off the operator's machine (given to its site)
+    certs.client_cert("client-0").rename(certs.directory / "client-0.pem.handed-out")
+    enrolled = EnrollmentList.load(certs.enrollment)
+    registry = (certs.directory / "signing_keys.json").read_bytes()
+    # Execute / Assert: still enrolled, so no silent re-issue (it would revoke the site)
+    with pytest.raises(TlsError, match=r"'client-0' is already issued: .*enrolled\.json"):
+        issue_client_certificate(certs.directory, "client-0")
+    # enrolled.json edited by hand to drop it: the signing-key registry still lists it
+    without = {k: v for k, v in enrolled.fingerprints.items() if k != "client-0"}
+    EnrollmentList(without).save(certs.enrollment)
+    with pytest.raises(TlsError, match=r"already issued: .*signing_keys\.json"):
+        issue_client_certificate(certs.directory, "client-0")
+    assert not certs.client_cert("client-0").exists()
+    assert (certs.directory / "signing_keys.json").read_bytes() == registry
+    # an explicit re-issue is still possible
+    issue_client_certificate(certs.directory, "client-0", overwrite=True)
+    assert EnrollmentList.load(certs.enrollment).is_enrolled("client-0")
 
 
 def test_issue_with_offline_ca_key(certs: CertificateSet, tmp_path: Path) -> None:
@@ -349,6 +405,64 @@ def test_issued_certificate_ends_no_later_than_the_ca(tmp_path: Path) -> None:
     assert issued.certificate.not_valid_after_utc == _load(made.ca_cert).not_valid_after_utc
 
 
+def test_init_certificates_end_no_later_than_the_ca(tmp_path: Path) -> None:
+    made = init_certificates(tmp_path, clients=1, days=5000, ca_days=10)
+
+    ca_end = _load(made.ca_cert).not_valid_after_utc
+    assert _load(made.server_cert).not_valid_after_utc == ca_end
+    assert _load(made.client_cert("client-0")).not_valid_after_utc == ca_end
+    # and they start when they were made, not 5000 days before the cut end
+    assert _load(made.server_cert).not_valid_before_utc > NOW - dt.timedelta(days=1)
+
+
+# A disk that takes a 241-byte EC key but not a certificate (550-700 bytes): the file-size
+# limit makes a write past 400 bytes fail with EFBIG, as ENOSPC would on a full disk.
+_FULL_DISK = """
+import resource, signal, sys
+from pathlib import Path
+from fl_secure.errors import TlsError
+from fl_secure.tls import init_certificates, issue_client_certificate
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (400, 400))
+command, out = sys.argv[1], Path(sys.argv[2])
+try:
+    if command == "init":
+        init_certificates(out, clients=2, overwrite=True)
+    else:
+        issue_client_certificate(out, "client-1", overwrite=True)
+except TlsError as exc:
+    sys.exit(f"TlsError: {exc}")
+"""
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*.*")}
+
+
+@pytest.mark.parametrize(("command", "failing"), [("init", "ca.pem"), ("issue", "client-1.pem")])
+def test_a_failed_write_replaces_no_file(certs: CertificateSet, command: str, failing: str) -> None:
+    # Prepare
+    before = _files(certs.directory)
+    root = Path(fl_secure.__file__).parents[1]
+    # Execute: init / issue with overwrite=True on a full disk
+    done = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK, command, str(certs.directory)],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    # Assert: a TlsError names the file; every file is the old one, no temporary is left over
+    assert done.returncode == 1 and done.stderr.startswith("TlsError: cannot write"), done.stderr
+    assert f"{failing}: File too large; no file was replaced" in done.stderr
+    assert _files(certs.directory) == before
+    assert [p.name for p in certs.directory.rglob(".*")] == []
+    load_certified_key(certs.ca_cert, certs.ca_key)  # the pairs still match
+    load_certified_key(certs.client_cert("client-1"), certs.client_key("client-1"))
+
+
 # --------------------------------------------------------------------------- loading errors
 
 
@@ -359,6 +473,40 @@ def test_missing_files_name_the_path_and_the_fix(tmp_path: Path) -> None:
         channel_credentials(tmp_path, "client-7")
     with pytest.raises(TlsError, match="enrolled.json does not exist"):
         EnrollmentList.load(tmp_path / "enrolled.json")
+
+
+def test_a_damaged_or_foreign_ca_pem_is_named_before_grpc_sees_it(
+    certs: CertificateSet, tmp_path: Path
+) -> None:
+    from fl_secure.tls.identity import load_signing_registry
+
+    good = certs.ca_cert.read_bytes()
+    loaders: list[Callable[[], object]] = [
+        lambda: server_credentials(certs.directory),
+        lambda: channel_credentials(certs.directory, "client-0"),
+        lambda: load_signing_registry(certs.directory),
+    ]
+    # a damaged file: gRPC would only fail later, as "port in use" or endless retries
+    certs.ca_cert.write_bytes(good[:200])
+    for load in loaders:
+        with pytest.raises(TlsError, match=r"ca\.pem is not a readable PEM CA certificate"):
+            load()
+    # a certificate that is not a CA (the server's own, copied by mistake)
+    certs.ca_cert.write_bytes(certs.server_cert.read_bytes())
+    for load in loaders:
+        with pytest.raises(TlsError, match=r"ca\.pem holds a certificate that is not a CA"):
+            load()
+    # another CA's certificate: our own certificate was not issued by it
+    other = init_certificates(tmp_path / "other", clients=0)
+    certs.ca_cert.write_bytes(other.ca_cert.read_bytes())
+    with pytest.raises(TlsError, match=r"server\.pem was not issued by the CA in .*ca\.pem"):
+        server_credentials(certs.directory)
+    with pytest.raises(TlsError, match=r"client-0\.pem was not issued by the CA in .*ca\.pem"):
+        channel_credentials(certs.directory, "client-0")
+    # a bundle holding the right CA next to another one is accepted
+    certs.ca_cert.write_bytes(other.ca_cert.read_bytes() + good)
+    server_credentials(certs.directory)
+    channel_credentials(certs.directory, "client-0")
 
 
 def test_mismatched_key_is_refused(certs: CertificateSet) -> None:

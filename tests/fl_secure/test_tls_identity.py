@@ -6,10 +6,27 @@ import json
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fl_secure.errors import TlsError
 from fl_secure.tls import init_certificates, issue_client_certificate
-from fl_secure.tls.identity import REGISTRY_FILE, load_signing_key, load_signing_registry
+from fl_secure.tls.identity import (
+    REGISTRY_FILE,
+    REGISTRY_SIGNATURE,
+    load_signing_identity,
+    load_signing_key,
+    load_signing_registry,
+)
+
+
+def _ca_sign(directory: Path, body: bytes) -> None:
+    """Write ``body`` as the registry with a valid CA signature (what only the CA can do)."""
+    ca_key = serialization.load_pem_private_key((directory / "ca.key").read_bytes(), None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    (directory / REGISTRY_FILE).write_bytes(body)
+    (directory / REGISTRY_SIGNATURE).write_bytes(ca_key.sign(body, ec.ECDSA(hashes.SHA256())))
 
 
 def test_registry_holds_every_client_key_and_verifies(tmp_path: Path) -> None:
@@ -47,9 +64,32 @@ def test_an_altered_registry_is_refused(tmp_path: Path) -> None:
 
 def test_a_registry_nested_past_the_parsers_limit_is_named(tmp_path: Path) -> None:
     # `certs issue` reads the registry it re-signs: a damaged one is named, not a traceback
+    # (signed by the CA, so that the check of its signature lets it through to the parser)
     init_certificates(tmp_path, clients=1)
-    (tmp_path / REGISTRY_FILE).write_text("[" * 100_000)
+    _ca_sign(tmp_path, b"[" * 100_000)
     with pytest.raises(TlsError, match="is not a valid signing-key registry"):
+        issue_client_certificate(tmp_path, "late-site")
+
+
+def test_an_altered_registry_is_not_re_signed_by_a_later_issue(tmp_path: Path) -> None:
+    # Prepare: whoever controls the server's folder swaps client-1's key for their own
+    init_certificates(tmp_path, clients=2)
+    doc = json.loads((tmp_path / REGISTRY_FILE).read_text())
+    forged = Ed25519PrivateKey.generate().public_key().public_bytes_raw().hex()
+    doc["keys"]["client-1"] = forged
+    (tmp_path / REGISTRY_FILE).write_text(json.dumps(doc, indent=2) + "\n")
+    altered = (tmp_path / REGISTRY_FILE).read_bytes()
+    # Execute / Assert: adding a site refuses to sign the altered list with the CA key
+    with pytest.raises(TlsError, match=r"signing_keys\.json does not verify against .*ca\.pem"):
+        issue_client_certificate(tmp_path, "late-site")
+    assert (tmp_path / REGISTRY_FILE).read_bytes() == altered
+    with pytest.raises(TlsError, match="not signed by the CA"):
+        load_signing_registry(tmp_path)  # still refused by every party: not laundered
+    assert not (tmp_path / "clients" / "late-site.pem").exists()
+    # a registry whose signature was deleted is refused too, not signed afresh
+    init_certificates(tmp_path, clients=2, overwrite=True)
+    (tmp_path / REGISTRY_SIGNATURE).unlink()
+    with pytest.raises(TlsError, match=r"signing_keys\.sig does not exist"):
         issue_client_certificate(tmp_path, "late-site")
 
 
@@ -72,3 +112,28 @@ def test_a_new_ca_signs_only_its_own_clients(tmp_path: Path) -> None:
     new = load_signing_registry(tmp_path)
     assert sorted(new) == ["client-0"]  # client-1 and client-2 are not carried over
     assert new["client-0"].public_bytes_raw() != old["client-0"].public_bytes_raw()
+
+
+def test_a_damaged_signing_key_is_named(tmp_path: Path) -> None:
+    init_certificates(tmp_path, clients=1)
+    path = tmp_path / "clients" / "client-0.sign.key"
+    path.write_bytes(b"not a key\n")
+    with pytest.raises(TlsError, match=r"clients/client-0\.sign\.key is not a readable"):
+        load_signing_key(tmp_path, "client-0")
+
+
+def test_a_signing_key_that_is_not_the_enrolled_one_is_refused(tmp_path: Path) -> None:
+    # Prepare: client-0 re-issued, but the site still has its old signing key
+    init_certificates(tmp_path, clients=2)
+    old = (tmp_path / "clients" / "client-0.sign.key").read_bytes()
+    issue_client_certificate(tmp_path, "client-0", overwrite=True)
+    key, registry = load_signing_identity(tmp_path, "client-0")  # the current key is fine
+    assert key.public_key().public_bytes_raw() == registry["client-0"].public_bytes_raw()
+    (tmp_path / "clients" / "client-0.sign.key").write_bytes(old)
+    # Execute / Assert
+    with pytest.raises(TlsError, match=r"client-0\.sign\.key is not the key enrolled for"):
+        load_signing_identity(tmp_path, "client-0")
+    # a site whose id the registry does not list at all
+    _ca_sign(tmp_path, b'{"version": 1, "keys": {}}\n')
+    with pytest.raises(TlsError, match=r"no entry for 'client-1' in .*signing_keys\.json"):
+        load_signing_identity(tmp_path, "client-1")

@@ -9,7 +9,7 @@ import pytest
 from client.app import Backoff, Connection, FlClient
 from fl_secure.config import config_from_dict, config_to_toml
 from fl_secure.errors import TlsError
-from fl_secure.tls import init_certificates
+from fl_secure.tls import init_certificates, issue_client_certificate
 from fl_secure.v1 import transport_pb2 as pb
 
 
@@ -57,3 +57,20 @@ def test_a_missing_signing_key_stops_the_client_at_join(tmp_path: Path) -> None:
     with pytest.raises(pytest.fail.Exception):
         client._session(stub, Backoff())  # type: ignore[arg-type]
     assert client._signing is not None and set(client._signing[1]) == {"client-0", "client-1"}
+
+
+def test_a_stale_signing_key_stops_the_client_at_join(tmp_path: Path) -> None:
+    # the site was re-issued but kept its old signing key: peers would reject its signatures
+    certs = tmp_path / "certs"
+    init_certificates(certs, clients=2)
+    stale = (certs / "clients" / "client-0.sign.key").read_bytes()
+    issue_client_certificate(certs, "client-0", overwrite=True)
+    (certs / "clients" / "client-0.sign.key").write_bytes(stale)
+    client, stub = _session(certs, "client-0", "secagg")
+    with pytest.raises(TlsError, match=r"client-0\.sign\.key is not the key enrolled"):
+        client._session(stub, Backoff())  # type: ignore[arg-type]
+    assert not stub.polled and client._signing is None
+    # a damaged key file is named too, not a ValueError traceback
+    (certs / "clients" / "client-0.sign.key").write_bytes(b"garbage")
+    with pytest.raises(TlsError, match=r"client-0\.sign\.key is not a readable"):
+        client._session(stub, Backoff())  # type: ignore[arg-type]
