@@ -250,11 +250,14 @@ def _print_sites(run_dir: Path, summary: dict[str, Any]) -> None:
         def up(x: float) -> str:  # rounded up: a bound
             return f"{math.ceil(x * 1e4 - 1e-9) / 1e4:.4f}" if math.isfinite(x) else "unbounded"
 
-        worst = max(s["epsilon"] for s in figures)
-        colluding = max(s["epsilon_colluding_peers"] for s in figures)
+        def worst(key: str) -> float:  # the report lists an infinite figure as unbounded
+            return max(math.inf if key in s["unbounded"] else float(s[key]) for s in figures)
+
         print(
             f"  each site against the server (its own ledger, no sampling amplification): "
-            f"epsilon <= {up(worst)}; {up(colluding)} if the other sites collude "
+            f"epsilon <= {up(worst('epsilon'))}; {up(worst('epsilon_colluding_peers'))} if "
+            f"the other sites collude; one training image: epsilon <= "
+            f"{up(worst('example_epsilon'))}, {up(worst('example_epsilon_colluding_peers'))} "
             f"(fl-secure privacy site --state-dir {run_dir / 'clients' / '<id>'})"
         )
 

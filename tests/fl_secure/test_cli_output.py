@@ -147,10 +147,23 @@ def test_the_sites_own_epsilon_against_the_server_is_printed(
             site.record(config, "run", r, bytes([r]) * 16)
     # Execute
     assert _report(_private(), tmp_path, as_json=False) == 0
+
     # Assert: the larger site's figure (three releases), rounded up
+    def up(x: float) -> str:
+        return f"{math.ceil(x * 1e4) / 1e4:.4f}"
+
     eps = gaussian_epsilon(composed_mu([1.1] * 3), 1e-5)
-    shown = f"{math.ceil(eps * 1e4) / 1e4:.4f}"
+    image = gaussian_epsilon(composed_mu([1.1 / 2] * 3), 1e-5)  # sensitivity 2 C
+    out = capsys.readouterr().out
     assert (
         f"each site against the server (its own ledger, no sampling amplification): "
-        f"epsilon <= {shown}; {shown} if the other sites collude" in capsys.readouterr().out
+        f"epsilon <= {up(eps)}; {up(eps)} if the other sites collude; one training image: "
+        f"epsilon <= {up(image)}, {up(image)} (fl-secure privacy site" in out
     )
+    # a release without noise against the server (central placement): unbounded, no crash
+    central = config_from_dict(
+        {"privacy": {"unit": "client", "noise_placement": "central", "noise_multiplier": 1.0}}
+    )
+    SiteLedger(tmp_path / "clients" / "client-0").record(central, "run", 2, b"\x09" * 16)
+    assert _report(_private(), tmp_path, as_json=False) == 0
+    assert "epsilon <= unbounded; unbounded if the other sites collude" in (capsys.readouterr().out)
