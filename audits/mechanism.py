@@ -336,6 +336,9 @@ def audit_mechanism(
     # epsilon, the audit cannot refute it whatever the mechanism does
     largest = max(one_run.max_epsilon, cp.max_epsilon)
     refutable = accountant is not None and largest > accountant
+    needed = None if accountant is None or refutable else trials_to_test(
+        accountant, mech.delta, alpha / 2
+    )  # fmt: skip
     return {
         "what": "the client-level aggregation as implemented (privacy.client_level: clipping, "
         "noise shares / central noise, denominator), run with the run's z, C, W, placement, "
@@ -358,9 +361,12 @@ def audit_mechanism(
         "largest_bound_this_audit_can_show": largest,
         # null without a DP claim; false: no outcome of this audit could exceed the claim
         "can_test_accountant": None if accountant is None else refutable,
-        "trials_to_test_accountant": None
-        if accountant is None or refutable
-        else trials_to_test(accountant, mech.delta, alpha / 2),
+        # null when the audit can test the claim, or when more than MAX_TRIALS_TO_TEST trials
+        # would be needed (an infinite epsilon: no number of trials); the next field says so
+        "trials_to_test_accountant": needed,
+        "trials_to_test_accountant_more_than": MAX_TRIALS_TO_TEST
+        if accountant is not None and not refutable and needed is None
+        else None,
         # null when the audit cannot test the claim (it could not have said "exceeds")
         "exceeds_accountant": False
         if accountant is None
@@ -386,9 +392,9 @@ def audit_size(mech: Mechanism, alpha: float = DEFAULT_ALPHA) -> int:
     eps = mech.accountant_epsilon
     if eps is None:
         return MIN_AUDIT_TRIALS
-    if not math.isfinite(eps) or _perfect_bound(MAX_AUTO_TRIALS, mech.delta, alpha / 2) <= eps:
-        return MAX_AUTO_TRIALS
     need = trials_to_test(eps, mech.delta, alpha / 2)
+    if need is None or need > MAX_AUTO_TRIALS:
+        return MAX_AUTO_TRIALS
     return min(MAX_AUTO_TRIALS, max(MIN_AUDIT_TRIALS, math.ceil(1.25 * need / 2) * 2))
 
 
@@ -401,23 +407,59 @@ def _perfect_bound(n: int, delta: float, alpha: float) -> float:
     ).epsilon  # fmt: skip
 
 
-def trials_to_test(epsilon: float, delta: float, alpha: float) -> int:
+#: The most trials :func:`trials_to_test` names: an accountant's epsilon that needs more
+#: (above 25.46 at delta 1e-5 and 95% confidence) is reported as one no practical audit
+#: can test.
+MAX_TRIALS_TO_TEST = 10**12
+
+
+def perfect_attack_epsilon(n: float, delta: float, alpha: float) -> float:
+    """:func:`_perfect_bound` in closed form, in floats: valid for any number of trials.
+
+    With no error among ``h = n // 2`` trials each way, the one-sided Clopper-Pearson upper
+    bound on either rate at ``alpha / 2`` is ``p = 1 - (alpha / 2) ** (1 / h)``, and the bound
+    is ``max(log((1 - delta - p) / p), 0)`` (:func:`audits.canary.epsilon_from_rates`).
+    """
+    half = math.floor(n / 2)
+    if half < 1:
+        raise ValueError(f"need at least 2 trials, got {n}")
+    p = -math.expm1(math.log(alpha / 2) / half)
+    return max(math.log((1.0 - delta - p) / p), 0.0) if 1.0 - delta - p > 0 else 0.0
+
+
+def trials_to_test(
+    epsilon: float, delta: float, alpha: float, *, limit: int = MAX_TRIALS_TO_TEST
+) -> int | None:
     """The fewest trials whose Clopper-Pearson audit at ``alpha`` can show more than ``epsilon``.
 
     Half the trials run with the canary; a perfect attack's bound then exceeds ``epsilon``.
+    ``None`` when more than ``limit`` trials would be needed, or ``epsilon`` is not finite
+    (no number of trials can then show more).
+
+    The count follows from the closed form of :func:`perfect_attack_epsilon`: the bound of
+    ``2 h`` trials exceeds ``epsilon`` when ``p < (1 - delta) / (1 + e^epsilon)``, i.e. when
+    ``h > log(alpha / 2) / log(1 - (1 - delta) / (1 + e^epsilon))``. The last step is settled
+    on the bound the audit itself computes (:func:`_perfect_bound`), so that an audit of the
+    size named here can show more than ``epsilon``.
     """
+    if not math.isfinite(epsilon):
+        return None
+    # (1 - delta) / (1 + e^eps), without overflow for a large epsilon
+    ratio = (1.0 - delta) / (1.0 + math.exp(epsilon)) if epsilon < 0 else (
+        (1.0 - delta) * math.exp(-epsilon) / (1.0 + math.exp(-epsilon))
+    )  # fmt: skip
+    if ratio <= 0.0:
+        return None
+    need = math.log(alpha / 2) / math.log1p(-ratio)
+    if 2 * need > limit:
+        return None
+    half = max(1, math.floor(need) + 1)
 
-    def cap(n: int) -> float:
-        return _perfect_bound(n, delta, alpha)
+    def cap(h: int) -> float:
+        return _perfect_bound(2 * h, delta, alpha)
 
-    high = 2
-    while cap(high) <= epsilon:
-        high *= 2
-    low = high // 2  # cap(low) <= epsilon < cap(high)
-    while high - low > 2:
-        mid = (low + high) // 4 * 2
-        if cap(mid) > epsilon:
-            high = mid
-        else:
-            low = mid
-    return high
+    while half > 1 and cap(half - 1) > epsilon:
+        half -= 1
+    while cap(half) <= epsilon:
+        half += 1
+    return 2 * half if 2 * half <= limit else None

@@ -896,8 +896,7 @@ def findings(results: dict[str, Any]) -> list[dict[str, str]]:
         found["audit-cannot-test-accountant"] = [
             f"no outcome of this audit can show more than "
             f"{canary['largest_bound_this_audit_can_show']:.3f}, below the accountant's "
-            f"{canary['accountant_epsilon']:.3f}; --canary-trials "
-            f"{canary['trials_to_test_accountant']} can"
+            f"{canary['accountant_epsilon']:.3f}; {_trials_that_test(canary)}"
         ]
     lead = {
         "audit-inversion-identifies": "Model inversion produced faces that the independent "
@@ -909,13 +908,24 @@ def findings(results: dict[str, Any]) -> list[dict[str, str]]:
         "audit-exceeds-accountant": "The empirical epsilon lower bound exceeds the "
         "accountant's upper bound: the accounting or the mechanism as implemented is wrong "
         "(or, at 5% odds, the audit erred), and the stated guarantee cannot be relied on",
-        "audit-cannot-test-accountant": "The canary audit was too small to test the "
+        "audit-cannot-test-accountant": "The canary audit could not test the "
         "accountant's epsilon: even a mechanism with no noise would not have been flagged",
     }
     return [
         {"code": code, "message": f"{lead[code]}: " + "; ".join(items) + "."}
         for code, items in found.items()
     ]
+
+
+def _trials_that_test(canary: dict[str, Any]) -> str:
+    """How large a canary audit would test the accountant's epsilon, as the finding says it."""
+    needed = canary.get("trials_to_test_accountant")
+    if needed is not None:
+        return f"--canary-trials {needed} can"
+    if not math.isfinite(canary["accountant_epsilon"]):
+        return "no audit can: an infinite epsilon bounds nothing"
+    beyond = canary.get("trials_to_test_accountant_more_than")
+    return f"no audit of up to {beyond:,} trials can" if beyond else "no practical audit can"
 
 
 def summary_lines(results: dict[str, Any]) -> list[str]:

@@ -315,7 +315,57 @@ def test_an_audit_sized_for_epsilon_8_can_refute_a_mechanism_without_noise() -> 
     # Assert: the sized audit can test the claim; it passes the honest mechanism and refutes
     # the broken one
     assert fair["can_test_accountant"] is True and fair["exceeds_accountant"] is False
+    assert fair["trials_to_test_accountant"] is None
+    assert fair["trials_to_test_accountant_more_than"] is None
+    assert small["trials_to_test_accountant_more_than"] is None
     assert broken["exceeds_accountant"] is True and broken["epsilon_lower_bound"] > 8.0
+
+
+def test_the_trials_that_test_a_claim_follow_the_closed_form_of_a_perfect_attack() -> None:
+    from audits.mechanism import _perfect_bound, perfect_attack_epsilon, trials_to_test
+
+    # the closed form 1 - (alpha / 2) ** (1 / h) is the exact Clopper-Pearson bound
+    for n in (2, 14, 1000, 26_130, 60_000, 1_000_000):
+        assert perfect_attack_epsilon(n, 1e-5, 0.025) == pytest.approx(
+            _perfect_bound(n, 1e-5, 0.025), rel=1e-12, abs=1e-12
+        )
+    # the fewest: n trials can show more than epsilon, n - 2 cannot, far beyond 2^63 / 2
+    for epsilon in (0.5, 8.0, 20.0, 25.0):
+        n = trials_to_test(epsilon, 1e-5, 0.025)
+        assert n is not None and n % 2 == 0
+        assert perfect_attack_epsilon(n, 1e-5, 0.025) > epsilon
+        assert perfect_attack_epsilon(n - 2, 1e-5, 0.025) <= epsilon
+    assert trials_to_test(20.0, 1e-5, 0.025) == 4_252_056_142  # (as the doubling search found)
+    # 10^12 trials show at most 25.46: a larger claim, or an infinite one, names no count
+    assert perfect_attack_epsilon(1e12, 1e-5, 0.025) == pytest.approx(25.46, abs=0.01)
+    for epsilon in (26.0, 42.5, 54.4, math.inf):
+        assert trials_to_test(epsilon, 1e-5, 0.025) is None
+    assert trials_to_test(12.0, 1e-5, 0.025, limit=1_000_000) is None  # needs 1,426,412
+
+
+@pytest.mark.parametrize("epsilon", [54.38, math.inf])
+def test_a_claim_no_practical_audit_can_test_is_reported_not_a_crash(epsilon: float) -> None:
+    from audits.mechanism import MAX_TRIALS_TO_TEST
+
+    # Prepare: z 0.2 over 2 rounds, the accountant's epsilon 54.4 (PLD), or no bound at all
+    summary = _summary("central", "none", 0.2, epsilon) | {"rounds_completed": 2}
+    mech = mechanism_of_run(summary, num_clients=3, min_clients=3, rounds=2)
+    # Execute
+    found = audit_mechanism(mech, canaries=1000, trials=1000, seed=0)
+    # Assert: the audit cannot test it and says that no audit up to the limit can
+    assert found["can_test_accountant"] is False and found["exceeds_accountant"] is None
+    assert found["trials_to_test_accountant"] is None
+    assert found["trials_to_test_accountant_more_than"] == MAX_TRIALS_TO_TEST == 10**12
+    (finding,) = findings({"attacks": {"canary": found}})
+    assert finding["code"] == "audit-cannot-test-accountant"
+    assert "--canary-trials" not in finding["message"]
+    if math.isfinite(epsilon):
+        assert "no audit of up to 1,000,000,000,000 trials can" in finding["message"]
+    else:
+        assert "no audit can: an infinite epsilon bounds nothing" in finding["message"]
+    assert any(line.startswith("finding [audit-cannot") for line in summary_lines(
+        {"attacks": {"canary": found}}
+    ))  # fmt: skip
 
 
 @pytest.mark.parametrize(("placement", "honest"), [("central", 0), ("distributed", 3)])
