@@ -398,7 +398,10 @@ def choose_targets(run: RunContext, count: int) -> list[int]:
     """``count`` training identities of the clients other than the curious one, round-robin.
 
     Deterministic: client by client in turn, each client's identities in sorted order, so the
-    targets spread over the sites. Identities the curious client also holds are skipped. In a
+    targets spread over the sites. Identities the curious client also holds are skipped, and
+    so is an identity already chosen from another site (an attribute partition splits an
+    identity's images over the clients whose predicates they match): each target is one
+    label of the judge and the gallery (:func:`audits.run_audit.target_data`). In a
     ``server-sees-heads`` run only the clients whose heads the server holds are drawn from
     (:func:`held_heads`): every target then has its row in the server's view.
     """
@@ -412,11 +415,13 @@ def choose_targets(run: RunContext, count: int) -> list[int]:
         if k != CURIOUS_CLIENT
     ]
     chosen: list[int] = []
+    taken: set[int] = set()
     depth = 0
     while len(chosen) < count and any(depth < len(p) for p in pools):
         for pool in pools:
-            if depth < len(pool) and len(chosen) < count:
+            if depth < len(pool) and len(chosen) < count and pool[depth] not in taken:
                 chosen.append(pool[depth])
+                taken.add(pool[depth])
         depth += 1
     if len(chosen) < 2:
         held = "" if run.exposure != "server-sees-heads" else " whose heads the server holds"

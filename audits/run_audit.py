@@ -137,7 +137,18 @@ def _remap(data: FaceDataset, identities: list[int]) -> FaceDataset:
 
 
 def target_data(run: RunContext, identities: list[int]) -> Targets:
-    """The targets' training images (judge) and test images (gallery), labels re-indexed."""
+    """The targets' training images (judge) and test images (gallery), labels re-indexed.
+
+    Raises:
+        ValueError: ``identities`` names an identity twice: its images would all carry the
+            label of one of its indices, and the other would be a target without images.
+    """
+    repeated = sorted({t for t in identities if identities.count(t) > 1})
+    if repeated:
+        raise ValueError(
+            f"target identities {repeated} are named more than once in {identities}: each "
+            "target must be a distinct identity"
+        )
     train = [c.train for c in run.plan.clients]
     test = [c.test for c in run.plan.clients]
 

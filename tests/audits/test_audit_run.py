@@ -649,6 +649,42 @@ def test_targets_come_from_the_clients_whose_heads_the_server_holds(
     assert {full.owner(t) for t in choose_targets(full, 10)} == {1, 2}
 
 
+def test_an_identity_split_over_sites_by_its_attributes_is_one_target(tmp_path: Path) -> None:
+    import torch
+
+    from audits.run_audit import target_data
+
+    # Prepare: an attribute partition splits identities by per-image attributes, so clients
+    # 1 (hat=0) and 2 (hat=1 & glasses=0) hold images of the same identities
+    raw = tomllib.loads(TINY.format(algorithm="fedavg"))
+    raw["partition"] = {
+        "kind": "attribute",
+        "num_clients": 3,
+        "clients": ["glasses=1 & hat=1", "hat=0", "hat=1 & glasses=0"],
+    }
+    raw["train"] |= {"rounds": 1, "local_epochs": 1}  # fmt: skip
+    run = load_run(write_simulated_run(config_from_dict(raw), tmp_path))
+    own = set(run.client_identities(0).tolist())
+    shared = set(run.client_identities(1).tolist()) & set(run.client_identities(2).tolist())
+    assert {6, 7, 8} <= shared - own
+    # Execute
+    targets = choose_targets(run, 6)
+    tg = target_data(run, targets)
+    # Assert: round-robin over [5, 6, 7, 8, 9, ...] and [6, 7, 8, 16, ...], each identity
+    # once; every target is a label with images of it, all of them
+    assert targets == [5, 6, 7, 8, 9, 16]
+    assert torch.bincount(tg.private.labels, minlength=6).min() > 0
+    assert len(tg.private) == sum(
+        int(np.isin(c.train.labels.numpy(), targets).sum()) for c in run.plan.clients
+    )
+    assert sorted(set(tg.gallery.labels.tolist())) == list(range(6))
+    found = audit_run(run.path, AuditSettings(attacks=("templates",), targets=6))
+    assert found["targets"]["identities"] == targets
+    # a repeated target is refused by name instead of leaving a label without images
+    with pytest.raises(ValueError, match=r"target identities \[6\] are named more than once"):
+        target_data(run, [5, 6, 6, 9])
+
+
 def test_a_head_whose_rows_do_not_fit_its_clients_share_is_refused(
     fedgc_run: Path, tmp_path: Path
 ) -> None:
