@@ -49,6 +49,7 @@ from audits.canary import (
     one_run_audit,
     threshold_bound,
 )
+from audits.observations import ckks_encrypted_layers
 from fl_secure.messages import Tensors, TensorSpec
 from privacy.client_level import (
     NoisyClippedSum,
@@ -103,7 +104,8 @@ def noise_contributors(placement: str, *, secure: bool, min_clients: int) -> int
     ``distributed``: the ``t = min_clients`` shares that together carry ``z C``. ``local``:
     under secure aggregation the server sees a sum of at least ``min_clients`` updates, each
     with its own ``z C``; without it, each client's update alone, so one share (the canary's
-    own). ``central`` (and no DP): honest clients add no noise.
+    own). ``central`` (and no DP): honest clients add no noise. ``secure`` is False for a
+    CKKS run that encrypted only some layers (:func:`secure_sum_of_every_layer`).
     """
     if placement == "distributed":
         return min_clients
@@ -112,13 +114,27 @@ def noise_contributors(placement: str, *, secure: bool, min_clients: int) -> int
     return 0
 
 
+def secure_sum_of_every_layer(summary: dict[str, Any]) -> bool:
+    """Whether the server saw only the sum of the clients' updates, in every shared layer.
+
+    Secure aggregation (SecAgg, SecAgg+, CKKS) hides each update behind the sum; a CKKS run
+    that encrypted only ``secure_aggregation.ckks_layers`` sent the other layers of each
+    client's update in the clear (:func:`audits.observations.ckks_encrypted_layers`, the
+    layers the audit's views also treat as seen one client at a time), and a canary on a
+    coordinate of those layers reaches the server with its own noise share only.
+    """
+    scheme = (summary.get("secure_aggregation") or {}).get("scheme") or "none"
+    if scheme == "none":
+        return False
+    return not (scheme == "ckks" and ckks_encrypted_layers(summary) is not None)
+
+
 def mechanism_of_run(summary: dict[str, Any], *, num_clients: int, min_clients: int,
                      rounds: int) -> Mechanism:  # fmt: skip
     """The mechanism a run's ``summary.json`` states (no client-level DP: plain averaging)."""
     privacy = summary.get("privacy") or {}
     unit = summary.get("privacy_unit") or "none"
     rounds_done = int(summary.get("rounds_completed") or rounds)
-    scheme = (summary.get("secure_aggregation") or {}).get("scheme") or "none"
     if unit != "client":
         return Mechanism(
             noise_multiplier=0.0,
@@ -142,7 +158,7 @@ def mechanism_of_run(summary: dict[str, Any], *, num_clients: int, min_clients: 
         rounds=int(privacy.get("rounds_accounted") or rounds_done),
         sample_rate=float(privacy.get("client_sample_rate") or 1.0),
         honest_clients=noise_contributors(
-            placement, secure=scheme != "none", min_clients=min_clients
+            placement, secure=secure_sum_of_every_layer(summary), min_clients=min_clients
         ),
         min_survivors=min_clients,
         delta=float(summary.get("delta") or privacy.get("delta") or NON_PRIVATE_DELTA),

@@ -288,15 +288,25 @@ def threat_model(run: RunContext) -> dict[str, str]:
 LEAKAGE_LAYER = ("backbone.embedding.weight", "backbone.embedding.bias")
 
 
+def ckks_encrypted_layers(summary: Mapping[str, Any]) -> list[str] | None:
+    """The layer prefixes a CKKS run encrypted (``ckks_layers``); None: every shared layer.
+
+    Read from ``summary.json``'s ``secure_aggregation.encrypted_layers`` (``"all"``, or the
+    run's ``secure_aggregation.ckks_layers``); a summary without it encrypted every layer.
+    """
+    sa = summary.get("secure_aggregation") or {}
+    layers = sa.get("encrypted_layers", "all")
+    return None if layers == "all" else [str(p) for p in layers]
+
+
 def _clear_under_ckks(run: RunContext) -> list[str]:
     """The attacked layer's tensors a CKKS run sent in the clear (``ckks_layers`` subset)."""
     if run.secure_aggregation != "ckks":
         return []
-    sa = run.summary.get("secure_aggregation") or {}
-    layers = sa.get("encrypted_layers", "all")
-    if layers == "all":
+    layers = ckks_encrypted_layers(run.summary)
+    if layers is None:
         return []
-    return [n for n in LEAKAGE_LAYER if not any(n.startswith(str(p)) for p in layers)]
+    return [n for n in LEAKAGE_LAYER if not any(n.startswith(p) for p in layers)]
 
 
 def observations(run: RunContext, targets: list[int]) -> list[View]:

@@ -746,6 +746,29 @@ def test_canaries_face_the_noise_of_the_fewest_honest_clients_a_round_has(
         assert found["epsilon_lower_bound"] > 1.0  # not vacuous (10 shares gave 0.3)
 
 
+@pytest.mark.parametrize(
+    ("encrypted", "contributors"),
+    [(["backbone.embedding"], 1), (["backbone.stages", "head"], 1), ("all", 3), (None, 3)],
+)  # fmt: skip
+def test_a_ckks_run_that_encrypts_some_layers_shows_each_clients_noise_share_alone(
+    encrypted: Any, contributors: int
+) -> None:
+    from audits.mechanism import release_std
+
+    # Prepare: local noise under CKKS; ckks_layers encrypts a subset (or every layer: "all",
+    # or a summary written without encrypted_layers)
+    z = calibrate_noise(target_epsilon=8.0, sample_rate=1.0, steps=8, delta=1e-5)
+    summary = _summary("local", "ckks", z, 8.0)
+    if encrypted is not None:
+        summary["secure_aggregation"]["encrypted_layers"] = encrypted
+    # Execute
+    mech = mechanism_of_run(summary, num_clients=10, min_clients=3, rounds=8)
+    # Assert: the layers left in the clear reach the server one client at a time, so a
+    # canary there carries one share z C; the encrypted sum carries min_clients of them
+    assert mech.honest_clients == contributors
+    assert release_std(mech) == pytest.approx(math.sqrt(contributors) * z * 1.0 / 3.0)
+
+
 def test_an_example_level_run_is_not_called_a_run_without_dp() -> None:
     summary = {"privacy_unit": "example", "epsilon": 2.0, "delta": 1e-5, "rounds_completed": 4}
     mech = mechanism_of_run(summary, num_clients=3, min_clients=3, rounds=4)
