@@ -182,7 +182,12 @@ def cached_evaluator(images: torch.Tensor, labels: torch.Tensor, cfg: EvaluatorC
 
 
 def public_faces(run: RunContext, settings: AuditSettings) -> tuple[torch.Tensor, str]:
-    """The attacker's public faces and a sentence saying what they are."""
+    """The attacker's public faces and a sentence saying what they are.
+
+    Raises:
+        ConfigError: fewer than 2 faces, in the ``--public`` folders or among the run's
+            held-out identities (which then needs ``--public``).
+    """
     size = run.config.data.image_size
     if settings.public_dir is not None:
         from fl_secure.data.folders import load_identity_folders
@@ -190,6 +195,11 @@ def public_faces(run: RunContext, settings: AuditSettings) -> tuple[torch.Tensor
         data = load_identity_folders(
             settings.public_dir, image_size=size, center_crop=settings.public_center_crop or None
         )
+        if len(data) < 2:  # the prior is a PCA of the faces: one face spans no direction
+            raise ConfigError(
+                f"--public {settings.public_dir} holds {len(data)} face image(s): the "
+                "attacker's prior (a PCA face space) needs at least 2"
+            )
         return data.images, (
             f"{len(data)} public face images of {data.num_identities} identities from "
             f"{settings.public_dir.name} (identity folders given with --public), none of them "

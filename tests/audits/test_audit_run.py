@@ -805,6 +805,26 @@ def test_layers_ckks_leaves_in_the_clear_are_each_clients_update_to_the_server(
         assert "backbone.embedding.weight" in " ".join(server.sees)
 
 
+def test_public_folders_with_one_face_are_refused_by_name(
+    fedgc_run: Path, tmp_path: Path, capsys
+) -> None:
+    from PIL import Image
+
+    # Prepare: --public folders holding a single face (the PCA prior needs two)
+    public = tmp_path / "public"
+    (public / "p0").mkdir(parents=True)
+    Image.fromarray(np.zeros((32, 32, 3), dtype=np.uint8)).save(public / "p0" / "0.png")
+    run = _copy_with_summary(fedgc_run, tmp_path / "run")
+    # Execute
+    code = main(["audit", "--run", str(run), "--attack", "inversion", "--public", str(public),
+                 "--steps", "1", "--quiet"])  # fmt: skip
+    # Assert: a usage error naming the option and the count, not a traceback
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"--public {public} holds 1 face image(s): the attacker's prior" in err
+    assert "Traceback" not in err
+
+
 def test_a_prior_fitted_on_public_folders_keeps_grids_out_unless_asked(
     fedgc_run: Path, tmp_path: Path
 ) -> None:
