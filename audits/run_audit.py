@@ -19,6 +19,8 @@ For a run directory this module
 
 Public faces (the attacker's prior and surrogate): by default the run's held-out identities'
 images, which no client trains on; ``public_dir`` replaces them (e.g. LFW for a run on ORL).
+Only the inversion attack uses them: an audit without it loads none, and so runs on a run
+without held-out identities.
 """
 
 from __future__ import annotations
@@ -612,10 +614,27 @@ def _audit_held(
     )
     bar = tqdm(total=len(stages), desc="audit", disable=not progress, unit="stage")
     attacks: dict[str, Any] = {}
-    public, public_text = public_faces(run, cfg)
-    prior = fit_face_prior(public, components=cfg.prior_components)
+    # only inversion uses public faces (its prior and surrogate): the other attacks run on a
+    # run without held-out identities and without --public
+    attacker_prior: dict[str, Any] = {
+        "public_faces": None,
+        "from_real_faces": False,
+        "prior": "none: only the inversion attack uses public faces, and it was not run",
+    }
+    prior_components = None
     evaluator = None
     if "inversion" in wants:
+        public, public_text = public_faces(run, cfg)
+        prior = fit_face_prior(public, components=cfg.prior_components)
+        prior_components = prior.basis.shape[0]
+        attacker_prior = {
+            "public_faces": public_text,
+            "from_real_faces": real_prior,  # --public folders: grids only with --include-images
+            "prior": f"PCA face space of the public faces ({prior_components} components), "
+            "Gaussian penalty on the whitened coefficients; BatchNorm statistics where the "
+            "backbone has BatchNorm (this backbone: "
+            f"{'yes' if _has_bn(run.model.backbone) else 'no, GroupNorm'})",
+        }
         bar.set_postfix_str("training the judge's evaluator")
         evaluator = cached_evaluator(
             tg.private.images, tg.private.labels, EvaluatorConfig(epochs=cfg.evaluator_epochs)
@@ -686,14 +705,7 @@ def _audit_held(
             "private_images": len(tg.private),
             "gallery_images": len(tg.gallery),
         },
-        "attacker_prior": {
-            "public_faces": public_text,
-            "from_real_faces": real_prior,  # --public folders: grids only with --include-images
-            "prior": f"PCA face space of the public faces ({prior.basis.shape[0]} components), "
-            "Gaussian penalty on the whitened coefficients; BatchNorm statistics where the "
-            "backbone has BatchNorm (this backbone: "
-            f"{'yes' if _has_bn(run.model.backbone) else 'no, GroupNorm'})",
-        },
+        "attacker_prior": attacker_prior,
         "judge": {
             "evaluator": "cnn-small + CosFace, trained only on the targets' own training images "
             f"({len(tg.private)}), which the attacker never sees; chance = 1 / targets for "
@@ -703,7 +715,7 @@ def _audit_held(
         "settings": {
             "steps": cfg.steps,
             "restarts": cfg.restarts,
-            "prior_components": prior.basis.shape[0],
+            "prior_components": prior_components,  # null: no inversion, no prior
             "evaluator_epochs": cfg.evaluator_epochs,
             "seed": cfg.seed,
         },

@@ -805,6 +805,31 @@ def test_layers_ckks_leaves_in_the_clear_are_each_clients_update_to_the_server(
         assert "backbone.embedding.weight" in " ".join(server.sees)
 
 
+def test_attacks_without_public_faces_audit_a_run_without_held_out_identities(
+    tmp_path: Path,
+) -> None:
+    # Prepare: a run that holds out no identity, so it has no stand-in for public faces
+    raw = tomllib.loads(TINY.format(algorithm="fedavg"))
+    raw["data"]["held_out_identities"] = 0
+    raw["train"] |= {"rounds": 1, "local_epochs": 1}
+    run = write_simulated_run(config_from_dict(raw), tmp_path)
+    quick = AuditSettings(attacks=("templates", "canary"), targets=4, canaries=200, trials=200)
+    # Execute
+    found = audit_run(run, quick)
+    # Assert: templates and canary ran (no DP: the canary bound sits at its cap) and the
+    # results say that no prior was fitted
+    assert found["attacker_prior"]["public_faces"] is None
+    assert found["settings"]["prior_components"] is None
+    templates = found["attacks"]["templates"]["server"]
+    assert templates["applicable"] is True and templates["chance"] == 0.25
+    canary = found["attacks"]["canary"]
+    assert canary["at_audit_cap"] is True
+    assert canary["epsilon_lower_bound"] == canary["largest_bound_this_audit_can_show"] > 0
+    # inversion needs the public faces: refused by name
+    with pytest.raises(ConfigError, match="no held-out identities: give public faces"):
+        audit_run(run, dataclasses.replace(quick, attacks=("inversion",)))
+
+
 def test_public_folders_with_one_face_are_refused_by_name(
     fedgc_run: Path, tmp_path: Path, capsys
 ) -> None:
