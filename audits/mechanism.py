@@ -50,6 +50,7 @@ from audits.canary import (
     threshold_bound,
 )
 from audits.observations import ckks_encrypted_layers
+from fl_secure.errors import CheckpointError
 from fl_secure.messages import Tensors, TensorSpec
 from privacy.client_level import (
     NoisyClippedSum,
@@ -130,11 +131,22 @@ def secure_sum_of_every_layer(summary: dict[str, Any]) -> bool:
 
 
 def mechanism_of_run(summary: dict[str, Any], *, num_clients: int, min_clients: int,
-                     rounds: int) -> Mechanism:  # fmt: skip
-    """The mechanism a run's ``summary.json`` states (no client-level DP: plain averaging)."""
-    privacy = summary.get("privacy") or {}
+                     rounds: int, source: str = "summary.json") -> Mechanism:  # fmt: skip
+    """The mechanism a run's ``summary.json`` states (no client-level DP: plain averaging).
+
+    Raises:
+        CheckpointError: naming ``source`` and the first privacy field of a client-level run
+            that is missing or of the wrong type (``privacy.noise_multiplier``,
+            ``privacy.clip_norm``, ``epsilon``, ``noise_placement``, ...), as
+            :func:`audits.run_audit.check_results` does for ``results.json``.
+    """
+    privacy = summary.get("privacy", {})
+    if privacy is None:
+        privacy = {}
+    if not isinstance(privacy, dict):
+        raise CheckpointError(f"{source} is damaged: privacy is {privacy!r}, not an object")
     unit = summary.get("privacy_unit") or "none"
-    rounds_done = int(summary.get("rounds_completed") or rounds)
+    rounds_done = int(_number(summary, "rounds_completed", source) or rounds)
     if unit != "client":
         return Mechanism(
             noise_multiplier=0.0,
@@ -149,21 +161,57 @@ def mechanism_of_run(summary: dict[str, Any], *, num_clients: int, min_clients: 
             accountant_epsilon=None,
             privacy_unit=str(unit),
         )
-    placement = str(summary.get("noise_placement") or privacy.get("noise_placement"))
+
+    def number(parent: dict[str, Any], key: str, where: str = "") -> float:
+        value = _number(parent, key, source, where=where)
+        if value is None:
+            name = f"{where}{key}"
+            raise CheckpointError(
+                f"{source} is damaged: {name} is missing (expected a number; a client-level "
+                "DP run states it)"
+            )
+        return value
+
+    placement = summary.get("noise_placement") or privacy.get("noise_placement")
+    if placement not in PLACEMENTS:
+        raise CheckpointError(
+            f"{source} is damaged: noise_placement is {placement!r}, not one of "
+            f"{', '.join(PLACEMENTS)} (a client-level DP run states it)"
+        )
+    delta = _number(summary, "delta", source) or _number(privacy, "delta", source, "privacy.")
     return Mechanism(
-        noise_multiplier=float(privacy["noise_multiplier"]),
-        clip_norm=float(privacy["clip_norm"]),
-        denominator=float(privacy.get("aggregate_denominator") or num_clients),
-        placement=placement,
-        rounds=int(privacy.get("rounds_accounted") or rounds_done),
-        sample_rate=float(privacy.get("client_sample_rate") or 1.0),
+        noise_multiplier=number(privacy, "noise_multiplier", "privacy."),
+        clip_norm=number(privacy, "clip_norm", "privacy."),
+        denominator=_number(privacy, "aggregate_denominator", source, "privacy.")
+        or float(num_clients),
+        placement=str(placement),
+        rounds=int(_number(privacy, "rounds_accounted", source, "privacy.") or rounds_done),
+        sample_rate=_number(privacy, "client_sample_rate", source, "privacy.") or 1.0,
         honest_clients=noise_contributors(
-            placement, secure=secure_sum_of_every_layer(summary), min_clients=min_clients
+            str(placement), secure=secure_sum_of_every_layer(summary), min_clients=min_clients
         ),
         min_survivors=min_clients,
-        delta=float(summary.get("delta") or privacy.get("delta") or NON_PRIVATE_DELTA),
-        accountant_epsilon=float(summary["epsilon"]),
+        delta=delta or NON_PRIVATE_DELTA,
+        accountant_epsilon=number(summary, "epsilon"),
     )
+
+
+#: The noise placements of a client-level DP run (``privacy.noise_placement``).
+PLACEMENTS = ("central", "local", "distributed")
+
+
+def _number(parent: dict[str, Any], key: str, source: str, where: str = "") -> float | None:
+    """``parent[key]`` as a float; None when absent or null.
+
+    Raises:
+        CheckpointError: the value is there but not a number (``where`` prefixes its name).
+    """
+    value = parent.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise CheckpointError(f"{source} is damaged: {where}{key} is {value!r}, not a number")
+    return float(value)
 
 
 #: Coordinates (canaries) per aggregation in :func:`canary_scores`.

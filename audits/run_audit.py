@@ -671,6 +671,7 @@ def _audit_held(
             num_clients=len(run.plan.clients),
             min_clients=run.config.server.min_clients,
             rounds=run.config.train.rounds,
+            source=str(run.path / "summary.json"),
         )
         size = audit_size(mech)
         attacks["canary"] = {

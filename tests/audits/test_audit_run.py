@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -767,6 +768,50 @@ def test_a_ckks_run_that_encrypts_some_layers_shows_each_clients_noise_share_alo
     # canary there carries one share z C; the encrypted sum carries min_clients of them
     assert mech.honest_clients == contributors
     assert release_std(mech) == pytest.approx(math.sqrt(contributors) * z * 1.0 / 3.0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("privacy.noise_multiplier", None, "privacy.noise_multiplier is missing (expected a"),
+        ("privacy.clip_norm", None, "privacy.clip_norm is missing (expected a number"),
+        ("privacy.clip_norm", "1.0", "privacy.clip_norm is '1.0', not a number"),
+        ("privacy.aggregate_denominator", True, "privacy.aggregate_denominator is True, not a"),
+        ("epsilon", None, "epsilon is missing (expected a number; a client-level DP run"),
+        ("noise_placement", None, "noise_placement is None, not one of central, local, distr"),
+        ("privacy", [], "privacy is [], not an object"),
+    ],
+)  # fmt: skip
+def test_a_summary_without_a_privacy_field_is_refused_by_name(
+    field: str, value: Any, message: str
+) -> None:
+    # Prepare: a client-level DP summary with one field removed (None) or damaged
+    summary = _summary("central", "none", 1.0, 8.0)
+    *parents, key = field.split(".")
+    node = summary[parents[0]] if parents else summary
+    if value is None:
+        del node[key]
+    else:
+        node[key] = value
+    # Execute / Assert: CheckpointError naming the file and the field, not a KeyError
+    with pytest.raises(CheckpointError, match=re.escape(f"RUN/summary.json is damaged: {message}")):
+        mechanism_of_run(summary, num_clients=3, min_clients=3, rounds=8,
+                         source="RUN/summary.json")  # fmt: skip
+
+
+def test_an_audit_names_the_privacy_field_its_run_summary_lacks(
+    fedgc_run: Path, tmp_path: Path
+) -> None:
+    run = _copy_with_summary(
+        fedgc_run, tmp_path / "run", privacy_unit="client", noise_placement="central",
+        epsilon=8.0, privacy={"clip_norm": 1.0},
+    )  # fmt: skip
+    with pytest.raises(CheckpointError) as refused:
+        audit_run(run, AuditSettings(attacks=("canary",), canaries=100, trials=100))
+    assert str(refused.value) == (
+        f"{run / 'summary.json'} is damaged: privacy.noise_multiplier is missing (expected a "
+        "number; a client-level DP run states it)"
+    )
 
 
 def test_an_example_level_run_is_not_called_a_run_without_dp() -> None:
