@@ -49,6 +49,8 @@ from audits.canary import (
     one_run_audit,
     threshold_bound,
 )
+from audits.observations import ckks_encrypted_layers
+from fl_secure.errors import CheckpointError
 from fl_secure.messages import Tensors, TensorSpec
 from privacy.client_level import (
     NoisyClippedSum,
@@ -103,7 +105,8 @@ def noise_contributors(placement: str, *, secure: bool, min_clients: int) -> int
     ``distributed``: the ``t = min_clients`` shares that together carry ``z C``. ``local``:
     under secure aggregation the server sees a sum of at least ``min_clients`` updates, each
     with its own ``z C``; without it, each client's update alone, so one share (the canary's
-    own). ``central`` (and no DP): honest clients add no noise.
+    own). ``central`` (and no DP): honest clients add no noise. ``secure`` is False for a
+    CKKS run that encrypted only some layers (:func:`secure_sum_of_every_layer`).
     """
     if placement == "distributed":
         return min_clients
@@ -112,13 +115,38 @@ def noise_contributors(placement: str, *, secure: bool, min_clients: int) -> int
     return 0
 
 
-def mechanism_of_run(summary: dict[str, Any], *, num_clients: int, min_clients: int,
-                     rounds: int) -> Mechanism:  # fmt: skip
-    """The mechanism a run's ``summary.json`` states (no client-level DP: plain averaging)."""
-    privacy = summary.get("privacy") or {}
-    unit = summary.get("privacy_unit") or "none"
-    rounds_done = int(summary.get("rounds_completed") or rounds)
+def secure_sum_of_every_layer(summary: dict[str, Any]) -> bool:
+    """Whether the server saw only the sum of the clients' updates, in every shared layer.
+
+    Secure aggregation (SecAgg, SecAgg+, CKKS) hides each update behind the sum; a CKKS run
+    that encrypted only ``secure_aggregation.ckks_layers`` sent the other layers of each
+    client's update in the clear (:func:`audits.observations.ckks_encrypted_layers`, the
+    layers the audit's views also treat as seen one client at a time), and a canary on a
+    coordinate of those layers reaches the server with its own noise share only.
+    """
     scheme = (summary.get("secure_aggregation") or {}).get("scheme") or "none"
+    if scheme == "none":
+        return False
+    return not (scheme == "ckks" and ckks_encrypted_layers(summary) is not None)
+
+
+def mechanism_of_run(summary: dict[str, Any], *, num_clients: int, min_clients: int,
+                     rounds: int, source: str = "summary.json") -> Mechanism:  # fmt: skip
+    """The mechanism a run's ``summary.json`` states (no client-level DP: plain averaging).
+
+    Raises:
+        CheckpointError: naming ``source`` and the first privacy field of a client-level run
+            that is missing or of the wrong type (``privacy.noise_multiplier``,
+            ``privacy.clip_norm``, ``epsilon``, ``noise_placement``, ...), as
+            :func:`audits.run_audit.check_results` does for ``results.json``.
+    """
+    privacy = summary.get("privacy", {})
+    if privacy is None:
+        privacy = {}
+    if not isinstance(privacy, dict):
+        raise CheckpointError(f"{source} is damaged: privacy is {privacy!r}, not an object")
+    unit = summary.get("privacy_unit") or "none"
+    rounds_done = int(_number(summary, "rounds_completed", source) or rounds)
     if unit != "client":
         return Mechanism(
             noise_multiplier=0.0,
@@ -133,21 +161,57 @@ def mechanism_of_run(summary: dict[str, Any], *, num_clients: int, min_clients: 
             accountant_epsilon=None,
             privacy_unit=str(unit),
         )
-    placement = str(summary.get("noise_placement") or privacy.get("noise_placement"))
+
+    def number(parent: dict[str, Any], key: str, where: str = "") -> float:
+        value = _number(parent, key, source, where=where)
+        if value is None:
+            name = f"{where}{key}"
+            raise CheckpointError(
+                f"{source} is damaged: {name} is missing (expected a number; a client-level "
+                "DP run states it)"
+            )
+        return value
+
+    placement = summary.get("noise_placement") or privacy.get("noise_placement")
+    if placement not in PLACEMENTS:
+        raise CheckpointError(
+            f"{source} is damaged: noise_placement is {placement!r}, not one of "
+            f"{', '.join(PLACEMENTS)} (a client-level DP run states it)"
+        )
+    delta = _number(summary, "delta", source) or _number(privacy, "delta", source, "privacy.")
     return Mechanism(
-        noise_multiplier=float(privacy["noise_multiplier"]),
-        clip_norm=float(privacy["clip_norm"]),
-        denominator=float(privacy.get("aggregate_denominator") or num_clients),
-        placement=placement,
-        rounds=int(privacy.get("rounds_accounted") or rounds_done),
-        sample_rate=float(privacy.get("client_sample_rate") or 1.0),
+        noise_multiplier=number(privacy, "noise_multiplier", "privacy."),
+        clip_norm=number(privacy, "clip_norm", "privacy."),
+        denominator=_number(privacy, "aggregate_denominator", source, "privacy.")
+        or float(num_clients),
+        placement=str(placement),
+        rounds=int(_number(privacy, "rounds_accounted", source, "privacy.") or rounds_done),
+        sample_rate=_number(privacy, "client_sample_rate", source, "privacy.") or 1.0,
         honest_clients=noise_contributors(
-            placement, secure=scheme != "none", min_clients=min_clients
+            str(placement), secure=secure_sum_of_every_layer(summary), min_clients=min_clients
         ),
         min_survivors=min_clients,
-        delta=float(summary.get("delta") or privacy.get("delta") or NON_PRIVATE_DELTA),
-        accountant_epsilon=float(summary["epsilon"]),
+        delta=delta or NON_PRIVATE_DELTA,
+        accountant_epsilon=number(summary, "epsilon"),
     )
+
+
+#: The noise placements of a client-level DP run (``privacy.noise_placement``).
+PLACEMENTS = ("central", "local", "distributed")
+
+
+def _number(parent: dict[str, Any], key: str, source: str, where: str = "") -> float | None:
+    """``parent[key]`` as a float; None when absent or null.
+
+    Raises:
+        CheckpointError: the value is there but not a number (``where`` prefixes its name).
+    """
+    value = parent.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise CheckpointError(f"{source} is damaged: {where}{key} is {value!r}, not a number")
+    return float(value)
 
 
 #: Coordinates (canaries) per aggregation in :func:`canary_scores`.
@@ -336,6 +400,9 @@ def audit_mechanism(
     # epsilon, the audit cannot refute it whatever the mechanism does
     largest = max(one_run.max_epsilon, cp.max_epsilon)
     refutable = accountant is not None and largest > accountant
+    needed = None if accountant is None or refutable else trials_to_test(
+        accountant, mech.delta, alpha / 2
+    )  # fmt: skip
     return {
         "what": "the client-level aggregation as implemented (privacy.client_level: clipping, "
         "noise shares / central noise, denominator), run with the run's z, C, W, placement, "
@@ -358,9 +425,12 @@ def audit_mechanism(
         "largest_bound_this_audit_can_show": largest,
         # null without a DP claim; false: no outcome of this audit could exceed the claim
         "can_test_accountant": None if accountant is None else refutable,
-        "trials_to_test_accountant": None
-        if accountant is None or refutable
-        else trials_to_test(accountant, mech.delta, alpha / 2),
+        # null when the audit can test the claim, or when more than MAX_TRIALS_TO_TEST trials
+        # would be needed (an infinite epsilon: no number of trials); the next field says so
+        "trials_to_test_accountant": needed,
+        "trials_to_test_accountant_more_than": MAX_TRIALS_TO_TEST
+        if accountant is not None and not refutable and needed is None
+        else None,
         # null when the audit cannot test the claim (it could not have said "exceeds")
         "exceeds_accountant": False
         if accountant is None
@@ -386,9 +456,9 @@ def audit_size(mech: Mechanism, alpha: float = DEFAULT_ALPHA) -> int:
     eps = mech.accountant_epsilon
     if eps is None:
         return MIN_AUDIT_TRIALS
-    if not math.isfinite(eps) or _perfect_bound(MAX_AUTO_TRIALS, mech.delta, alpha / 2) <= eps:
-        return MAX_AUTO_TRIALS
     need = trials_to_test(eps, mech.delta, alpha / 2)
+    if need is None or need > MAX_AUTO_TRIALS:
+        return MAX_AUTO_TRIALS
     return min(MAX_AUTO_TRIALS, max(MIN_AUDIT_TRIALS, math.ceil(1.25 * need / 2) * 2))
 
 
@@ -401,23 +471,59 @@ def _perfect_bound(n: int, delta: float, alpha: float) -> float:
     ).epsilon  # fmt: skip
 
 
-def trials_to_test(epsilon: float, delta: float, alpha: float) -> int:
+#: The most trials :func:`trials_to_test` names: an accountant's epsilon that needs more
+#: (above 25.46 at delta 1e-5 and 95% confidence) is reported as one no practical audit
+#: can test.
+MAX_TRIALS_TO_TEST = 10**12
+
+
+def perfect_attack_epsilon(n: float, delta: float, alpha: float) -> float:
+    """:func:`_perfect_bound` in closed form, in floats: valid for any number of trials.
+
+    With no error among ``h = n // 2`` trials each way, the one-sided Clopper-Pearson upper
+    bound on either rate at ``alpha / 2`` is ``p = 1 - (alpha / 2) ** (1 / h)``, and the bound
+    is ``max(log((1 - delta - p) / p), 0)`` (:func:`audits.canary.epsilon_from_rates`).
+    """
+    half = math.floor(n / 2)
+    if half < 1:
+        raise ValueError(f"need at least 2 trials, got {n}")
+    p = -math.expm1(math.log(alpha / 2) / half)
+    return max(math.log((1.0 - delta - p) / p), 0.0) if 1.0 - delta - p > 0 else 0.0
+
+
+def trials_to_test(
+    epsilon: float, delta: float, alpha: float, *, limit: int = MAX_TRIALS_TO_TEST
+) -> int | None:
     """The fewest trials whose Clopper-Pearson audit at ``alpha`` can show more than ``epsilon``.
 
     Half the trials run with the canary; a perfect attack's bound then exceeds ``epsilon``.
+    ``None`` when more than ``limit`` trials would be needed, or ``epsilon`` is not finite
+    (no number of trials can then show more).
+
+    The count follows from the closed form of :func:`perfect_attack_epsilon`: the bound of
+    ``2 h`` trials exceeds ``epsilon`` when ``p < (1 - delta) / (1 + e^epsilon)``, i.e. when
+    ``h > log(alpha / 2) / log(1 - (1 - delta) / (1 + e^epsilon))``. The last step is settled
+    on the bound the audit itself computes (:func:`_perfect_bound`), so that an audit of the
+    size named here can show more than ``epsilon``.
     """
+    if not math.isfinite(epsilon):
+        return None
+    # (1 - delta) / (1 + e^eps), without overflow for a large epsilon
+    ratio = (1.0 - delta) / (1.0 + math.exp(epsilon)) if epsilon < 0 else (
+        (1.0 - delta) * math.exp(-epsilon) / (1.0 + math.exp(-epsilon))
+    )  # fmt: skip
+    if ratio <= 0.0:
+        return None
+    need = math.log(alpha / 2) / math.log1p(-ratio)
+    if 2 * need > limit:
+        return None
+    half = max(1, math.floor(need) + 1)
 
-    def cap(n: int) -> float:
-        return _perfect_bound(n, delta, alpha)
+    def cap(h: int) -> float:
+        return _perfect_bound(2 * h, delta, alpha)
 
-    high = 2
-    while cap(high) <= epsilon:
-        high *= 2
-    low = high // 2  # cap(low) <= epsilon < cap(high)
-    while high - low > 2:
-        mid = (low + high) // 4 * 2
-        if cap(mid) > epsilon:
-            high = mid
-        else:
-            low = mid
-    return high
+    while half > 1 and cap(half - 1) > epsilon:
+        half -= 1
+    while cap(half) <= epsilon:
+        half += 1
+    return 2 * half if 2 * half <= limit else None

@@ -288,15 +288,25 @@ def threat_model(run: RunContext) -> dict[str, str]:
 LEAKAGE_LAYER = ("backbone.embedding.weight", "backbone.embedding.bias")
 
 
+def ckks_encrypted_layers(summary: Mapping[str, Any]) -> list[str] | None:
+    """The layer prefixes a CKKS run encrypted (``ckks_layers``); None: every shared layer.
+
+    Read from ``summary.json``'s ``secure_aggregation.encrypted_layers`` (``"all"``, or the
+    run's ``secure_aggregation.ckks_layers``); a summary without it encrypted every layer.
+    """
+    sa = summary.get("secure_aggregation") or {}
+    layers = sa.get("encrypted_layers", "all")
+    return None if layers == "all" else [str(p) for p in layers]
+
+
 def _clear_under_ckks(run: RunContext) -> list[str]:
     """The attacked layer's tensors a CKKS run sent in the clear (``ckks_layers`` subset)."""
     if run.secure_aggregation != "ckks":
         return []
-    sa = run.summary.get("secure_aggregation") or {}
-    layers = sa.get("encrypted_layers", "all")
-    if layers == "all":
+    layers = ckks_encrypted_layers(run.summary)
+    if layers is None:
         return []
-    return [n for n in LEAKAGE_LAYER if not any(n.startswith(str(p)) for p in layers)]
+    return [n for n in LEAKAGE_LAYER if not any(n.startswith(p) for p in layers)]
 
 
 def observations(run: RunContext, targets: list[int]) -> list[View]:
@@ -398,7 +408,10 @@ def choose_targets(run: RunContext, count: int) -> list[int]:
     """``count`` training identities of the clients other than the curious one, round-robin.
 
     Deterministic: client by client in turn, each client's identities in sorted order, so the
-    targets spread over the sites. Identities the curious client also holds are skipped. In a
+    targets spread over the sites. Identities the curious client also holds are skipped, and
+    so is an identity already chosen from another site (an attribute partition splits an
+    identity's images over the clients whose predicates they match): each target is one
+    label of the judge and the gallery (:func:`audits.run_audit.target_data`). In a
     ``server-sees-heads`` run only the clients whose heads the server holds are drawn from
     (:func:`held_heads`): every target then has its row in the server's view.
     """
@@ -412,11 +425,13 @@ def choose_targets(run: RunContext, count: int) -> list[int]:
         if k != CURIOUS_CLIENT
     ]
     chosen: list[int] = []
+    taken: set[int] = set()
     depth = 0
     while len(chosen) < count and any(depth < len(p) for p in pools):
         for pool in pools:
-            if depth < len(pool) and len(chosen) < count:
+            if depth < len(pool) and len(chosen) < count and pool[depth] not in taken:
                 chosen.append(pool[depth])
+                taken.add(pool[depth])
         depth += 1
     if len(chosen) < 2:
         held = "" if run.exposure != "server-sees-heads" else " whose heads the server holds"

@@ -19,6 +19,8 @@ For a run directory this module
 
 Public faces (the attacker's prior and surrogate): by default the run's held-out identities'
 images, which no client trains on; ``public_dir`` replaces them (e.g. LFW for a run on ORL).
+Only the inversion attack uses them: an audit without it loads none, and so runs on a run
+without held-out identities.
 """
 
 from __future__ import annotations
@@ -137,7 +139,18 @@ def _remap(data: FaceDataset, identities: list[int]) -> FaceDataset:
 
 
 def target_data(run: RunContext, identities: list[int]) -> Targets:
-    """The targets' training images (judge) and test images (gallery), labels re-indexed."""
+    """The targets' training images (judge) and test images (gallery), labels re-indexed.
+
+    Raises:
+        ValueError: ``identities`` names an identity twice: its images would all carry the
+            label of one of its indices, and the other would be a target without images.
+    """
+    repeated = sorted({t for t in identities if identities.count(t) > 1})
+    if repeated:
+        raise ValueError(
+            f"target identities {repeated} are named more than once in {identities}: each "
+            "target must be a distinct identity"
+        )
     train = [c.train for c in run.plan.clients]
     test = [c.test for c in run.plan.clients]
 
@@ -171,7 +184,12 @@ def cached_evaluator(images: torch.Tensor, labels: torch.Tensor, cfg: EvaluatorC
 
 
 def public_faces(run: RunContext, settings: AuditSettings) -> tuple[torch.Tensor, str]:
-    """The attacker's public faces and a sentence saying what they are."""
+    """The attacker's public faces and a sentence saying what they are.
+
+    Raises:
+        ConfigError: fewer than 2 faces, in the ``--public`` folders or among the run's
+            held-out identities (which then needs ``--public``).
+    """
     size = run.config.data.image_size
     if settings.public_dir is not None:
         from fl_secure.data.folders import load_identity_folders
@@ -179,6 +197,11 @@ def public_faces(run: RunContext, settings: AuditSettings) -> tuple[torch.Tensor
         data = load_identity_folders(
             settings.public_dir, image_size=size, center_crop=settings.public_center_crop or None
         )
+        if len(data) < 2:  # the prior is a PCA of the faces: one face spans no direction
+            raise ConfigError(
+                f"--public {settings.public_dir} holds {len(data)} face image(s): the "
+                "attacker's prior (a PCA face space) needs at least 2"
+            )
         return data.images, (
             f"{len(data)} public face images of {data.num_identities} identities from "
             f"{settings.public_dir.name} (identity folders given with --public), none of them "
@@ -591,10 +614,27 @@ def _audit_held(
     )
     bar = tqdm(total=len(stages), desc="audit", disable=not progress, unit="stage")
     attacks: dict[str, Any] = {}
-    public, public_text = public_faces(run, cfg)
-    prior = fit_face_prior(public, components=cfg.prior_components)
+    # only inversion uses public faces (its prior and surrogate): the other attacks run on a
+    # run without held-out identities and without --public
+    attacker_prior: dict[str, Any] = {
+        "public_faces": None,
+        "from_real_faces": False,
+        "prior": "none: only the inversion attack uses public faces, and it was not run",
+    }
+    prior_components = None
     evaluator = None
     if "inversion" in wants:
+        public, public_text = public_faces(run, cfg)
+        prior = fit_face_prior(public, components=cfg.prior_components)
+        prior_components = prior.basis.shape[0]
+        attacker_prior = {
+            "public_faces": public_text,
+            "from_real_faces": real_prior,  # --public folders: grids only with --include-images
+            "prior": f"PCA face space of the public faces ({prior_components} components), "
+            "Gaussian penalty on the whitened coefficients; BatchNorm statistics where the "
+            "backbone has BatchNorm (this backbone: "
+            f"{'yes' if _has_bn(run.model.backbone) else 'no, GroupNorm'})",
+        }
         bar.set_postfix_str("training the judge's evaluator")
         evaluator = cached_evaluator(
             tg.private.images, tg.private.labels, EvaluatorConfig(epochs=cfg.evaluator_epochs)
@@ -631,6 +671,7 @@ def _audit_held(
             num_clients=len(run.plan.clients),
             min_clients=run.config.server.min_clients,
             rounds=run.config.train.rounds,
+            source=str(run.path / "summary.json"),
         )
         size = audit_size(mech)
         attacks["canary"] = {
@@ -665,14 +706,7 @@ def _audit_held(
             "private_images": len(tg.private),
             "gallery_images": len(tg.gallery),
         },
-        "attacker_prior": {
-            "public_faces": public_text,
-            "from_real_faces": real_prior,  # --public folders: grids only with --include-images
-            "prior": f"PCA face space of the public faces ({prior.basis.shape[0]} components), "
-            "Gaussian penalty on the whitened coefficients; BatchNorm statistics where the "
-            "backbone has BatchNorm (this backbone: "
-            f"{'yes' if _has_bn(run.model.backbone) else 'no, GroupNorm'})",
-        },
+        "attacker_prior": attacker_prior,
         "judge": {
             "evaluator": "cnn-small + CosFace, trained only on the targets' own training images "
             f"({len(tg.private)}), which the attacker never sees; chance = 1 / targets for "
@@ -682,7 +716,7 @@ def _audit_held(
         "settings": {
             "steps": cfg.steps,
             "restarts": cfg.restarts,
-            "prior_components": prior.basis.shape[0],
+            "prior_components": prior_components,  # null: no inversion, no prior
             "evaluator_epochs": cfg.evaluator_epochs,
             "seed": cfg.seed,
         },
@@ -896,8 +930,7 @@ def findings(results: dict[str, Any]) -> list[dict[str, str]]:
         found["audit-cannot-test-accountant"] = [
             f"no outcome of this audit can show more than "
             f"{canary['largest_bound_this_audit_can_show']:.3f}, below the accountant's "
-            f"{canary['accountant_epsilon']:.3f}; --canary-trials "
-            f"{canary['trials_to_test_accountant']} can"
+            f"{canary['accountant_epsilon']:.3f}; {_trials_that_test(canary)}"
         ]
     lead = {
         "audit-inversion-identifies": "Model inversion produced faces that the independent "
@@ -909,13 +942,24 @@ def findings(results: dict[str, Any]) -> list[dict[str, str]]:
         "audit-exceeds-accountant": "The empirical epsilon lower bound exceeds the "
         "accountant's upper bound: the accounting or the mechanism as implemented is wrong "
         "(or, at 5% odds, the audit erred), and the stated guarantee cannot be relied on",
-        "audit-cannot-test-accountant": "The canary audit was too small to test the "
+        "audit-cannot-test-accountant": "The canary audit could not test the "
         "accountant's epsilon: even a mechanism with no noise would not have been flagged",
     }
     return [
         {"code": code, "message": f"{lead[code]}: " + "; ".join(items) + "."}
         for code, items in found.items()
     ]
+
+
+def _trials_that_test(canary: dict[str, Any]) -> str:
+    """How large a canary audit would test the accountant's epsilon, as the finding says it."""
+    needed = canary.get("trials_to_test_accountant")
+    if needed is not None:
+        return f"--canary-trials {needed} can"
+    if not math.isfinite(canary["accountant_epsilon"]):
+        return "no audit can: an infinite epsilon bounds nothing"
+    beyond = canary.get("trials_to_test_accountant_more_than")
+    return f"no audit of up to {beyond:,} trials can" if beyond else "no practical audit can"
 
 
 def summary_lines(results: dict[str, Any]) -> list[str]:

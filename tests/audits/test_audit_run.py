@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -315,7 +316,57 @@ def test_an_audit_sized_for_epsilon_8_can_refute_a_mechanism_without_noise() -> 
     # Assert: the sized audit can test the claim; it passes the honest mechanism and refutes
     # the broken one
     assert fair["can_test_accountant"] is True and fair["exceeds_accountant"] is False
+    assert fair["trials_to_test_accountant"] is None
+    assert fair["trials_to_test_accountant_more_than"] is None
+    assert small["trials_to_test_accountant_more_than"] is None
     assert broken["exceeds_accountant"] is True and broken["epsilon_lower_bound"] > 8.0
+
+
+def test_the_trials_that_test_a_claim_follow_the_closed_form_of_a_perfect_attack() -> None:
+    from audits.mechanism import _perfect_bound, perfect_attack_epsilon, trials_to_test
+
+    # the closed form 1 - (alpha / 2) ** (1 / h) is the exact Clopper-Pearson bound
+    for n in (2, 14, 1000, 26_130, 60_000, 1_000_000):
+        assert perfect_attack_epsilon(n, 1e-5, 0.025) == pytest.approx(
+            _perfect_bound(n, 1e-5, 0.025), rel=1e-12, abs=1e-12
+        )
+    # the fewest: n trials can show more than epsilon, n - 2 cannot, far beyond 2^63 / 2
+    for epsilon in (0.5, 8.0, 20.0, 25.0):
+        n = trials_to_test(epsilon, 1e-5, 0.025)
+        assert n is not None and n % 2 == 0
+        assert perfect_attack_epsilon(n, 1e-5, 0.025) > epsilon
+        assert perfect_attack_epsilon(n - 2, 1e-5, 0.025) <= epsilon
+    assert trials_to_test(20.0, 1e-5, 0.025) == 4_252_056_142  # (as the doubling search found)
+    # 10^12 trials show at most 25.46: a larger claim, or an infinite one, names no count
+    assert perfect_attack_epsilon(1e12, 1e-5, 0.025) == pytest.approx(25.46, abs=0.01)
+    for epsilon in (26.0, 42.5, 54.4, math.inf):
+        assert trials_to_test(epsilon, 1e-5, 0.025) is None
+    assert trials_to_test(12.0, 1e-5, 0.025, limit=1_000_000) is None  # needs 1,426,412
+
+
+@pytest.mark.parametrize("epsilon", [54.38, math.inf])
+def test_a_claim_no_practical_audit_can_test_is_reported_not_a_crash(epsilon: float) -> None:
+    from audits.mechanism import MAX_TRIALS_TO_TEST
+
+    # Prepare: z 0.2 over 2 rounds, the accountant's epsilon 54.4 (PLD), or no bound at all
+    summary = _summary("central", "none", 0.2, epsilon) | {"rounds_completed": 2}
+    mech = mechanism_of_run(summary, num_clients=3, min_clients=3, rounds=2)
+    # Execute
+    found = audit_mechanism(mech, canaries=1000, trials=1000, seed=0)
+    # Assert: the audit cannot test it and says that no audit up to the limit can
+    assert found["can_test_accountant"] is False and found["exceeds_accountant"] is None
+    assert found["trials_to_test_accountant"] is None
+    assert found["trials_to_test_accountant_more_than"] == MAX_TRIALS_TO_TEST == 10**12
+    (finding,) = findings({"attacks": {"canary": found}})
+    assert finding["code"] == "audit-cannot-test-accountant"
+    assert "--canary-trials" not in finding["message"]
+    if math.isfinite(epsilon):
+        assert "no audit of up to 1,000,000,000,000 trials can" in finding["message"]
+    else:
+        assert "no audit can: an infinite epsilon bounds nothing" in finding["message"]
+    assert any(line.startswith("finding [audit-cannot") for line in summary_lines(
+        {"attacks": {"canary": found}}
+    ))  # fmt: skip
 
 
 @pytest.mark.parametrize(("placement", "honest"), [("central", 0), ("distributed", 3)])
@@ -599,6 +650,42 @@ def test_targets_come_from_the_clients_whose_heads_the_server_holds(
     assert {full.owner(t) for t in choose_targets(full, 10)} == {1, 2}
 
 
+def test_an_identity_split_over_sites_by_its_attributes_is_one_target(tmp_path: Path) -> None:
+    import torch
+
+    from audits.run_audit import target_data
+
+    # Prepare: an attribute partition splits identities by per-image attributes, so clients
+    # 1 (hat=0) and 2 (hat=1 & glasses=0) hold images of the same identities
+    raw = tomllib.loads(TINY.format(algorithm="fedavg"))
+    raw["partition"] = {
+        "kind": "attribute",
+        "num_clients": 3,
+        "clients": ["glasses=1 & hat=1", "hat=0", "hat=1 & glasses=0"],
+    }
+    raw["train"] |= {"rounds": 1, "local_epochs": 1}  # fmt: skip
+    run = load_run(write_simulated_run(config_from_dict(raw), tmp_path))
+    own = set(run.client_identities(0).tolist())
+    shared = set(run.client_identities(1).tolist()) & set(run.client_identities(2).tolist())
+    assert {6, 7, 8} <= shared - own
+    # Execute
+    targets = choose_targets(run, 6)
+    tg = target_data(run, targets)
+    # Assert: round-robin over [5, 6, 7, 8, 9, ...] and [6, 7, 8, 16, ...], each identity
+    # once; every target is a label with images of it, all of them
+    assert targets == [5, 6, 7, 8, 9, 16]
+    assert torch.bincount(tg.private.labels, minlength=6).min() > 0
+    assert len(tg.private) == sum(
+        int(np.isin(c.train.labels.numpy(), targets).sum()) for c in run.plan.clients
+    )
+    assert sorted(set(tg.gallery.labels.tolist())) == list(range(6))
+    found = audit_run(run.path, AuditSettings(attacks=("templates",), targets=6))
+    assert found["targets"]["identities"] == targets
+    # a repeated target is refused by name instead of leaving a label without images
+    with pytest.raises(ValueError, match=r"target identities \[6\] are named more than once"):
+        target_data(run, [5, 6, 6, 9])
+
+
 def test_a_head_whose_rows_do_not_fit_its_clients_share_is_refused(
     fedgc_run: Path, tmp_path: Path
 ) -> None:
@@ -660,6 +747,73 @@ def test_canaries_face_the_noise_of_the_fewest_honest_clients_a_round_has(
         assert found["epsilon_lower_bound"] > 1.0  # not vacuous (10 shares gave 0.3)
 
 
+@pytest.mark.parametrize(
+    ("encrypted", "contributors"),
+    [(["backbone.embedding"], 1), (["backbone.stages", "head"], 1), ("all", 3), (None, 3)],
+)  # fmt: skip
+def test_a_ckks_run_that_encrypts_some_layers_shows_each_clients_noise_share_alone(
+    encrypted: Any, contributors: int
+) -> None:
+    from audits.mechanism import release_std
+
+    # Prepare: local noise under CKKS; ckks_layers encrypts a subset (or every layer: "all",
+    # or a summary written without encrypted_layers)
+    z = calibrate_noise(target_epsilon=8.0, sample_rate=1.0, steps=8, delta=1e-5)
+    summary = _summary("local", "ckks", z, 8.0)
+    if encrypted is not None:
+        summary["secure_aggregation"]["encrypted_layers"] = encrypted
+    # Execute
+    mech = mechanism_of_run(summary, num_clients=10, min_clients=3, rounds=8)
+    # Assert: the layers left in the clear reach the server one client at a time, so a
+    # canary there carries one share z C; the encrypted sum carries min_clients of them
+    assert mech.honest_clients == contributors
+    assert release_std(mech) == pytest.approx(math.sqrt(contributors) * z * 1.0 / 3.0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("privacy.noise_multiplier", None, "privacy.noise_multiplier is missing (expected a"),
+        ("privacy.clip_norm", None, "privacy.clip_norm is missing (expected a number"),
+        ("privacy.clip_norm", "1.0", "privacy.clip_norm is '1.0', not a number"),
+        ("privacy.aggregate_denominator", True, "privacy.aggregate_denominator is True, not a"),
+        ("epsilon", None, "epsilon is missing (expected a number; a client-level DP run"),
+        ("noise_placement", None, "noise_placement is None, not one of central, local, distr"),
+        ("privacy", [], "privacy is [], not an object"),
+    ],
+)  # fmt: skip
+def test_a_summary_without_a_privacy_field_is_refused_by_name(
+    field: str, value: Any, message: str
+) -> None:
+    # Prepare: a client-level DP summary with one field removed (None) or damaged
+    summary = _summary("central", "none", 1.0, 8.0)
+    *parents, key = field.split(".")
+    node = summary[parents[0]] if parents else summary
+    if value is None:
+        del node[key]
+    else:
+        node[key] = value
+    # Execute / Assert: CheckpointError naming the file and the field, not a KeyError
+    with pytest.raises(CheckpointError, match=re.escape(f"RUN/summary.json is damaged: {message}")):
+        mechanism_of_run(summary, num_clients=3, min_clients=3, rounds=8,
+                         source="RUN/summary.json")  # fmt: skip
+
+
+def test_an_audit_names_the_privacy_field_its_run_summary_lacks(
+    fedgc_run: Path, tmp_path: Path
+) -> None:
+    run = _copy_with_summary(
+        fedgc_run, tmp_path / "run", privacy_unit="client", noise_placement="central",
+        epsilon=8.0, privacy={"clip_norm": 1.0},
+    )  # fmt: skip
+    with pytest.raises(CheckpointError) as refused:
+        audit_run(run, AuditSettings(attacks=("canary",), canaries=100, trials=100))
+    assert str(refused.value) == (
+        f"{run / 'summary.json'} is damaged: privacy.noise_multiplier is missing (expected a "
+        "number; a client-level DP run states it)"
+    )
+
+
 def test_an_example_level_run_is_not_called_a_run_without_dp() -> None:
     summary = {"privacy_unit": "example", "epsilon": 2.0, "delta": 1e-5, "rounds_completed": 4}
     mech = mechanism_of_run(summary, num_clients=3, min_clients=3, rounds=4)
@@ -694,6 +848,51 @@ def test_layers_ckks_leaves_in_the_clear_are_each_clients_update_to_the_server(
     assert server.updates == server_sees
     if server_sees != "only the sum":
         assert "backbone.embedding.weight" in " ".join(server.sees)
+
+
+def test_attacks_without_public_faces_audit_a_run_without_held_out_identities(
+    tmp_path: Path,
+) -> None:
+    # Prepare: a run that holds out no identity, so it has no stand-in for public faces
+    raw = tomllib.loads(TINY.format(algorithm="fedavg"))
+    raw["data"]["held_out_identities"] = 0
+    raw["train"] |= {"rounds": 1, "local_epochs": 1}
+    run = write_simulated_run(config_from_dict(raw), tmp_path)
+    quick = AuditSettings(attacks=("templates", "canary"), targets=4, canaries=200, trials=200)
+    # Execute
+    found = audit_run(run, quick)
+    # Assert: templates and canary ran (no DP: the canary bound sits at its cap) and the
+    # results say that no prior was fitted
+    assert found["attacker_prior"]["public_faces"] is None
+    assert found["settings"]["prior_components"] is None
+    templates = found["attacks"]["templates"]["server"]
+    assert templates["applicable"] is True and templates["chance"] == 0.25
+    canary = found["attacks"]["canary"]
+    assert canary["at_audit_cap"] is True
+    assert canary["epsilon_lower_bound"] == canary["largest_bound_this_audit_can_show"] > 0
+    # inversion needs the public faces: refused by name
+    with pytest.raises(ConfigError, match="no held-out identities: give public faces"):
+        audit_run(run, dataclasses.replace(quick, attacks=("inversion",)))
+
+
+def test_public_folders_with_one_face_are_refused_by_name(
+    fedgc_run: Path, tmp_path: Path, capsys
+) -> None:
+    from PIL import Image
+
+    # Prepare: --public folders holding a single face (the PCA prior needs two)
+    public = tmp_path / "public"
+    (public / "p0").mkdir(parents=True)
+    Image.fromarray(np.zeros((32, 32, 3), dtype=np.uint8)).save(public / "p0" / "0.png")
+    run = _copy_with_summary(fedgc_run, tmp_path / "run")
+    # Execute
+    code = main(["audit", "--run", str(run), "--attack", "inversion", "--public", str(public),
+                 "--steps", "1", "--quiet"])  # fmt: skip
+    # Assert: a usage error naming the option and the count, not a traceback
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"--public {public} holds 1 face image(s): the attacker's prior" in err
+    assert "Traceback" not in err
 
 
 def test_a_prior_fitted_on_public_folders_keeps_grids_out_unless_asked(
