@@ -312,7 +312,7 @@ def _serve(
     """:func:`cmd_server` once this process holds the run directory."""
     from fl_secure.runs import removed_if_setup_fails
     from server.app import start_server
-    from server.setup import build_server, write_config
+    from server.setup import build_server, record_start, write_config
     from server.summary import build_summary
 
     _torch_threads(config.train.threads)
@@ -327,6 +327,7 @@ def _serve(
             cert_dir=None if args.insecure else args.certs,
         )
         side.coordinator.resume()
+        record_start(run)
         address = args.address or config.server.address
         server, port = start_server(
             side.coordinator, address, cert_dir=args.certs, insecure=args.insecure

@@ -230,8 +230,9 @@ class ServerPrivacy:
         """Mark that round ``round_``'s attempt may now show the server its updates or sum.
 
         Written (synced) before the attempt's tasks go out, and removed once what the
-        server saw is in the ledger: by :meth:`commit`, or by :meth:`end_release` after the
-        coordinator accounted a failed attempt (:meth:`discard_sum`). A server process that
+        server saw is in the ledger: by :meth:`commit`, or by :meth:`end_release` when the
+        coordinator has accounted a failed attempt (:meth:`discard_sum`) and starts the next
+        one, or ends the round. A server process that
         ends in between (killed, crashed) leaves the marker, and :meth:`resume` counts that
         attempt as a discarded sum: it may have seen the sum, the clients did release it, and
         the rerun releases the round again.

@@ -680,6 +680,8 @@ class Coordinator:
         last_shortfall = ""
         for attempt in range(self.settings.max_retries + 1):
             then = "retrying" if attempt < self.settings.max_retries else "aborting"
+            if self.privacy is not None:  # the last attempt ended, what it showed accounted
+                self.privacy.end_release()
             try:
                 online = self._wait_for_clients(needed)
             except RoundAborted as exc:

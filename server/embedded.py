@@ -24,7 +24,7 @@ from fl_secure.errors import CheckpointError
 from fl_secure.runs import RunDir, new_run_dir, removed_if_setup_fails
 from fl_secure.tls import init_certificates
 from server.app import load_enrollment, start_server
-from server.setup import build_server, preflight, write_config
+from server.setup import build_server, preflight, record_start, write_config
 from server.summary import build_summary
 
 log = logging.getLogger(__name__)
@@ -129,6 +129,7 @@ def _run_held(
         )
         coordinator = side.coordinator
         done = coordinator.resume()
+        record_start(run)
         server, port = start_server(
             coordinator, config.server.address, cert_dir=run.certs, insecure=insecure
         )

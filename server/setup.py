@@ -102,21 +102,28 @@ def _first_data_manifest(run_dir: RunDir, config: Config) -> dict[str, Any]:
     return recorded
 
 
-def _starts(run_dir: RunDir) -> list[str]:
-    """When the server started on this run (UTC, ISO 8601): the first start, then each resume.
+def _recorded_starts(run_dir: RunDir) -> list[str]:
+    """The server's starts on this run so far, as ``partition.json`` records them."""
+    previous = run_dir.path / "partition.json"
+    if not previous.is_file():
+        return []
+    recorded = read_json_object(previous, "the run's partition record").get("starts")
+    return [s for s in recorded if isinstance(s, str)] if isinstance(recorded, list) else []
 
-    Kept in ``partition.json`` so that the summary and the report state when the run began
-    and that it was resumed, not only the last start.
+
+def record_start(run_dir: RunDir) -> None:
+    """Add this start (UTC, ISO 8601) to ``partition.json``'s ``starts``: first, then resumes.
+
+    Called once :meth:`~server.coordinator.Coordinator.resume` accepted the run (a refused
+    resume never ran), so that the summary and the report state when the run began and each
+    time it was resumed, not only the last start.
     """
     from datetime import UTC, datetime
 
-    previous = run_dir.path / "partition.json"
-    starts: list[str] = []
-    if previous.is_file():
-        recorded = read_json_object(previous, "the run's partition record").get("starts")
-        if isinstance(recorded, list):
-            starts = [s for s in recorded if isinstance(s, str)]
-    return [*starts, datetime.now(UTC).isoformat(timespec="seconds")]
+    path = run_dir.path / "partition.json"
+    record = read_json_object(path, "the run's partition record")
+    record["starts"] = [*_recorded_starts(run_dir), datetime.now(UTC).isoformat(timespec="seconds")]
+    atomic_write_bytes(path, (json.dumps(record, indent=1) + "\n").encode())
 
 
 def build_server(
@@ -136,7 +143,7 @@ def build_server(
         "kind": config.partition.kind,
         **plan.manifest(),
         "data_manifest": _first_data_manifest(run_dir, config),
-        "starts": _starts(run_dir),
+        "starts": _recorded_starts(run_dir),  # this start is added once resume() accepts
     }
     atomic_write_bytes(
         run_dir.path / "partition.json", (json.dumps(manifest, indent=1) + "\n").encode()

@@ -612,6 +612,61 @@ def test_an_attempt_in_flight_when_the_server_died_is_counted_at_resume(tmp_path
     assert not central.inflight_path.exists()
 
 
+def test_a_failed_attempt_is_not_counted_again_when_the_retry_dies(tmp_path: Path) -> None:
+    # Prepare: local noise, three updates needed; two arrive in attempt 0, which then fails
+    # (counted: the server saw them), and the server process dies while attempt 1 waits
+    cfg = PrivacyConfig(unit="client", noise_placement="local", noise_multiplier=1.5)
+    coord = _coordinator(tmp_path, cfg, rounds=2, round_timeout=1.0)
+    for c in CLIENTS:
+        coord.join(c, 10)
+
+    class Killed(BaseException):
+        pass
+
+    waits = 0
+    real_wait = coord._wait_for_clients
+
+    def wait(needed: int) -> list[str]:
+        nonlocal waits
+        waits += 1
+        if waits == 2:
+            assert coord.privacy is not None
+            killed_with_marker.append(coord.privacy.inflight_path.exists())
+            raise Killed
+        return real_wait(needed)
+
+    killed_with_marker: list[bool] = []
+    coord._wait_for_clients = wait  # type: ignore[method-assign]
+    errors: list[BaseException] = []
+
+    def drive() -> None:
+        try:
+            coord.run()
+        except Killed as exc:
+            errors.append(exc)
+
+    driver = threading.Thread(target=drive)
+    driver.start()
+    senders = [threading.Thread(target=_submit, args=(coord, c)) for c in CLIENTS[:2]]
+    for s in senders:
+        s.start()
+    for s in senders:
+        s.join(timeout=30)
+    driver.join(timeout=30)
+    assert errors and killed_with_marker == [False]  # attempt 0 settled before attempt 1
+    assert coord.privacy is not None
+    coord.privacy.ledger.close()
+    # Execute: a restarted server resumes (no checkpoint yet)
+    again = _coordinator(tmp_path, cfg, rounds=2)
+    assert again.resume() == 0
+    assert again.privacy is not None
+    again.privacy.ledger.close()
+    # Assert: attempt 0's two updates counted once, nothing for the attempt never started
+    with Ledger.read(tmp_path / "ledger.sqlite") as ledger:
+        rows = [(e.kind, e.round, e.payload.get("attempt")) for e in ledger.entries()]
+    assert rows == [("discarded_sum", 1, 0)]
+
+
 def test_a_stop_after_plain_updates_arrived_counts_them(tmp_path: Path) -> None:
     # Prepare: local noise without secure aggregation: the server sees each update as it
     # arrives; round 1 completes, then two of round 2's three updates arrive
