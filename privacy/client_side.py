@@ -134,7 +134,10 @@ class ClientPrivacy:
             )
 
     def _load(self) -> None:
-        if self.state_path is None or not self.state_path.exists():
+        if self.state_path is None:
+            return
+        if not self.state_path.exists():
+            self._adopt_unkeyed_state()
             return
         try:
             state = json.loads(self.state_path.read_text(encoding="utf-8"))
@@ -160,6 +163,45 @@ class ClientPrivacy:
         log.info(
             "restored the accountant of run %r: epsilon %.4f so far", self.run_id, self.epsilon()
         )
+
+    def _adopt_unkeyed_state(self) -> None:
+        """Take over a state written before accountants were kept per run, if it may be ours.
+
+        Such a file (``privacy_accountant.json``) names no run: it may hold this run's
+        spending (a client upgraded in the middle of the run), so it is adopted, which at
+        worst counts another run's steps too (a client stops early, never late), and renamed
+        ``privacy_accountant.json.adopted`` so that no later run adopts it again. One written
+        by another accountant cannot be this run's (a run keeps its config): left alone.
+        """
+        assert self.state_path is not None
+        legacy = self.state_path.with_name("privacy_accountant.json")
+        if legacy == self.state_path or not legacy.exists():
+            return
+        try:
+            state = json.loads(legacy.read_text(encoding="utf-8"))
+            mechanism = state.get("mechanism") if isinstance(state, dict) else None
+        except (OSError, ValueError) as exc:
+            raise PrivacyError(f"cannot read the accountant state {legacy}: {exc}") from exc
+        if mechanism != self.accountant_name:
+            log.warning(
+                "%s was written by the %r accountant, not this run's %r: not this run's; left "
+                "as it is",
+                legacy,
+                mechanism,
+                self.accountant_name,
+            )
+            return
+        self.accountant.load_state_dict(state)
+        log.warning(
+            "%s names no run (written before accountants were kept per run): taken as this "
+            "run's spending so far, epsilon %.4f (if it is another run's, this client stops "
+            "early); kept from now on in %s",
+            legacy,
+            self.epsilon(),
+            self.state_path.name,
+        )
+        self._save()
+        legacy.replace(legacy.with_name(legacy.name + ".adopted"))
 
     def _save(self) -> None:
         if self.state_path is not None:

@@ -82,7 +82,6 @@ def _allocate(n: int, fractions: np.ndarray) -> np.ndarray:
     """Image counts per part: largest remainder, then at least one per part when possible."""
     if not (np.isfinite(fractions).all() and (fractions >= 0).all() and fractions.sum() > 0):
         raise DataError(f"cannot split by the shares {fractions.tolist()}: not finite shares")
-    fractions = fractions / fractions.sum()
     raw = n * fractions
     counts: np.ndarray = np.floor(raw).astype(np.int64)
     order = np.argsort(-(raw - counts), kind="stable")

@@ -165,7 +165,7 @@ def build_report(run_dir: Path) -> dict[str, Any]:
     # a NaN or infinite figure (summary.json may hold one; JSON has no such number) is
     # null, shown as n/a, and named in a warning
     not_numbers = _non_finite_to_null(report, "")
-    report["warnings"] = _warnings(report, config, metrics)
+    report["warnings"] = _warnings(report, config, metrics) + _site_warnings(report, run.path)
     if not_numbers:
         shown = ", ".join(not_numbers[:10]) + (", ..." if len(not_numbers) > 10 else "")
         report["warnings"].append(
@@ -877,7 +877,6 @@ def _warnings(
                 f"assumes ({p['sampling']} at rate {rate}); the stated epsilon may be low.",
             }
         )
-    w += _site_warnings(report)
     if report["run"]["status"] != "completed":
         w.append(
             {
@@ -889,8 +888,22 @@ def _warnings(
     return w
 
 
-def _site_warnings(report: dict[str, Any]) -> list[dict[str, str]]:
-    """Site ledgers that could not be read, and sites that released more than was accounted."""
+def _site_warnings(report: dict[str, Any], run_dir: Path) -> list[dict[str, str]]:
+    """Site ledgers that could not be read, and releases the run's ledger does not account.
+
+    A site's release of a round counts against the server only under local or distributed
+    noise (central noise trusts the server). Per round, the run accounts its completed round
+    and each discarded sum; a round with a failed attempt on record is left out (an attempt
+    that ended before its sum was unmasked released nothing to the server, and one that
+    did not is a discarded sum already). More releases than that in a round with no failed
+    attempt on record are unexplained: a server that died mid-round under a version that did
+    not mark attempts in flight, or a ledger that does not belong to these sites.
+    """
+    from collections import Counter
+
+    from fl_secure.errors import PrivacyError
+    from privacy.site_ledger import SiteLedger
+
     w: list[dict[str, str]] = []
     sites = report["sites"]["sites"]
     damaged = [s["client"] for s in sites if s["problem"]]
@@ -902,26 +915,37 @@ def _site_warnings(report: dict[str, Any]) -> list[dict[str, str]]:
                 "table): those sites' own figures are missing from this report.",
             }
         )
-    p = report["privacy"]
-    rounds, discarded = p.get("rounds_accounted"), p.get("discarded_sums_accounted") or 0
-    if p["privacy_unit"] != "client" or not isinstance(rounds, int):
+    if report["privacy"]["privacy_unit"] != "client" or not report["ledger"].get("present"):
         return w
-    accounted = rounds + (discarded if isinstance(discarded, int) else 0)
-    more = {
-        s["client"]: s["releases"]
-        for s in sites
-        if isinstance(s["releases"], int) and s["releases"] > accounted
-    }
-    if more:
+    accounted = Counter(r["round"] for r in report["ledger"].get("epsilon_by_round") or [])
+    with_failures = {f["round"] for f in report["run"]["failed_attempts"]}
+    unexplained: dict[str, list[int]] = {}
+    for site in sites:
+        if site["problem"]:
+            continue
+        try:
+            releases = SiteLedger(run_dir / "clients" / site["client"]).releases
+        except PrivacyError:  # pragma: no cover - read just above without a problem
+            continue
+        counted = Counter(
+            r.round
+            for r in releases
+            if r.unit == "client" and r.placement in ("local", "distributed")
+        )
+        rounds = sorted(
+            r for r, n in counted.items() if r not in with_failures and n > accounted[r]
+        )
+        if rounds:
+            unexplained[site["client"]] = rounds
+    if unexplained:
         w.append(
             {
                 "code": "sites-released-more",
-                "message": f"Sites released more updates than the run's ledger accounts "
-                f"({accounted}: {rounds} rounds and {discarded} discarded sums): {more}. The "
-                "difference is secure-aggregation attempts that ended before their sum was "
-                "unmasked (nothing reached the server) or releases the run did not account "
-                "(a server that died mid-round, under a version that did not mark attempts "
-                "in flight); each site's own figure in the sites table counts them all.",
+                "message": "Sites released more updates in some rounds than the run's ledger "
+                f"accounts for them, with no failed attempt on record: {unexplained} (site: "
+                "rounds). A server that died mid-round under a version that did not mark "
+                "attempts in flight leaves such releases unaccounted; each site's own figure "
+                "in the sites table counts them all.",
             }
         )
     return w

@@ -406,9 +406,18 @@ def test_site_figures_say_unbounded_damaged_and_released_more(
     warned = {w["code"]: w["message"] for w in report["warnings"]}
     assert "client-1" in warned["site-ledger-unreadable"]
     assert "non-finite-figures" not in warned  # the unbounded figures are stated as such
-    # the run accounted 3 rounds and no discarded sum; client-0 and client-2 released 4
-    assert "{'client-0': 4, 'client-2': 4}" in warned["sites-released-more"]
+    # client-2 released in a round the run's ledger does not account (13) with no failed
+    # attempt on record; client-0's extra release was under central noise (the server is
+    # trusted with it), so only client-2 is named
+    assert "{'client-2': [13]} (site: rounds)" in warned["sites-released-more"]
     assert "sites-released-more" not in {w["code"] for w in build_report(run_dir)["warnings"]}
+    # a retried round (a failed attempt on record) explains a second release of that round
+    _edit_json(sites / "client-2" / "site_ledger.json", lambda d: d["releases"][-1].update(round=2))
+    assert "sites-released-more" in {w["code"] for w in build_report(copy)["warnings"]}
+    with (copy / "metrics.jsonl").open("a") as metrics:
+        metrics.write(json.dumps({"kind": "aborted", "round": 2, "attempt": 0, "task": "train",
+                                  "reason": "2 of 3 needed updates arrived"}) + "\n")  # fmt: skip
+    assert "sites-released-more" not in {w["code"] for w in build_report(copy)["warnings"]}
 
 
 def test_audit_bounds_round_toward_the_safe_side() -> None:

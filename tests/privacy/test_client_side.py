@@ -101,6 +101,34 @@ def test_example_level_accountant_is_kept_per_run(tmp_path: Path) -> None:
         ClientPrivacy(rdp, num_examples=640, state_dir=tmp_path, run_id="a")
 
 
+def test_a_state_from_before_per_run_accountants_is_adopted(tmp_path: Path) -> None:
+    # Prepare: a client of an earlier version spent one round of run "a" into the unkeyed
+    # privacy_accountant.json (no run id), then was upgraded in the middle of the run
+    table = {
+        "train": {"rounds": 10, "local_epochs": 1, "batch_size": 32},
+        "privacy": {"unit": "example", "noise_multiplier": 1.0, "target_epsilon": 2.2},
+    }
+    cfg = config_from_dict(table)
+    old = ClientPrivacy(cfg, num_examples=640, state_dir=tmp_path)  # run id "": unkeyed
+    old.release(OrderedDict(w=np.zeros(3, np.float32)), {"local_steps": 20.0}, trained=True)
+    assert old.state_path == tmp_path / "privacy_accountant.json"
+    # Execute
+    upgraded = ClientPrivacy(cfg, num_examples=640, state_dir=tmp_path, run_id="a")
+    # Assert: its spending is not forgotten (the run's budget fits one round only)
+    assert old.epsilon() > 0
+    assert upgraded.epsilon() == pytest.approx(old.epsilon(), rel=1e-9)
+    assert not upgraded.may_train()
+    assert upgraded.state_path is not None and upgraded.state_path.exists()
+    # adopted once: a later run starts afresh, and the old file is kept under another name
+    assert ClientPrivacy(cfg, num_examples=640, state_dir=tmp_path, run_id="b").epsilon() == 0
+    assert (tmp_path / "privacy_accountant.json.adopted").exists()
+    # one written by another accountant is not this run's: left alone, not adopted
+    (tmp_path / "privacy_accountant.json.adopted").rename(tmp_path / "privacy_accountant.json")
+    rdp = config_from_dict({**table, "privacy": {**table["privacy"], "accountant": "rdp"}})
+    other = ClientPrivacy(rdp, num_examples=640, state_dir=tmp_path, run_id="c")
+    assert other.epsilon() == 0.0 and (tmp_path / "privacy_accountant.json").exists()
+
+
 def test_example_level_calibrates_to_the_target_over_the_planned_rounds() -> None:
     cfg = config_from_dict(
         {
