@@ -9,6 +9,8 @@ accuracy (threshold tuned on 9 folds) when the file has folds, plus ROC figures 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,15 @@ from fl_secure.config import Config, load_config
 from fl_secure.data.lfw import load_pair_images, read_pairs
 from fl_secure.data.plan import plan_federation
 from fl_secure.errors import CheckpointError, DataError
-from fl_secure.evaluation import VERIFICATION_FARS, eer, kfold_accuracy, roc_auc, tar_at_far
+from fl_secure.evaluation import (
+    VERIFICATION_FARS,
+    DegenerateEmbeddings,
+    eer,
+    kfold_accuracy,
+    normalise_rows,
+    roc_auc,
+    tar_at_far,
+)
 from fl_secure.models import load_pretrained
 from fl_secure.runs import RunDir
 from fl_secure.training import build_model, embed, evaluate_verification, load_checkpoint_into
@@ -49,7 +59,8 @@ def evaluate_run(
     ``pairs_with_training_identities_note`` saying why.
 
     Raises:
-        CheckpointError: not a run, or no checkpoint.
+        CheckpointError: not a run, no checkpoint, or a model whose embeddings are zero or
+            not finite (it diverged: no cosine to score).
         DataError: no held-out identities to score (use an LFW pairs file), an image
             missing or unreadable, or LFW options (``lfw_root``, ``center_crop``) without
             ``lfw_pairs``.
@@ -76,6 +87,8 @@ def evaluate_run(
                 f"({CENTRALIZED_BACKBONE}), no per-round checkpoints; drop --round"
             )
         load_pretrained(backbone, centralized)
+        source = f"the centralized run's final backbone {centralized}"
+        remedy = "train it again with a lower train.lr"
         result: dict[str, Any] = {"run": str(run_path), "round": config.train.rounds,
                                   "model": f"{CENTRALIZED_BACKBONE} (centralized run)"}  # fmt: skip
     else:
@@ -83,12 +96,9 @@ def evaluate_run(
         checkpoint = store.load(round_) if round_ is not None else store.latest()
         if checkpoint is None:
             raise CheckpointError(f"{run_path} has no checkpoint yet")
-        load_checkpoint_into(
-            backbone,
-            checkpoint.parameters,
-            source=f"the checkpoint of round {checkpoint.round} in {run.checkpoints}",
-            prefix="backbone.",
-        )
+        source = f"the checkpoint of round {checkpoint.round} in {run.checkpoints}"
+        remedy = "an earlier round's checkpoint may score: --round N"
+        load_checkpoint_into(backbone, checkpoint.parameters, source=source, prefix="backbone.")
         result = {"run": str(run_path), "round": checkpoint.round}
     if lfw_pairs is None:
         plan = plan_federation(config)
@@ -98,7 +108,8 @@ def evaluate_run(
                 "nothing of its own to score; use --lfw-pairs FILE --lfw-root DIR"
             )
         result["data"] = "held-out identities of the run"
-        result.update(evaluate_verification(backbone, plan.held_out))
+        with _scoring(source, remedy):
+            result.update(evaluate_verification(backbone, plan.held_out))
         return result
     if lfw_root is None:
         raise CheckpointError("--lfw-pairs needs --lfw-root (the folder of LFW images)")
@@ -108,7 +119,8 @@ def evaluate_run(
     protocol = read_pairs(lfw_pairs)
     images = load_pair_images(protocol, lfw_root, image_size=config.data.image_size,
                               center_crop=crop)  # fmt: skip
-    emb = embed(backbone, images.dataset.images)
+    with _scoring(source, remedy):  # unit rows in float64; a zero or non-finite one is refused
+        emb = normalise_rows(embed(backbone, images.dataset.images, unit=False))
     scores = np.sum(emb[images.left] * emb[images.right], axis=1)
     same = images.same.astype(bool)
     result["data"] = f"LFW pairs {lfw_pairs.name} ({len(protocol)} pairs)"
@@ -133,6 +145,22 @@ def evaluate_run(
         disjoint = _pair_metrics(scores[~seen], same[~seen], folds)
         result.update({f"disjoint_{k}": v for k, v in disjoint.items()})
     return result
+
+
+@contextmanager
+def _scoring(model: str, remedy: str) -> Iterator[None]:
+    """Score ``model``: embeddings that are zero or not finite raise a CheckpointError.
+
+    Such a model diverged (NaN/Inf or vanishing weights, or outputs beyond float range):
+    its pairs have no cosine, and figures computed anyway (zero vectors score 0 with
+    everything) would read as a model without skill.
+    """
+    try:
+        yield
+    except DegenerateEmbeddings as exc:
+        raise CheckpointError(
+            f"{model} cannot be scored: {exc}; the model diverged or is degenerate ({remedy})"
+        ) from exc
 
 
 def _pair_metrics(

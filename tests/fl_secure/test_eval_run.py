@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from sklearn.metrics import roc_auc_score
 
 from fl_secure.algorithms import FedPE
@@ -347,3 +348,59 @@ def test_a_centralized_domain_run_trained_on_its_source_client_only() -> None:
     assert len(pretraining_clients(config, plan)) == 1
     assert _trained_names(config, centralized=True) == source
     assert _trained_names(config) == _trained_names_of(config) > source
+
+
+def _scaled(run: RunDir, model, scale: float, prefix: str = "") -> None:
+    """Save round 3 again with the float weights under ``prefix`` multiplied by ``scale``."""
+    params = get_tensors(model, FedPE().shared_names(model))
+    for name, value in params.items():
+        if name.startswith(prefix) and value.dtype.kind == "f":
+            params[name] = (value * np.float32(scale)).astype(value.dtype)
+    CheckpointStore(run.checkpoints).save(3, params, {})
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e30])
+def test_a_model_with_degenerate_embeddings_is_refused_by_name_on_both_paths(
+    tmp_path: Path, scale: float, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fl_secure.cli import main
+
+    # Prepare: all weights zero (every embedding vanishes) or huge (outputs overflow)
+    (tmp_path / "run").mkdir()
+    config, run, model = _run(tmp_path / "run")
+    pairs, root = _pairs_of_the_runs_identities(tmp_path, config)
+    (run.path / "logs").mkdir()
+    _scaled(run, model, scale)
+    named = "the checkpoint of round 3 in .* cannot be scored: embedding rows .* zero or not fin"
+    # Execute / Assert: no figures of a model without a cosine (the LFW path used to print
+    # TAR 0 and AUC 0.5 for zero weights), and no traceback from the command
+    with pytest.raises(CheckpointError, match=named):
+        evaluate_run(run.path)
+    with pytest.raises(CheckpointError, match=named):
+        evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root)
+    for extra in ([], ["--lfw-pairs", str(pairs), "--lfw-root", str(root)]):
+        assert main(["eval", "--run", str(run.path), *extra]) == 2
+        assert "fl-secure: error: the checkpoint of round 3" in capsys.readouterr().err
+
+
+def test_lfw_pairs_score_embeddings_whose_norm_overflows_float32(tmp_path: Path) -> None:
+    # Prepare: the embedding layer scaled by 1e20: outputs stay finite in float32, but
+    # their norm (about 1e21) squared overflows it; the cosines are those of the unscaled
+    (tmp_path / "run").mkdir()
+    config, run, model = _run(tmp_path / "run")
+    pairs, root = _pairs_of_the_runs_identities(tmp_path, config)
+    (run.path / "logs").mkdir()
+    plain = evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root)
+    _scaled(run, model, 1e20, prefix="backbone.embedding.")
+    # Execute
+    found = evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root)
+    # Assert: the same figures, not those of zero vectors (AUC 0.5)
+    images = load_pair_images(read_pairs(pairs), root, image_size=32)
+    with torch.no_grad():  # the unscaled model's outputs, normalised in float64
+        raw = model.backbone.eval()(images.dataset.images).numpy().astype(np.float64)
+    unit = raw / np.linalg.norm(raw, axis=1, keepdims=True)
+    scores = np.sum(unit[images.left] * unit[images.right], axis=1)
+    assert len(np.unique(np.round(scores, 4))) == len(scores)  # no near-ties to reorder
+    assert found["roc_auc"] == pytest.approx(roc_auc_score(images.same, scores), abs=1e-9)
+    for key in ("roc_auc", "eer", "tar_at_far_1e-1"):
+        assert found[key] == pytest.approx(plain[key], abs=1e-9), key
