@@ -68,7 +68,8 @@ def simulate(
 
     Raises:
         RoundAborted: training diverged (an update, the global model or its embeddings not
-            finite), where the gRPC coordinator would abort the run.
+            finite), where the gRPC coordinator would abort the run; or the fine-tuning after
+            training did (:func:`fl_secure.tuning.evaluate_after_training`).
     """
     before = torch.get_num_threads()
     torch.set_num_threads(config.train.threads)

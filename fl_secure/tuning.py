@@ -12,6 +12,8 @@ it gets a freshly initialised head over its own identities, which the tuning fit
 Every score is :func:`fl_secure.training.evaluate_local` on the (tuned or untuned) backbone:
 verification over all pairs of the client's test images and rank-1 against its training
 images. It needs no head, so a private-head model is scored untuned on its embeddings alone.
+A model whose embeddings are zero or not finite (the tuning, or the training, diverged)
+aborts the run (:class:`~fl_secure.errors.RoundAborted`), as a diverged round does.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -27,7 +30,8 @@ import torch
 
 from fl_secure.config import Config
 from fl_secure.data.plan import ClientShare
-from fl_secure.evaluation import per_client_summary
+from fl_secure.errors import RoundAborted
+from fl_secure.evaluation import DegenerateEmbeddings, per_client_summary
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.training import (
     FaceModel,
@@ -63,18 +67,35 @@ def tuned_metrics(
     *,
     generator: torch.Generator,
     tune_on: LocalData | None = None,
+    client_id: str = "a client",
 ) -> dict[str, float]:
     """Load ``shared`` into a copy of ``model``, fine-tune it on ``tune_on``, score it on ``data``.
 
     ``tune_on`` defaults to ``data``; FedFR's target clients tune on their pseudo labels
     (:meth:`~fl_secure.algorithms.base.Strategy.training_data`) and are scored with their
     images' identities, as during training. ``model`` itself is left untouched (its private
-    head stays as training left it).
+    head stays as training left it). ``client_id`` names the client in errors.
+
+    Raises:
+        RoundAborted: the tuned model's embeddings are zero or not finite (the tuning
+            diverged).
     """
     tuned = copy.deepcopy(model)
     set_tensors(tuned, shared)
     train_local(tuned, data if tune_on is None else tune_on, task, generator=generator)
-    return evaluate_local(tuned.backbone, data)
+    with _diverged(
+        f"{client_id}'s model after fine-tuning", "the tuning diverged: lower eval.tune_lr"
+    ):
+        return evaluate_local(tuned.backbone, data)
+
+
+@contextmanager
+def _diverged(model: str, remedy: str) -> Iterator[None]:
+    """Scoring ``model``: degenerate embeddings abort the run as a diverged round does."""
+    try:
+        yield
+    except DegenerateEmbeddings as exc:
+        raise RoundAborted(f"{model}: its embeddings cannot be scored ({exc}; {remedy})") from exc
 
 
 def newcomer(config: Config, share: ClientShare, shared: Tensors) -> tuple[FaceModel, LocalData]:
@@ -123,6 +144,11 @@ def evaluate_after_training(
         ``held_out_clients_tuned`` (+ ``_summary``): per client id the figures of
         :func:`fl_secure.training.evaluate_local`; a group without clients, or tuned
         groups when ``eval.tune_steps = 0``, are left out.
+
+    Raises:
+        RoundAborted: naming the client, when a model's embeddings are zero or not finite
+            (its tuning, or the training, diverged): the experiment grid records the run as
+            aborted, as a diverged round.
     """
     task = tuning_task(config)
     tune = config.eval.tune_steps > 0
@@ -139,6 +165,7 @@ def evaluate_after_training(
                     task,
                     generator=_generator(seed, cid),
                     tune_on=(tune_on or {}).get(cid),
+                    client_id=cid,
                 )
                 for cid, (model, data) in trained.items()
             },
@@ -148,12 +175,14 @@ def evaluate_after_training(
     for k, share in enumerate(held_out_clients):
         cid = f"held-out-client-{k}"
         model, data = newcomer(config, share, shared)
-        untuned[cid] = evaluate_local(model.backbone, data)
+        joined = f"{cid} (joining after training) with the final global backbone"
+        with _diverged(joined, "training diverged: lower train.lr"):
+            untuned[cid] = evaluate_local(model.backbone, data)
         if tune:
             backbone_only = type(shared)(
                 (n, v) for n, v in shared.items() if n.startswith("backbone.")
             )
             tuned[cid] = tuned_metrics(
-                model, data, backbone_only, task, generator=_generator(seed, cid)
+                model, data, backbone_only, task, generator=_generator(seed, cid), client_id=cid
             )
     return result | _group("held_out_clients", untuned) | _group("held_out_clients_tuned", tuned)
