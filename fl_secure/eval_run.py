@@ -1,7 +1,9 @@
 """``fl-secure eval``: score a run's checkpoint on its held-out identities or an LFW pairs file.
 
 A centralized run (``fl-secure train --centralized``) is scored with the final backbone it
-saved (``backbone.safetensors``).
+saved (``backbone.safetensors``). A FedAffect run learns facial expressions, not identities:
+it is scored as its server scores it, by expression accuracy on the held-out identities'
+images, and LFW pairs (face verification) are refused for it.
 
 With ``--lfw-pairs`` the LFW protocol is followed: cosine scores of the listed pairs, 10-fold
 accuracy (threshold tuned on 9 folds) when the file has folds, plus ROC figures over all pairs.
@@ -16,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from fl_secure.checkpoints import CheckpointStore
+from fl_secure.checkpoints import Checkpoint, CheckpointStore
 from fl_secure.config import Config, load_config
 from fl_secure.data.lfw import load_pair_images, read_pairs
 from fl_secure.data.plan import plan_federation
@@ -58,12 +60,16 @@ def evaluate_run(
     their own data (a standalone server's run) that count is unknown: ``None``, with
     ``pairs_with_training_identities_note`` saying why.
 
+    A FedAffect run gives the server's figures of the checkpoint instead:
+    ``expression_accuracy`` and ``expression_majority`` (always answering the most frequent
+    expression).
+
     Raises:
         CheckpointError: not a run, no checkpoint, or a model whose embeddings are zero or
             not finite (it diverged: no cosine to score).
         DataError: no held-out identities to score (use an LFW pairs file), an image
-            missing or unreadable, or LFW options (``lfw_root``, ``center_crop``) without
-            ``lfw_pairs``.
+            missing or unreadable, LFW options (``lfw_root``, ``center_crop``) without
+            ``lfw_pairs``, or LFW pairs for a FedAffect run.
     """
     if lfw_pairs is None:  # options of the LFW protocol alone: not silently ignored
         options = {"--lfw-root": lfw_root, "--center-crop": center_crop}
@@ -78,9 +84,18 @@ def evaluate_run(
     if not run.config.exists():
         raise CheckpointError(f"{run_path} is not a run directory (no config.toml)")
     config = load_config(run.config)
-    backbone = build_model(config.model, 1, config.data.image_size, config.run.seed).backbone
     centralized = run.path / CENTRALIZED_BACKBONE
-    if centralized.is_file() and not run.checkpoints.exists():  # train --centralized
+    is_centralized = centralized.is_file() and not run.checkpoints.exists()
+    if config.algorithm.name == "fedaffect" and not is_centralized:
+        if lfw_pairs is not None:
+            raise DataError(
+                f"{run_path} is a FedAffect run: its model recognises facial expressions, not "
+                "identities, so LFW pairs (face verification) say nothing about it; drop "
+                "--lfw-pairs to score its expression accuracy on the held-out identities"
+            )
+        return _expression_scores(run, config, round_)
+    backbone = build_model(config.model, 1, config.data.image_size, config.run.seed).backbone
+    if is_centralized:  # train --centralized
         if round_ is not None:
             raise CheckpointError(
                 f"{run_path} is a centralized run: it keeps only its final backbone "
@@ -92,10 +107,7 @@ def evaluate_run(
         result: dict[str, Any] = {"run": str(run_path), "round": config.train.rounds,
                                   "model": f"{CENTRALIZED_BACKBONE} (centralized run)"}  # fmt: skip
     else:
-        store = CheckpointStore(run.checkpoints)
-        checkpoint = store.load(round_) if round_ is not None else store.latest()
-        if checkpoint is None:
-            raise CheckpointError(f"{run_path} has no checkpoint yet")
+        checkpoint = _checkpoint(run, round_)
         source = f"the checkpoint of round {checkpoint.round} in {run.checkpoints}"
         remedy = "an earlier round's checkpoint may score: --round N"
         load_checkpoint_into(backbone, checkpoint.parameters, source=source, prefix="backbone.")
@@ -145,6 +157,47 @@ def evaluate_run(
         disjoint = _pair_metrics(scores[~seen], same[~seen], folds)
         result.update({f"disjoint_{k}": v for k, v in disjoint.items()})
     return result
+
+
+def _checkpoint(run: RunDir, round_: int | None) -> Checkpoint:
+    """The checkpoint of ``round_`` (default: the latest).
+
+    Raises:
+        CheckpointError: there is none, or it is damaged.
+    """
+    store = CheckpointStore(run.checkpoints)
+    checkpoint = store.load(round_) if round_ is not None else store.latest()
+    if checkpoint is None:
+        raise CheckpointError(f"{run.path} has no checkpoint yet")
+    return checkpoint
+
+
+def _expression_scores(run: RunDir, config: Config, round_: int | None) -> dict[str, Any]:
+    """A FedAffect checkpoint scored as its server scores each round: expression accuracy."""
+    from fl_secure.algorithms.fedaffect import build_fedaffect_model
+    from server.setup import make_evaluator
+
+    checkpoint = _checkpoint(run, round_)
+    source = f"the checkpoint of round {checkpoint.round} in {run.checkpoints}"
+    model = build_fedaffect_model(
+        config.model, config.algorithm, config.data.image_size, config.run.seed
+    )
+    for part in ("backbone", "head"):  # the shared encoder f and relation module g
+        load_checkpoint_into(
+            getattr(model, part), checkpoint.parameters, source=source, prefix=f"{part}."
+        )
+    plan = plan_federation(config)
+    if len(plan.held_out) == 0:
+        raise DataError(
+            f"{run.path} holds out no identity (data.held_out_identities = 0): a FedAffect "
+            "run is scored on the held-out identities' expressions, and there are none"
+        )
+    return {
+        "run": str(run.path),
+        "round": checkpoint.round,
+        "data": "held-out identities of the run: expression recognition (FedAffect)",
+        **make_evaluator(config, plan)(checkpoint.parameters),
+    }
 
 
 @contextmanager

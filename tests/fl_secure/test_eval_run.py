@@ -404,3 +404,40 @@ def test_lfw_pairs_score_embeddings_whose_norm_overflows_float32(tmp_path: Path)
     assert found["roc_auc"] == pytest.approx(roc_auc_score(images.same, scores), abs=1e-9)
     for key in ("roc_auc", "eer", "tar_at_far_1e-1"):
         assert found[key] == pytest.approx(plain[key], abs=1e-9), key
+
+
+def test_a_fedaffect_run_is_scored_by_expression_accuracy_not_verification(
+    tmp_path: Path,
+) -> None:
+    from fl_secure.algorithms import get_strategy
+    from fl_secure.algorithms.fedaffect import build_fedaffect_model, make_expression_evaluator
+    from fl_secure.errors import DataError
+
+    # Prepare: a FedAffect run's checkpoint (shared: encoder f and relation module g)
+    config = config_from_dict({
+        "data": {"image_size": 32, "num_identities": 10, "images_per_identity": 10,
+                 "held_out_identities": 3, "expression_strength": 2.5},
+        "partition": {"num_clients": 2}, "server": {"min_clients": 1},
+        "model": {"backbone": "cnn-small", "embedding_size": 16},
+        "algorithm": {"name": "fedaffect", "labels_per_class": 3, "k_shot": 1, "n_query": 1,
+                      "projection_dim": 8, "relation_hidden": 8},
+    })  # fmt: skip
+    run = RunDir(tmp_path)
+    run.config.write_text(config_to_toml(config))
+    model = build_fedaffect_model(config.model, config.algorithm, 32, seed=11)
+    strategy = get_strategy("fedaffect", config.algorithm)
+    params = get_tensors(model, strategy.shared_names(model))
+    assert any(k.startswith("head.") for k in params)  # g travels with f
+    CheckpointStore(run.checkpoints).save(2, params, {})
+    (run.path / "logs").mkdir()
+    # Execute
+    found = evaluate_run(run.path)
+    # Assert: the server's figures of that model, and no identity verification
+    held_out = plan_federation(config).held_out
+    expected = make_expression_evaluator(config.model, config.algorithm, 32, 0, held_out)(params)
+    assert found["round"] == 2 and "tar_at_far_1e-1" not in found
+    assert found["expression_accuracy"] == pytest.approx(expected["expression_accuracy"])
+    assert found["expression_majority"] == pytest.approx(expected["expression_majority"])
+    pairs, root = tmp_path / "pairs.txt", tmp_path / "lfw"
+    with pytest.raises(DataError, match="FedAffect run: its model recognises facial expr"):
+        evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root)
