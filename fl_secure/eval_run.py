@@ -11,6 +11,7 @@ accuracy (threshold tuned on 9 folds) when the file has folds, plus ROC figures 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -94,7 +95,9 @@ def evaluate_run(
                 "--lfw-pairs to score its expression accuracy on the held-out identities"
             )
         return _expression_scores(run, config, round_)
-    backbone = build_model(config.model, 1, config.data.image_size, config.run.seed).backbone
+    # every weight comes from the checkpoint: the run's model.pretrained file is not needed
+    bare = dataclasses.replace(config.model, pretrained="")
+    backbone = build_model(bare, 1, config.data.image_size, config.run.seed).backbone
     if is_centralized:  # train --centralized
         if round_ is not None:
             raise CheckpointError(

@@ -441,3 +441,24 @@ def test_a_fedaffect_run_is_scored_by_expression_accuracy_not_verification(
     pairs, root = tmp_path / "pairs.txt", tmp_path / "lfw"
     with pytest.raises(DataError, match="FedAffect run: its model recognises facial expr"):
         evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root)
+
+
+def test_eval_needs_no_pretrained_weights_file_the_checkpoint_replaces(tmp_path: Path) -> None:
+    from fl_secure.models import save_weights
+
+    # Prepare: a run that started from model.pretrained weights, since moved away
+    start = tmp_path / "start.safetensors"
+    save_weights(build_model(config_from_dict(TINY).model, 1, 32, seed=5).backbone, start)
+    config = config_from_dict({**TINY, "model": {**TINY["model"], "pretrained": str(start)}})
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.config.write_text(config_to_toml(config))
+    model = build_model(config_from_dict(TINY).model, 1, 32, seed=11)
+    CheckpointStore(run.checkpoints).save(3, get_tensors(model, FedPE().shared_names(model)), {})
+    start.unlink()
+    # Execute: it used to stop on "weights file ... does not exist"
+    result = evaluate_run(run.path)
+    # Assert: the checkpoint's model is scored
+    expected = evaluate_verification(model.backbone, plan_federation(config).held_out)
+    for key, value in expected.items():
+        assert result[key] == pytest.approx(value, abs=1e-9), key
