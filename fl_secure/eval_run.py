@@ -23,7 +23,7 @@ from fl_secure.checkpoints import Checkpoint, CheckpointStore
 from fl_secure.config import Config, load_config
 from fl_secure.data.lfw import load_pair_images, read_pairs
 from fl_secure.data.plan import plan_federation
-from fl_secure.errors import CheckpointError, DataError
+from fl_secure.errors import CheckpointError, DataError, FlSecureError
 from fl_secure.evaluation import (
     VERIFICATION_FARS,
     DegenerateEmbeddings,
@@ -59,7 +59,10 @@ def evaluate_run(
     file the result counts the pairs that involve an identity the run's clients trained on
     and, when there are any, scores the pairs without them too; when the sites trained on
     their own data (a standalone server's run) that count is unknown: ``None``, with
-    ``pairs_with_training_identities_note`` saying why.
+    ``pairs_with_training_identities_note`` saying why. A model that started from
+    ``model.pretrained`` weights has seen the identities they trained on as well: those of the
+    (centralized) run whose ``config.toml`` is beside the weights file, counted too; without
+    that file the count is unknown (``None``, with the note).
 
     A FedAffect run gives the server's figures of the checkpoint instead:
     ``expression_accuracy`` and ``expression_majority`` (always answering the most frequent
@@ -141,14 +144,19 @@ def evaluate_run(
     result["data"] = f"LFW pairs {lfw_pairs.name} ({len(protocol)} pairs)"
     result["center_crop"] = crop
     result.update(_pair_metrics(scores, same, images.fold if protocol.num_folds > 1 else None))
-    unknown = _sites_own_data(run)
+    pretrained, pretrained_unknown = _pretraining_names(config)
+    unknown = _sites_own_data(run) or pretrained_unknown
     if unknown is not None:  # the server's [data] config says nothing of what the sites held
         result["pairs_with_training_identities"] = None
         result["pairs_with_training_identities_note"] = unknown
         return result
-    trained = _trained_names(
-        config, centralized=result.get("model", "").endswith("(centralized run)")
-    )
+    trained = _trained_names(config, centralized=is_centralized)
+    if config.model.pretrained:  # its backbone had seen identities before the run began
+        trained |= pretrained
+        result["pairs_with_training_identities_note"] = (
+            "counts the identities the model.pretrained backbone trained on too (its run's "
+            f"config.toml, beside {config.model.pretrained})"
+        )
     seen = np.array([p.name1 in trained or p.name2 in trained for p in protocol.pairs])
     result["pairs_with_training_identities"] = int(seen.sum())
     if seen.any() and (~seen & same).any() and (~seen & ~same).any():
@@ -258,6 +266,44 @@ def _sites_own_data(run: RunDir) -> str | None:
         "unknown: the run has no summary.json saying whose data its sites trained on (a "
         "standalone server's sites train on their own data, which the server never sees)"
     )
+
+
+def _pretraining_names(
+    config: Config, _seen: frozenset[Path] = frozenset()
+) -> tuple[set[str], str | None]:
+    """Names of the identities the run's ``model.pretrained`` weights trained on.
+
+    The weights of a centralized run (``backbone.safetensors``) have its ``config.toml``
+    beside them, whose data plan names them (and, if that run itself started from
+    pretrained weights, theirs too). Weights from anywhere else say nothing of their
+    training data. No ``model.pretrained``: no names.
+
+    Returns:
+        ``(names, None)``, or ``(set(), why)`` when they are unknown.
+    """
+    if not config.model.pretrained:
+        return set(), None
+    weights = Path(config.model.pretrained).resolve()
+    beside = weights.parent / "config.toml"
+    if weights in _seen:  # runs pretrained from each other in a loop: counted already
+        return set(), None
+    if not beside.is_file():
+        return set(), (
+            f"unknown: the model started from model.pretrained = {weights}, with no run's "
+            "config.toml beside it to say which identities trained it (a centralized run "
+            "keeps one beside its backbone.safetensors), so its overlap with the pairs' "
+            "identities cannot be counted"
+        )
+    try:
+        earlier = load_config(beside)
+        names = _trained_names(earlier, centralized=True)
+    except (FlSecureError, OSError) as exc:
+        return set(), (
+            f"unknown: the model started from model.pretrained = {weights}; the identities "
+            f"that trained it cannot be read from {beside}: {exc}"
+        )
+    more, unknown = _pretraining_names(earlier, _seen | {weights})
+    return (set(), unknown) if unknown is not None else (names | more, None)
 
 
 def _trained_names(config: Config, *, centralized: bool = False) -> set[str]:

@@ -462,3 +462,35 @@ def test_eval_needs_no_pretrained_weights_file_the_checkpoint_replaces(tmp_path:
     expected = evaluate_verification(model.backbone, plan_federation(config).held_out)
     for key, value in expected.items():
         assert result[key] == pytest.approx(value, abs=1e-9), key
+
+
+def test_lfw_overlap_counts_the_identities_a_pretrained_backbone_trained_on(
+    tmp_path: Path,
+) -> None:
+    from fl_secure.models import save_weights
+
+    # Prepare: a "centralized run" that trained on every identity, whose backbone another
+    # run started from; that run's clients trained on 10 of the 16 identities
+    (tmp_path / "run").mkdir()
+    config, run, model = _run(tmp_path / "run")
+    pairs, root = _pairs_of_the_runs_identities(tmp_path, config)
+    (run.path / "logs").mkdir()
+    assert evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root)[COUNT] == 2
+    earlier = tmp_path / "pretraining"
+    earlier.mkdir()
+    everyone = config_from_dict({**TINY, "data": {**TINY["data"], "held_out_identities": 0}})
+    (earlier / "config.toml").write_text(config_to_toml(everyone))
+    save_weights(model.backbone, earlier / "backbone.safetensors")
+    pretrained = {**TINY["model"], "pretrained": str(earlier / "backbone.safetensors")}
+    run.config.write_text(config_to_toml(config_from_dict({**TINY, "model": pretrained})))
+    # Execute
+    found = evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root)
+    # Assert: all 4 pairs name an identity the backbone saw (the 2 "held-out" ones in
+    # pretraining): none is left for the disjoint figures
+    assert found[COUNT] == 4 and "disjoint_roc_auc" not in found
+    assert "model.pretrained backbone trained on too" in found[f"{COUNT}_note"]
+    # weights without their run's config.toml: the overlap is unknown, not 2
+    (earlier / "config.toml").unlink()
+    found = evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root)
+    assert found[COUNT] is None and "disjoint_roc_auc" not in found
+    assert found[f"{COUNT}_note"].startswith("unknown: the model started from model.pretrained")
