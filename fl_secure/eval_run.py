@@ -7,6 +7,10 @@ images, and LFW pairs (face verification) are refused for it.
 
 With ``--lfw-pairs`` the LFW protocol is followed: cosine scores of the listed pairs, 10-fold
 accuracy (threshold tuned on 9 folds) when the file has folds, plus ROC figures over all pairs.
+The pairs whose identities no one trained on are scored apart (``disjoint_*``); dropping the
+others leaves folds with more genuine than impostor pairs (or the reverse), so instead of
+plain accuracy they report their ``num_genuine`` and ``num_impostor`` and the balanced
+accuracy (mean of TPR and TNR, threshold tuned on the other folds).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from fl_secure.evaluation import (
     DegenerateEmbeddings,
     eer,
     kfold_accuracy,
+    kfold_balanced_accuracy,
     normalise_rows,
     roc_auc,
     tar_at_far,
@@ -57,7 +62,8 @@ def evaluate_run(
     ``center_crop``: the LFW images' centre crop before resizing; default the run's
     ``data.center_crop`` (the crop the model trained on), ``0`` for none. With an LFW pairs
     file the result counts the pairs that involve an identity the run's clients trained on
-    and, when there are any, scores the pairs without them too; when the sites trained on
+    and, when there are any, scores the pairs without them too (``disjoint_*``: their
+    counts and balanced accuracy in place of plain accuracy); when the sites trained on
     their own data (a standalone server's run) that count is unknown: ``None``, with
     ``pairs_with_training_identities_note`` saying why. A model that started from
     ``model.pretrained`` weights has seen the identities they trained on as well: those of the
@@ -165,7 +171,7 @@ def evaluate_run(
         folds = images.fold[~seen] if protocol.num_folds > 1 else None
         if folds is not None and len(np.unique(folds)) < 2:
             folds = None
-        disjoint = _pair_metrics(scores[~seen], same[~seen], folds)
+        disjoint = _pair_metrics(scores[~seen], same[~seen], folds, subset=True)
         result.update({f"disjoint_{k}": v for k, v in disjoint.items()})
     return result
 
@@ -228,12 +234,26 @@ def _scoring(model: str, remedy: str) -> Iterator[None]:
 
 
 def _pair_metrics(
-    scores: np.ndarray, same: np.ndarray, folds: np.ndarray | None
+    scores: np.ndarray, same: np.ndarray, folds: np.ndarray | None, *, subset: bool = False
 ) -> dict[str, float]:
-    """10-fold accuracy (when the file has folds), TAR at each FAR, AUC and EER."""
+    """10-fold accuracy (when the file has folds), TAR at each FAR, AUC and EER.
+
+    LFW's folds hold as many genuine as impostor pairs, so plain accuracy is fair on them;
+    ``lfw_balanced_accuracy`` (mean of TPR and TNR, threshold tuned on the other folds)
+    is given beside it. A ``subset`` of the pairs (those left after dropping some) is no
+    longer balanced, and plain accuracy would reward a model that accepts everything: it
+    gets its ``num_genuine`` and ``num_impostor`` and the balanced accuracy alone.
+    """
     out: dict[str, float] = {}
+    if subset:
+        out["num_genuine"], out["num_impostor"] = int(same.sum()), int((~same).sum())
     if folds is not None:
-        out["lfw_accuracy_mean"], out["lfw_accuracy_std"] = kfold_accuracy(scores, same, folds)
+        if not subset:
+            mean, std = kfold_accuracy(scores, same, folds)
+            out["lfw_accuracy_mean"], out["lfw_accuracy_std"] = mean, std
+        outside = [same[folds != fold] for fold in np.unique(folds)]
+        if all(o.any() and not o.all() for o in outside):  # a threshold to tune for each
+            out["lfw_balanced_accuracy"] = kfold_balanced_accuracy(scores, same, folds)
     for name, far in VERIFICATION_FARS.items():
         out[f"tar_at_far_{name}"] = tar_at_far(scores, same, far)
     out["roc_auc"], out["eer"] = roc_auc(scores, same), eer(scores, same)

@@ -314,7 +314,7 @@ def test_disjoint_pairs_in_one_fold_keep_the_other_figures(
     # Assert: the 10-fold (here 2-fold) accuracy of all pairs, and the disjoint figures
     # that need no folds, over the four untrained pairs (checked against sklearn)
     assert found[COUNT] == 4 and "lfw_accuracy_mean" in found
-    assert "disjoint_lfw_accuracy_mean" not in found
+    assert "disjoint_lfw_balanced_accuracy" not in found and found["disjoint_num_genuine"] == 2
     images = load_pair_images(read_pairs(pairs), root, image_size=32)
     emb = embed(model.backbone, images.dataset.images)
     scores = np.sum(emb[images.left] * emb[images.right], axis=1)
@@ -494,3 +494,44 @@ def test_lfw_overlap_counts_the_identities_a_pretrained_backbone_trained_on(
     found = evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root)
     assert found[COUNT] is None and "disjoint_roc_auc" not in found
     assert found[f"{COUNT}_note"].startswith("unknown: the model started from model.pretrained")
+
+
+def test_disjoint_pairs_report_their_counts_and_balanced_accuracy(tmp_path: Path) -> None:
+    from PIL import Image
+
+    # Prepare: a model without skill (every embedding the same: its layer's bias) and a
+    # 2-fold pairs file; dropping the pairs that name a trained identity leaves 2 genuine
+    # and 1 impostor pair per fold, where accepting everything is right 2 times in 3
+    (tmp_path / "run").mkdir()
+    config, run, model = _run(tmp_path / "run")
+    (run.path / "logs").mkdir()
+    params = get_tensors(model, FedPE().shared_names(model))
+    params["backbone.embedding.weight"] = np.zeros_like(params["backbone.embedding.weight"])
+    CheckpointStore(run.checkpoints).save(3, params, {})
+    plan = plan_federation(config)
+    root = tmp_path / "lfw"
+    names = []
+    for dataset, count in ((plan.clients[0].train, 2), (plan.held_out, 4)):
+        for identity in dataset.identities()[:count]:
+            name = dataset.identity_names[int(identity)]
+            names.append(name)
+            (root / name).mkdir(parents=True)
+            for k, i in enumerate(np.flatnonzero(dataset.labels.numpy() == identity)[:2], 1):
+                pixels = (dataset.images[int(i)].permute(1, 2, 0).numpy() * 255).clip(0, 255)
+                Image.fromarray(pixels.astype(np.uint8)).save(root / name / f"{name}_{k:04d}.jpg")
+    t0, t1, h0, h1, h2, h3 = names
+    pairs = tmp_path / "pairs.txt"
+    pairs.write_text(
+        "2 2\n"
+        f"{h0} 1 2\n{h1} 1 2\n{h0} 1 {h1} 1\n{t0} 1 {t1} 1\n"
+        f"{h2} 1 2\n{h3} 1 2\n{h2} 1 {h3} 1\n{t0} 2 {h3} 2\n"
+    )
+    # Execute
+    found = evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root)
+    # Assert: the counts say how unbalanced the disjoint pairs are, and the balanced
+    # accuracy gives the model no credit (plain 10-fold accuracy would say 2/3)
+    assert found[COUNT] == 2 and found["roc_auc"] == 0.5
+    assert (found["disjoint_num_genuine"], found["disjoint_num_impostor"]) == (4, 2)
+    assert found["disjoint_lfw_balanced_accuracy"] == 0.5
+    assert "disjoint_lfw_accuracy_mean" not in found
+    assert found["lfw_balanced_accuracy"] == 0.5 and found["lfw_accuracy_mean"] == 0.5
