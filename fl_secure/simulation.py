@@ -208,6 +208,7 @@ def _simulate(
             plan.held_out_clients,
             params,
             tune_on={c: t.strategy.training_data(t.data) for c, t in trainers.items()},
+            strategies={c: t.strategy for c, t in trainers.items()},  # as final_clients
         ),
         "bytes_per_client": bytes_per_client(params, broadcast),  # one round's payload
         "duration_s": round(time.time() - started, 1),

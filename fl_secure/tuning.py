@@ -12,6 +12,9 @@ it gets a freshly initialised head over its own identities, which the tuning fit
 Every score is :func:`fl_secure.training.evaluate_local` on the (tuned or untuned) backbone:
 verification over all pairs of the client's test images and rank-1 against its training
 images. It needs no head, so a private-head model is scored untuned on its embeddings alone.
+A training client's tuned model is scored as its untuned one is, by the design's client-side
+scoring (:meth:`~fl_secure.algorithms.base.Strategy.evaluate_client`) with the client's
+private state (AdaFedFR's local adapter after the backbone), so the two compare one network.
 A model whose embeddings are zero or not finite (the tuning, or the training, diverged)
 aborts the run (:class:`~fl_secure.errors.RoundAborted`), as a diverged round does.
 """
@@ -23,7 +26,7 @@ import dataclasses
 import hashlib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -42,6 +45,9 @@ from fl_secure.training import (
     set_tensors,
     train_local,
 )
+
+if TYPE_CHECKING:
+    from fl_secure.algorithms.base import Strategy
 
 
 def tuning_task(config: Config) -> LocalTraining:
@@ -68,6 +74,7 @@ def tuned_metrics(
     generator: torch.Generator,
     tune_on: LocalData | None = None,
     client_id: str = "a client",
+    strategy: Strategy | None = None,
 ) -> dict[str, float]:
     """Load ``shared`` into a copy of ``model``, fine-tune it on ``tune_on``, score it on ``data``.
 
@@ -76,16 +83,25 @@ def tuned_metrics(
     images' identities, as during training. ``model`` itself is left untouched (its private
     head stays as training left it). ``client_id`` names the client in errors.
 
+    ``strategy``: the client's design, whose client-side scoring
+    (:meth:`~fl_secure.algorithms.base.Strategy.evaluate_client`) the copy is scored with,
+    carrying ``model``'s private state (AdaFedFR's adapter, which the tuning leaves as it
+    is); ``None`` scores the copy's backbone alone.
+
     Raises:
         RoundAborted: the tuned model's embeddings are zero or not finite (the tuning
             diverged).
     """
     tuned = copy.deepcopy(model)
     set_tensors(tuned, shared)
+    if strategy is not None:  # the design's state beside the model goes with the copy
+        strategy.restore_private_state(tuned, strategy.private_state(model))
     train_local(tuned, data if tune_on is None else tune_on, task, generator=generator)
     with _diverged(
         f"{client_id}'s model after fine-tuning", "the tuning diverged: lower eval.tune_lr"
     ):
+        if strategy is not None:
+            return strategy.evaluate_client(tuned, data)
         return evaluate_local(tuned.backbone, data)
 
 
@@ -127,6 +143,7 @@ def evaluate_after_training(
     shared: Tensors,
     *,
     tune_on: Mapping[str, LocalData] | None = None,
+    strategies: Mapping[str, Strategy] | None = None,
 ) -> dict[str, Any]:
     """Tuned scores of the training clients; untuned and tuned scores of held-out clients.
 
@@ -138,6 +155,10 @@ def evaluate_after_training(
         shared: the final global shared parameters.
         tune_on: training client id -> the data its fine-tuning trains on, where that is
             not its own data (see :func:`tuned_metrics`).
+        strategies: training client id -> its design (the strategy object that holds its
+            private state), whose client-side scoring its untuned scores used: the tuned
+            model is scored the same way (see :func:`tuned_metrics`). Without it, the
+            tuned backbone alone is scored.
 
     Returns:
         ``clients_tuned`` (+ ``_summary``), ``held_out_clients`` and
@@ -166,6 +187,7 @@ def evaluate_after_training(
                     generator=_generator(seed, cid),
                     tune_on=(tune_on or {}).get(cid),
                     client_id=cid,
+                    strategy=(strategies or {}).get(cid),
                 )
                 for cid, (model, data) in trained.items()
             },

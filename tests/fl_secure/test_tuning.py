@@ -157,3 +157,22 @@ def test_diverged_tuning_or_global_model_aborts_naming_the_client(tmp_path: Path
     untuned_only = dataclasses.replace(config, eval=dataclasses.replace(config.eval, tune_steps=0))
     with pytest.raises(RoundAborted, match=r"held-out-client-0 \(joining after training\)"):
         evaluate_after_training(untuned_only, {}, plan.held_out_clients, zeros)
+
+
+def test_adafedfr_tuned_and_untuned_scores_compare_the_same_network(tiny_adafedfr: Path) -> None:
+    from fl_secure.simulation import simulate
+
+    # Prepare: a tuning that cannot move the weights (lr 1e-30), and a real one
+    base = ["eval.tune_steps=2", "data.images_per_identity=8"]
+    still = load_config(tiny_adafedfr, [*base, "eval.tune_lr=1e-30"])
+    real = load_config(tiny_adafedfr, [*base, "eval.tune_lr=0.05"])
+    # Execute
+    found = simulate(still).summary
+    moved = simulate(real).summary
+    # Assert: a no-op tuning gives each client its untuned scores, which AdaFedFR computes
+    # through the client's adapter (the tuned ones used to leave it out); tuning does move
+    assert set(found["clients_tuned"]) == set(found["clients"]) == {"client-0", "client-1"}
+    assert any("tar_at_far_1e-1" in m for m in found["clients"].values())
+    for client, untuned in found["clients"].items():
+        assert found["clients_tuned"][client] == untuned, client
+    assert moved["clients"] == found["clients"] and moved["clients_tuned"] != found["clients"]
