@@ -9,7 +9,9 @@ read, and the FedFR run that starts from ``f_s`` pseudo-labels them with it.
 
 The reference the federated run is compared with ("at least 0.9x centralized training with the
 same backbone and passes"): same backbone, head kind, optimiser settings and number of passes
-over the data (rounds x local epochs), evaluated on the same held-out identities.
+over the data (rounds x local epochs), evaluated on the same held-out identities. With
+``train.local_steps`` a federated round trains that many batches on *each* client, so a
+centralized pass trains ``local_steps`` x (number of pooled clients) batches of the same size.
 
 A pass whose model diverges (parameters or held-out embeddings not finite) aborts the run as
 a diverged federated round does: ``metrics.jsonl`` ends with a ``"kind": "aborted"`` record,
@@ -18,6 +20,7 @@ a diverged federated round does: ``metrics.jsonl`` ends with a ``"kind": "aborte
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -84,6 +87,8 @@ def train_centralized_model(
     targets = torch.from_numpy(np.searchsorted(ids, train.labels.numpy()).astype(np.int64))
     data = LocalData(train=train, test=test, train_targets=targets, class_mask=None)
     training = local_training(config.train)
+    if training.local_steps:  # a federated round: local_steps batches on every client
+        training = dataclasses.replace(training, local_steps=training.local_steps * len(labelled))
     generator = torch.Generator().manual_seed(config.run.seed)
     history: list[dict[str, float]] = []
     optimizer = make_optimizer(model.parameters(), training)

@@ -121,3 +121,46 @@ def test_a_pretrained_model_without_embeddings_aborts_before_any_pass(tmp_path: 
     assert [(r["round"], r.get("kind")) for r in _records(run_dir)] == [(0, "aborted")]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "aborted" and summary["rounds_completed"] == 0
+
+
+@pytest.mark.parametrize(
+    ("partition", "clients", "local_steps", "batches"),
+    [
+        ("equal", 4, 3, 12),  # every client's 3 batches of a federated round, pooled
+        ("domain", 3, 3, 3),  # FedFR: the source client alone is pooled (and trained)
+        ("equal", 4, 0, None),  # local_epochs = 2: twice the pooled images' full batches
+    ],
+)
+def test_a_pass_trains_as_many_batches_as_a_federated_round(
+    monkeypatch: pytest.MonkeyPatch,
+    partition: str,
+    clients: int,
+    local_steps: int,
+    batches: int | None,
+) -> None:
+    import fl_secure.centralized as centralized
+    from fl_secure.centralized import pretraining_clients, train_centralized_model
+    from fl_secure.data.plan import plan_federation
+
+    # Prepare: count the batches each pass trains (the loop's own count)
+    real = centralized.train_local
+    counted: list[float] = []
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        metrics = real(*args, **kwargs)
+        counted.append(metrics["local_steps"])
+        return metrics
+
+    monkeypatch.setattr(centralized, "train_local", counting)
+    train = {"rounds": 2, "local_steps": local_steps, "local_epochs": 2, "batch_size": 8}
+    data = {**TINY["data"], "num_identities": 20, "held_out_identities": 2}
+    partitioned = {"kind": partition, "num_clients": clients}
+    config = config_from_dict({**TINY, "data": data, "train": train, "partition": partitioned})
+    plan = plan_federation(config)
+    pooled = sum(len(c.train) for c in pretraining_clients(config, plan))
+    assert all(len(c.train) >= 8 for c in plan.clients)  # full batches of 8 on every client
+    expected = 2 * (pooled // 8) if batches is None else batches
+    # Execute
+    train_centralized_model(config, plan)
+    # Assert: with local_steps, the batches of all pooled clients' rounds, not one client's
+    assert counted == [expected, expected]
