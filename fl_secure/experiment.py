@@ -25,9 +25,10 @@ held-out clients (``partition.held_out_clients``, joining after training), untun
 (``eval.tune_steps`` local batches; :mod:`fl_secure.tuning`), each as the mean over clients
 and as the std over clients (fairness), mean ± std over seeds.
 
-A run whose training diverges (NaN/Inf in an update, the global model or its embeddings)
-aborts as the gRPC coordinator aborts it: its row has ``status = aborted``, the ``reason``
-and no figures, ``results.md`` lists it, and the grid goes on with the next cell.
+A run whose training diverges (NaN/Inf in an update, the global model or its embeddings),
+or whose fine-tuning after training does, aborts as the gRPC coordinator aborts a run: its
+row has ``status = aborted``, the ``reason`` and no figures, ``results.md`` lists it, and the
+grid goes on with the next cell.
 """
 
 from __future__ import annotations

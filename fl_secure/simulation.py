@@ -68,7 +68,8 @@ def simulate(
 
     Raises:
         RoundAborted: training diverged (an update, the global model or its embeddings not
-            finite), where the gRPC coordinator would abort the run.
+            finite), where the gRPC coordinator would abort the run; or the fine-tuning after
+            training did (:func:`fl_secure.tuning.evaluate_after_training`).
     """
     before = torch.get_num_threads()
     torch.set_num_threads(config.train.threads)
@@ -207,6 +208,7 @@ def _simulate(
             plan.held_out_clients,
             params,
             tune_on={c: t.strategy.training_data(t.data) for c, t in trainers.items()},
+            strategies={c: t.strategy for c, t in trainers.items()},  # as final_clients
         ),
         "bytes_per_client": bytes_per_client(params, broadcast),  # one round's payload
         "duration_s": round(time.time() - started, 1),

@@ -257,13 +257,22 @@ def train_local(
 
 
 @torch.no_grad()
-def embed(backbone: nn.Module, images: torch.Tensor, batch_size: int = 256) -> np.ndarray:
-    """L2-normalised embeddings of ``images`` in evaluation mode."""
+def embed(
+    backbone: nn.Module, images: torch.Tensor, batch_size: int = 256, *, unit: bool = True
+) -> np.ndarray:
+    """Embeddings of ``images`` in evaluation mode, L2-normalised unless ``unit`` is False.
+
+    The float32 normalisation turns a zero row, or one whose norm overflows float32, into
+    zeros; ``unit=False`` returns the backbone's outputs as they are, for
+    :func:`fl_secure.evaluation.normalise_rows` (float64, refuses degenerate rows).
+    """
     was_training = backbone.training
     backbone.eval()
     outputs = [backbone(images[i : i + batch_size]) for i in range(0, len(images), batch_size)]
     backbone.train(was_training)
     emb = torch.cat(outputs) if outputs else torch.zeros(0, 1)
+    if not unit:
+        return emb.cpu().numpy()
     return torch.nn.functional.normalize(emb, dim=1).cpu().numpy()
 
 

@@ -12,6 +12,11 @@ it gets a freshly initialised head over its own identities, which the tuning fit
 Every score is :func:`fl_secure.training.evaluate_local` on the (tuned or untuned) backbone:
 verification over all pairs of the client's test images and rank-1 against its training
 images. It needs no head, so a private-head model is scored untuned on its embeddings alone.
+A training client's tuned model is scored as its untuned one is, by the design's client-side
+scoring (:meth:`~fl_secure.algorithms.base.Strategy.evaluate_client`) with the client's
+private state (AdaFedFR's local adapter after the backbone), so the two compare one network.
+A model whose embeddings are zero or not finite (the tuning, or the training, diverged)
+aborts the run (:class:`~fl_secure.errors.RoundAborted`), as a diverged round does.
 """
 
 from __future__ import annotations
@@ -19,15 +24,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from fl_secure.config import Config
 from fl_secure.data.plan import ClientShare
-from fl_secure.evaluation import per_client_summary
+from fl_secure.errors import RoundAborted
+from fl_secure.evaluation import DegenerateEmbeddings, per_client_summary
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.training import (
     FaceModel,
@@ -38,6 +45,9 @@ from fl_secure.training import (
     set_tensors,
     train_local,
 )
+
+if TYPE_CHECKING:
+    from fl_secure.algorithms.base import Strategy
 
 
 def tuning_task(config: Config) -> LocalTraining:
@@ -63,18 +73,45 @@ def tuned_metrics(
     *,
     generator: torch.Generator,
     tune_on: LocalData | None = None,
+    client_id: str = "a client",
+    strategy: Strategy | None = None,
 ) -> dict[str, float]:
     """Load ``shared`` into a copy of ``model``, fine-tune it on ``tune_on``, score it on ``data``.
 
     ``tune_on`` defaults to ``data``; FedFR's target clients tune on their pseudo labels
     (:meth:`~fl_secure.algorithms.base.Strategy.training_data`) and are scored with their
     images' identities, as during training. ``model`` itself is left untouched (its private
-    head stays as training left it).
+    head stays as training left it). ``client_id`` names the client in errors.
+
+    ``strategy``: the client's design, whose client-side scoring
+    (:meth:`~fl_secure.algorithms.base.Strategy.evaluate_client`) the copy is scored with,
+    carrying ``model``'s private state (AdaFedFR's adapter, which the tuning leaves as it
+    is); ``None`` scores the copy's backbone alone.
+
+    Raises:
+        RoundAborted: the tuned model's embeddings are zero or not finite (the tuning
+            diverged).
     """
     tuned = copy.deepcopy(model)
     set_tensors(tuned, shared)
+    if strategy is not None:  # the design's state beside the model goes with the copy
+        strategy.restore_private_state(tuned, strategy.private_state(model))
     train_local(tuned, data if tune_on is None else tune_on, task, generator=generator)
-    return evaluate_local(tuned.backbone, data)
+    with _diverged(
+        f"{client_id}'s model after fine-tuning", "the tuning diverged: lower eval.tune_lr"
+    ):
+        if strategy is not None:
+            return strategy.evaluate_client(tuned, data)
+        return evaluate_local(tuned.backbone, data)
+
+
+@contextmanager
+def _diverged(model: str, remedy: str) -> Iterator[None]:
+    """Scoring ``model``: degenerate embeddings abort the run as a diverged round does."""
+    try:
+        yield
+    except DegenerateEmbeddings as exc:
+        raise RoundAborted(f"{model}: its embeddings cannot be scored ({exc}; {remedy})") from exc
 
 
 def newcomer(config: Config, share: ClientShare, shared: Tensors) -> tuple[FaceModel, LocalData]:
@@ -106,6 +143,7 @@ def evaluate_after_training(
     shared: Tensors,
     *,
     tune_on: Mapping[str, LocalData] | None = None,
+    strategies: Mapping[str, Strategy] | None = None,
 ) -> dict[str, Any]:
     """Tuned scores of the training clients; untuned and tuned scores of held-out clients.
 
@@ -117,12 +155,21 @@ def evaluate_after_training(
         shared: the final global shared parameters.
         tune_on: training client id -> the data its fine-tuning trains on, where that is
             not its own data (see :func:`tuned_metrics`).
+        strategies: training client id -> its design (the strategy object that holds its
+            private state), whose client-side scoring its untuned scores used: the tuned
+            model is scored the same way (see :func:`tuned_metrics`). Without it, the
+            tuned backbone alone is scored.
 
     Returns:
         ``clients_tuned`` (+ ``_summary``), ``held_out_clients`` and
         ``held_out_clients_tuned`` (+ ``_summary``): per client id the figures of
         :func:`fl_secure.training.evaluate_local`; a group without clients, or tuned
         groups when ``eval.tune_steps = 0``, are left out.
+
+    Raises:
+        RoundAborted: naming the client, when a model's embeddings are zero or not finite
+            (its tuning, or the training, diverged): the experiment grid records the run as
+            aborted, as a diverged round.
     """
     task = tuning_task(config)
     tune = config.eval.tune_steps > 0
@@ -139,6 +186,8 @@ def evaluate_after_training(
                     task,
                     generator=_generator(seed, cid),
                     tune_on=(tune_on or {}).get(cid),
+                    client_id=cid,
+                    strategy=(strategies or {}).get(cid),
                 )
                 for cid, (model, data) in trained.items()
             },
@@ -148,12 +197,14 @@ def evaluate_after_training(
     for k, share in enumerate(held_out_clients):
         cid = f"held-out-client-{k}"
         model, data = newcomer(config, share, shared)
-        untuned[cid] = evaluate_local(model.backbone, data)
+        joined = f"{cid} (joining after training) with the final global backbone"
+        with _diverged(joined, "training diverged: lower train.lr"):
+            untuned[cid] = evaluate_local(model.backbone, data)
         if tune:
             backbone_only = type(shared)(
                 (n, v) for n, v in shared.items() if n.startswith("backbone.")
             )
             tuned[cid] = tuned_metrics(
-                model, data, backbone_only, task, generator=_generator(seed, cid)
+                model, data, backbone_only, task, generator=_generator(seed, cid), client_id=cid
             )
     return result | _group("held_out_clients", untuned) | _group("held_out_clients_tuned", tuned)

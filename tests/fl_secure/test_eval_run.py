@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from sklearn.metrics import roc_auc_score
 
 from fl_secure.algorithms import FedPE
@@ -313,7 +314,7 @@ def test_disjoint_pairs_in_one_fold_keep_the_other_figures(
     # Assert: the 10-fold (here 2-fold) accuracy of all pairs, and the disjoint figures
     # that need no folds, over the four untrained pairs (checked against sklearn)
     assert found[COUNT] == 4 and "lfw_accuracy_mean" in found
-    assert "disjoint_lfw_accuracy_mean" not in found
+    assert "disjoint_lfw_balanced_accuracy" not in found and found["disjoint_num_genuine"] == 2
     images = load_pair_images(read_pairs(pairs), root, image_size=32)
     emb = embed(model.backbone, images.dataset.images)
     scores = np.sum(emb[images.left] * emb[images.right], axis=1)
@@ -347,3 +348,190 @@ def test_a_centralized_domain_run_trained_on_its_source_client_only() -> None:
     assert len(pretraining_clients(config, plan)) == 1
     assert _trained_names(config, centralized=True) == source
     assert _trained_names(config) == _trained_names_of(config) > source
+
+
+def _scaled(run: RunDir, model, scale: float, prefix: str = "") -> None:
+    """Save round 3 again with the float weights under ``prefix`` multiplied by ``scale``."""
+    params = get_tensors(model, FedPE().shared_names(model))
+    for name, value in params.items():
+        if name.startswith(prefix) and value.dtype.kind == "f":
+            params[name] = (value * np.float32(scale)).astype(value.dtype)
+    CheckpointStore(run.checkpoints).save(3, params, {})
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e30])
+def test_a_model_with_degenerate_embeddings_is_refused_by_name_on_both_paths(
+    tmp_path: Path, scale: float, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fl_secure.cli import main
+
+    # Prepare: all weights zero (every embedding vanishes) or huge (outputs overflow)
+    (tmp_path / "run").mkdir()
+    config, run, model = _run(tmp_path / "run")
+    pairs, root = _pairs_of_the_runs_identities(tmp_path, config)
+    (run.path / "logs").mkdir()
+    _scaled(run, model, scale)
+    named = "the checkpoint of round 3 in .* cannot be scored: embedding rows .* zero or not fin"
+    # Execute / Assert: no figures of a model without a cosine (the LFW path used to print
+    # TAR 0 and AUC 0.5 for zero weights), and no traceback from the command
+    with pytest.raises(CheckpointError, match=named):
+        evaluate_run(run.path)
+    with pytest.raises(CheckpointError, match=named):
+        evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root)
+    for extra in ([], ["--lfw-pairs", str(pairs), "--lfw-root", str(root)]):
+        assert main(["eval", "--run", str(run.path), *extra]) == 2
+        assert "fl-secure: error: the checkpoint of round 3" in capsys.readouterr().err
+
+
+def test_lfw_pairs_score_embeddings_whose_norm_overflows_float32(tmp_path: Path) -> None:
+    # Prepare: the embedding layer scaled by 1e20: outputs stay finite in float32, but
+    # their norm (about 1e21) squared overflows it; the cosines are those of the unscaled
+    (tmp_path / "run").mkdir()
+    config, run, model = _run(tmp_path / "run")
+    pairs, root = _pairs_of_the_runs_identities(tmp_path, config)
+    (run.path / "logs").mkdir()
+    plain = evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root)
+    _scaled(run, model, 1e20, prefix="backbone.embedding.")
+    # Execute
+    found = evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root)
+    # Assert: the same figures, not those of zero vectors (AUC 0.5)
+    images = load_pair_images(read_pairs(pairs), root, image_size=32)
+    with torch.no_grad():  # the unscaled model's outputs, normalised in float64
+        raw = model.backbone.eval()(images.dataset.images).numpy().astype(np.float64)
+    unit = raw / np.linalg.norm(raw, axis=1, keepdims=True)
+    scores = np.sum(unit[images.left] * unit[images.right], axis=1)
+    assert len(np.unique(np.round(scores, 4))) == len(scores)  # no near-ties to reorder
+    assert found["roc_auc"] == pytest.approx(roc_auc_score(images.same, scores), abs=1e-9)
+    for key in ("roc_auc", "eer", "tar_at_far_1e-1"):
+        assert found[key] == pytest.approx(plain[key], abs=1e-9), key
+
+
+def test_a_fedaffect_run_is_scored_by_expression_accuracy_not_verification(
+    tmp_path: Path,
+) -> None:
+    from fl_secure.algorithms import get_strategy
+    from fl_secure.algorithms.fedaffect import build_fedaffect_model, make_expression_evaluator
+    from fl_secure.errors import DataError
+
+    # Prepare: a FedAffect run's checkpoint (shared: encoder f and relation module g)
+    config = config_from_dict({
+        "data": {"image_size": 32, "num_identities": 10, "images_per_identity": 10,
+                 "held_out_identities": 3, "expression_strength": 2.5},
+        "partition": {"num_clients": 2}, "server": {"min_clients": 1},
+        "model": {"backbone": "cnn-small", "embedding_size": 16},
+        "algorithm": {"name": "fedaffect", "labels_per_class": 3, "k_shot": 1, "n_query": 1,
+                      "projection_dim": 8, "relation_hidden": 8},
+    })  # fmt: skip
+    run = RunDir(tmp_path)
+    run.config.write_text(config_to_toml(config))
+    model = build_fedaffect_model(config.model, config.algorithm, 32, seed=11)
+    strategy = get_strategy("fedaffect", config.algorithm)
+    params = get_tensors(model, strategy.shared_names(model))
+    assert any(k.startswith("head.") for k in params)  # g travels with f
+    CheckpointStore(run.checkpoints).save(2, params, {})
+    (run.path / "logs").mkdir()
+    # Execute
+    found = evaluate_run(run.path)
+    # Assert: the server's figures of that model, and no identity verification
+    held_out = plan_federation(config).held_out
+    expected = make_expression_evaluator(config.model, config.algorithm, 32, 0, held_out)(params)
+    assert found["round"] == 2 and "tar_at_far_1e-1" not in found
+    assert found["expression_accuracy"] == pytest.approx(expected["expression_accuracy"])
+    assert found["expression_majority"] == pytest.approx(expected["expression_majority"])
+    pairs, root = tmp_path / "pairs.txt", tmp_path / "lfw"
+    with pytest.raises(DataError, match="FedAffect run: its model recognises facial expr"):
+        evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root)
+
+
+def test_eval_needs_no_pretrained_weights_file_the_checkpoint_replaces(tmp_path: Path) -> None:
+    from fl_secure.models import save_weights
+
+    # Prepare: a run that started from model.pretrained weights, since moved away
+    start = tmp_path / "start.safetensors"
+    save_weights(build_model(config_from_dict(TINY).model, 1, 32, seed=5).backbone, start)
+    config = config_from_dict({**TINY, "model": {**TINY["model"], "pretrained": str(start)}})
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.config.write_text(config_to_toml(config))
+    model = build_model(config_from_dict(TINY).model, 1, 32, seed=11)
+    CheckpointStore(run.checkpoints).save(3, get_tensors(model, FedPE().shared_names(model)), {})
+    start.unlink()
+    # Execute: it used to stop on "weights file ... does not exist"
+    result = evaluate_run(run.path)
+    # Assert: the checkpoint's model is scored
+    expected = evaluate_verification(model.backbone, plan_federation(config).held_out)
+    for key, value in expected.items():
+        assert result[key] == pytest.approx(value, abs=1e-9), key
+
+
+def test_lfw_overlap_counts_the_identities_a_pretrained_backbone_trained_on(
+    tmp_path: Path,
+) -> None:
+    from fl_secure.models import save_weights
+
+    # Prepare: a "centralized run" that trained on every identity, whose backbone another
+    # run started from; that run's clients trained on 10 of the 16 identities
+    (tmp_path / "run").mkdir()
+    config, run, model = _run(tmp_path / "run")
+    pairs, root = _pairs_of_the_runs_identities(tmp_path, config)
+    (run.path / "logs").mkdir()
+    assert evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root)[COUNT] == 2
+    earlier = tmp_path / "pretraining"
+    earlier.mkdir()
+    everyone = config_from_dict({**TINY, "data": {**TINY["data"], "held_out_identities": 0}})
+    (earlier / "config.toml").write_text(config_to_toml(everyone))
+    save_weights(model.backbone, earlier / "backbone.safetensors")
+    pretrained = {**TINY["model"], "pretrained": str(earlier / "backbone.safetensors")}
+    run.config.write_text(config_to_toml(config_from_dict({**TINY, "model": pretrained})))
+    # Execute
+    found = evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root)
+    # Assert: all 4 pairs name an identity the backbone saw (the 2 "held-out" ones in
+    # pretraining): none is left for the disjoint figures
+    assert found[COUNT] == 4 and "disjoint_roc_auc" not in found
+    assert "model.pretrained backbone trained on too" in found[f"{COUNT}_note"]
+    # weights without their run's config.toml: the overlap is unknown, not 2
+    (earlier / "config.toml").unlink()
+    found = evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root)
+    assert found[COUNT] is None and "disjoint_roc_auc" not in found
+    assert found[f"{COUNT}_note"].startswith("unknown: the model started from model.pretrained")
+
+
+def test_disjoint_pairs_report_their_counts_and_balanced_accuracy(tmp_path: Path) -> None:
+    from PIL import Image
+
+    # Prepare: a model without skill (every embedding the same: its layer's bias) and a
+    # 2-fold pairs file; dropping the pairs that name a trained identity leaves 2 genuine
+    # and 1 impostor pair per fold, where accepting everything is right 2 times in 3
+    (tmp_path / "run").mkdir()
+    config, run, model = _run(tmp_path / "run")
+    (run.path / "logs").mkdir()
+    params = get_tensors(model, FedPE().shared_names(model))
+    params["backbone.embedding.weight"] = np.zeros_like(params["backbone.embedding.weight"])
+    CheckpointStore(run.checkpoints).save(3, params, {})
+    plan = plan_federation(config)
+    root = tmp_path / "lfw"
+    names = []
+    for dataset, count in ((plan.clients[0].train, 2), (plan.held_out, 4)):
+        for identity in dataset.identities()[:count]:
+            name = dataset.identity_names[int(identity)]
+            names.append(name)
+            (root / name).mkdir(parents=True)
+            for k, i in enumerate(np.flatnonzero(dataset.labels.numpy() == identity)[:2], 1):
+                pixels = (dataset.images[int(i)].permute(1, 2, 0).numpy() * 255).clip(0, 255)
+                Image.fromarray(pixels.astype(np.uint8)).save(root / name / f"{name}_{k:04d}.jpg")
+    t0, t1, h0, h1, h2, h3 = names
+    pairs = tmp_path / "pairs.txt"
+    pairs.write_text(
+        "2 2\n"
+        f"{h0} 1 2\n{h1} 1 2\n{h0} 1 {h1} 1\n{t0} 1 {t1} 1\n"
+        f"{h2} 1 2\n{h3} 1 2\n{h2} 1 {h3} 1\n{t0} 2 {h3} 2\n"
+    )
+    # Execute
+    found = evaluate_run(run.path, lfw_pairs=pairs, lfw_root=root)
+    # Assert: the counts say how unbalanced the disjoint pairs are, and the balanced
+    # accuracy gives the model no credit (plain 10-fold accuracy would say 2/3)
+    assert found[COUNT] == 2 and found["roc_auc"] == 0.5
+    assert (found["disjoint_num_genuine"], found["disjoint_num_impostor"]) == (4, 2)
+    assert found["disjoint_lfw_balanced_accuracy"] == 0.5
+    assert "disjoint_lfw_accuracy_mean" not in found
+    assert found["lfw_balanced_accuracy"] == 0.5 and found["lfw_accuracy_mean"] == 0.5

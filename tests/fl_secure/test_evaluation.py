@@ -13,6 +13,7 @@ from fl_secure.evaluation import (
     best_accuracy,
     eer,
     kfold_accuracy,
+    kfold_balanced_accuracy,
     per_client_summary,
     rank1,
     rank1_leave_one_out,
@@ -125,6 +126,35 @@ def test_kfold_accepts_fold_ids_and_contiguous_k_alike() -> None:
         kfold_accuracy(scores, same, 1)
     with pytest.raises(ValueError, match="two distinct folds"):
         kfold_accuracy(scores, same, np.zeros(300, dtype=int))
+
+
+def test_balanced_accuracy_gives_no_credit_for_accepting_the_majority() -> None:
+    # Prepare: 33 genuine and 5 impostor pairs in 2 folds, all with the same score (no skill)
+    same = np.r_[np.ones(17, bool), np.zeros(2, bool), np.ones(16, bool), np.zeros(3, bool)]
+    folds = np.repeat([0, 1], 19)
+    flat = np.full(38, 0.3)
+    # Execute / Assert: plain accuracy is the majority's share, balanced accuracy chance
+    assert kfold_accuracy(flat, same, folds)[0] == pytest.approx(33 / 38, abs=0.01)
+    assert kfold_balanced_accuracy(flat, same, folds) == 0.5
+    # random scores over many such pairs: chance as well; separable ones: 1
+    rng = np.random.default_rng(0)
+    many = rng.random(4000) < 0.9
+    assert kfold_balanced_accuracy(rng.normal(size=4000), many, 10) == pytest.approx(0.5, abs=0.05)
+    assert kfold_balanced_accuracy(np.where(many, 0.9, 0.1), many, 10) == 1.0
+
+
+def test_balanced_accuracy_on_a_case_computed_by_hand() -> None:
+    # fold 0: genuine 0.9, 0.8, impostor 0.1; fold 1: genuine 0.7, 0.6, impostor 0.65.
+    # Fold 1 is cut at 0.45 (fold 0 separates at 0.8): all three accepted. Fold 0 is cut
+    # at 0.675 (on fold 1, accepting >= 0.7 gives TPR 1/2, TNR 1: the best sum): genuine
+    # accepted, impostor rejected. TPR 4/4, TNR 1/2: 0.75 (plain accuracy: 5/6 on average).
+    scores = np.array([0.9, 0.8, 0.1, 0.7, 0.6, 0.65])
+    same = np.array([True, True, False, True, True, False])
+    folds = np.array([0, 0, 0, 1, 1, 1])
+    assert kfold_balanced_accuracy(scores, same, folds) == pytest.approx(0.75, abs=1e-15)
+    assert kfold_accuracy(scores, same, folds)[0] == pytest.approx(5 / 6, abs=1e-15)
+    with pytest.raises(ValueError, match="genuine and impostor pairs outside every fold"):
+        kfold_balanced_accuracy(scores, same, np.array([0, 0, 1, 0, 0, 0]))
 
 
 def test_all_pairs_matches_a_double_loop_and_subsamples_impostors() -> None:

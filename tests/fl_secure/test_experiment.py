@@ -320,3 +320,25 @@ def test_labels_with_quotes_survive_results_csv(tmp_path: Path) -> None:
     (row,) = read_results(tmp_path / "out" / "results.csv")
     assert row["algorithm"] == label and row["partition"] == "equal" and row["seed"] == "0"
     assert 0.0 <= float(row["tar_at_far_1e-2"]) <= 1.0
+
+
+def test_a_cell_whose_fine_tuning_diverges_is_aborted_and_the_grid_goes_on(
+    tmp_path: Path,
+) -> None:
+    # Prepare: training is fine, but the tuning after it (SGD at lr 1e6) diverges
+    (tmp_path / "base.toml").write_text(BASE)
+    (tmp_path / "grid.toml").write_text(
+        '[experiment]\nbase = "base.toml"\nalgorithms = ["fedavg+eval.tune_lr=1e6", "fedavg"]\n'
+        'partitions = ["equal"]\nseeds = [0]\n'
+        'set = ["train.optimizer=\\"sgd\\"", "eval.tune_steps=3"]\n'
+    )
+    # Execute: it used to stop the grid with a DegenerateEmbeddings traceback
+    run_experiment(load_experiment(tmp_path / "grid.toml"), tmp_path / "out")
+    # Assert: the first cell aborted, naming the client and the setting; the second completed
+    table = read_results(tmp_path / "out" / "results.csv")
+    assert [(r["algorithm"], r["status"]) for r in table] == [
+        ("fedavg+eval.tune_lr=1e6", "aborted"), ("fedavg", "completed"),
+    ]  # fmt: skip
+    assert table[0]["reason"].startswith("client-0's model after fine-tuning: its embeddings")
+    assert "lower eval.tune_lr" in table[0]["reason"] and table[0]["tar_at_far_1e-2"] == ""
+    assert 0.0 <= float(table[1]["train_tuned_tar_at_far_1e-1_mean"]) <= 1.0

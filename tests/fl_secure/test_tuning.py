@@ -138,3 +138,41 @@ def test_evaluate_after_training_reports_every_group(tmp_path: Path, algorithm: 
         assert found[f"{group}_summary"]["tar_at_far_1e-1_mean"] == pytest.approx(np.mean(values))
     assert set(untuned_only) == {"held_out_clients", "held_out_clients_summary"}
     assert untuned_only["held_out_clients"] == found["held_out_clients"]
+
+
+def test_diverged_tuning_or_global_model_aborts_naming_the_client(tmp_path: Path) -> None:
+    from fl_secure.errors import RoundAborted
+
+    # Prepare: a trained client and the held-out clients of the plan
+    config = _config(tmp_path, "fedavg", 'train.optimizer="sgd"')
+    trainer, shared = _trained_client(config)
+    plan = plan_federation(config)
+    trained = {"client-0": (trainer.model, trainer.data)}
+    wild = dataclasses.replace(config, eval=dataclasses.replace(config.eval, tune_lr=1e6))
+    # Execute / Assert: a fine-tuning that diverges (SGD at lr 1e6)
+    with pytest.raises(RoundAborted, match="client-0's model after fine-tuning: .* eval.tune_lr"):
+        evaluate_after_training(wild, trained, [], shared)
+    # a final global model whose embeddings vanish: the first newcomer's untuned score
+    zeros = type(shared)((k, np.zeros_like(v)) for k, v in shared.items())
+    untuned_only = dataclasses.replace(config, eval=dataclasses.replace(config.eval, tune_steps=0))
+    with pytest.raises(RoundAborted, match=r"held-out-client-0 \(joining after training\)"):
+        evaluate_after_training(untuned_only, {}, plan.held_out_clients, zeros)
+
+
+def test_adafedfr_tuned_and_untuned_scores_compare_the_same_network(tiny_adafedfr: Path) -> None:
+    from fl_secure.simulation import simulate
+
+    # Prepare: a tuning that cannot move the weights (lr 1e-30), and a real one
+    base = ["eval.tune_steps=2", "data.images_per_identity=8"]
+    still = load_config(tiny_adafedfr, [*base, "eval.tune_lr=1e-30"])
+    real = load_config(tiny_adafedfr, [*base, "eval.tune_lr=0.05"])
+    # Execute
+    found = simulate(still).summary
+    moved = simulate(real).summary
+    # Assert: a no-op tuning gives each client its untuned scores, which AdaFedFR computes
+    # through the client's adapter (the tuned ones used to leave it out); tuning does move
+    assert set(found["clients_tuned"]) == set(found["clients"]) == {"client-0", "client-1"}
+    assert any("tar_at_far_1e-1" in m for m in found["clients"].values())
+    for client, untuned in found["clients"].items():
+        assert found["clients_tuned"][client] == untuned, client
+    assert moved["clients"] == found["clients"] and moved["clients_tuned"] != found["clients"]
