@@ -695,6 +695,9 @@ class Coordinator:
                 short = f"{last_shortfall}, fewer than the {needed} needed"
                 self._record_failed_attempt(number, attempt, kind, short)
                 continue
+            if kind is TaskKind.TRAIN and self.privacy is not None:
+                # before any task (and before a secure round's stage clocks start)
+                self.privacy.begin_release(number, attempt, len(cohort))
             aggregator: Aggregator | None = None
             secure = None
             if kind is TaskKind.TRAIN and self._secure_enabled():
@@ -708,8 +711,6 @@ class Coordinator:
             elif kind is TaskKind.TRAIN:
                 dp = self.privacy.make_aggregator(self.specs) if self.privacy else None
                 aggregator = dp if dp is not None else StreamingMean(self.specs)
-            if kind is TaskKind.TRAIN and self.privacy is not None:
-                self.privacy.begin_release(number, attempt, len(cohort))  # before any task
             with self._cv:
                 rnd = _Round(
                     number=number,
@@ -927,7 +928,9 @@ class Coordinator:
         assert sec is not None
         try:
             if sec.stage < 2:
-                raise RoundAborted("the round ended before the key stages completed")
+                raise RoundAborted(
+                    "secure aggregation aborted: the round ended before the key stages completed"
+                )
             self._close_secure_stage(rnd)  # masked input -> unmask request
             while not self._stop.is_set() and not sec.ready():
                 self._cv.wait(timeout=0.25)
