@@ -220,7 +220,7 @@ class ServerPrivacy:
     @property
     def inflight_path(self) -> Path:
         """The marker of an attempt whose release is not yet in the ledger (beside it)."""
-        return Path(self.ledger.path).with_name(Path(self.ledger.path).stem + ".inflight.json")
+        return Path(self.ledger.path).with_suffix(".inflight.json")
 
     def _counts_server_view(self) -> bool:
         """Whether what the server sees of an attempt is a release the ledger must count."""
@@ -232,10 +232,9 @@ class ServerPrivacy:
         Written (synced) before the attempt's tasks go out, and removed once what the
         server saw is in the ledger: by :meth:`commit`, or by :meth:`end_release` when the
         coordinator has accounted a failed attempt (:meth:`discard_sum`) and starts the next
-        one, or ends the round. A server process that
-        ends in between (killed, crashed) leaves the marker, and :meth:`resume` counts that
-        attempt as a discarded sum: it may have seen the sum, the clients did release it, and
-        the rerun releases the round again.
+        one, or ends the round. A server process that ends in between (killed, crashed)
+        leaves the marker, and :meth:`resume` counts that attempt as a discarded sum: it may
+        have seen the sum, the clients did release it, and the rerun releases the round again.
         """
         if not self._counts_server_view():
             return

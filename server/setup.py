@@ -7,7 +7,7 @@ import json
 import logging
 import math
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,13 +102,18 @@ def _first_data_manifest(run_dir: RunDir, config: Config) -> dict[str, Any]:
     return recorded
 
 
+def starts_of(record: Mapping[str, Any]) -> list[str]:
+    """The server's starts on a run (first, then resumes), from its ``partition.json`` record."""
+    starts = record.get("starts")
+    return [s for s in starts if isinstance(s, str)] if isinstance(starts, list) else []
+
+
 def _recorded_starts(run_dir: RunDir) -> list[str]:
     """The server's starts on this run so far, as ``partition.json`` records them."""
     previous = run_dir.path / "partition.json"
     if not previous.is_file():
         return []
-    recorded = read_json_object(previous, "the run's partition record").get("starts")
-    return [s for s in recorded if isinstance(s, str)] if isinstance(recorded, list) else []
+    return starts_of(read_json_object(previous, "the run's partition record"))
 
 
 def record_start(run_dir: RunDir) -> None:
@@ -122,7 +127,7 @@ def record_start(run_dir: RunDir) -> None:
 
     path = run_dir.path / "partition.json"
     record = read_json_object(path, "the run's partition record")
-    record["starts"] = [*_recorded_starts(run_dir), datetime.now(UTC).isoformat(timespec="seconds")]
+    record["starts"] = [*starts_of(record), datetime.now(UTC).isoformat(timespec="seconds")]
     atomic_write_bytes(path, (json.dumps(record, indent=1) + "\n").encode())
 
 

@@ -111,12 +111,18 @@ PACKAGES = ("torch", "torchvision", "numpy", "opacus", "dp-accounting", "tenseal
 
 
 def _recorded_starts(run_path: Path) -> list[str]:
-    """The server's starts on this run as ``partition.json`` records them (first, resumes)."""
+    """The server's starts on this run as ``partition.json`` records them (first, resumes).
+
+    None recorded when the record cannot be read: the summary is still written, with this
+    start.
+    """
+    from server.setup import starts_of
+
     try:
-        starts = json.loads((run_path / "partition.json").read_text(encoding="utf-8"))["starts"]
-    except (OSError, ValueError, KeyError, TypeError):
+        record = json.loads((run_path / "partition.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return []
-    return [s for s in starts if isinstance(s, str)] if isinstance(starts, list) else []
+    return starts_of(record) if isinstance(record, dict) else []
 
 
 def provenance(started: float, starts: list[str] | None = None) -> dict[str, Any]:
