@@ -48,6 +48,7 @@ from fl_secure.config import (  # noqa: E402
     PartitionConfig,
     SecureAggregationConfig,
     ServerConfig,
+    TrainConfig,
     config_to_toml,
 )
 from fl_secure.messages import LocalTraining, Tensors  # noqa: E402
@@ -94,6 +95,8 @@ def _coordinator(
                 partition=PartitionConfig(num_clients=clients),
                 server=ServerConfig(min_clients=clients),
                 secure_aggregation=scheme,
+                # a site refuses a round outside 1..train.rounds of the run it joined
+                train=TrainConfig(rounds=rounds),
             )
         ),
     )
