@@ -83,8 +83,10 @@ def write_ckks_keys(
 
     The secret context is written ``0600`` (like the clients' TLS keys). Refuses to replace
     existing files unless ``overwrite``: clients that kept the old key could not decrypt.
+    Both files are written, or neither: a failed write (a full disk) cannot leave a new
+    secret context beside the old public one, which would no longer match it.
     """
-    from fl_secure.tls.layout import write_atomic
+    from fl_secure.tls.layout import StagedFiles
 
     secret_path, public_path = secret_context_path(cert_dir), public_context_path(cert_dir)
     if not overwrite and (secret_path.exists() or public_path.exists()):
@@ -93,8 +95,9 @@ def write_ckks_keys(
             "them (clients holding the old key could no longer decrypt)"
         )
     secret = make_secret_context(params)
-    write_atomic(secret_path, secret, mode=0o600)
-    write_atomic(public_path, public_context(secret), mode=0o644)
+    with StagedFiles() as files:
+        files.write(secret_path, secret, mode=0o600)
+        files.write(public_path, public_context(secret), mode=0o644)
     return secret_path, public_path
 
 
