@@ -172,6 +172,7 @@ def build_local_trainer(
         state_dir=state_dir,
         seed=int.from_bytes(digest[:8], "little") >> 1,
         privacy=privacy,
+        run_id=run_id,
     )
 
 

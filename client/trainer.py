@@ -1,17 +1,19 @@
 """A client's local side: its model, its private state and the algorithm's client step.
 
 Private parameters (for example FedPE's class embeddings) never leave this object; they are
-kept in memory and, when ``state_dir`` is given, saved as safetensors after every round so a
-restarted client continues with its own head, together with the design's own client state
-(AdaFedFR's adapter and ``phi``) under ``strategy.*`` keys. In ``server-sees-heads`` designs
-(FedGC) the head is still kept and saved here, but it also travels: the server's task may carry this
-client's corrected head (``head.*`` tensors next to the shared ones), which replaces the local
-rows before training, and every update carries the trained head's values after the shared
-parameters' update.
+kept in memory and, when ``state_dir`` is given, saved as safetensors after every round (one
+file per run, :func:`private_state_path`), so a restarted client continues with its own head
+while a new run in the same folder starts its private layers afresh, together with the
+design's own client state (AdaFedFR's adapter and ``phi``) under ``strategy.*`` keys. In
+``server-sees-heads`` designs (FedGC) the head is still kept and saved here, but it also
+travels: the server's task may carry this client's corrected head (``head.*`` tensors next to
+the shared ones), which replaces the local rows before training, and every update carries the
+trained head's values after the shared parameters' update.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 from collections import OrderedDict
@@ -32,9 +34,27 @@ from privacy.client_side import ClientPrivacy
 
 log = logging.getLogger(__name__)
 
-#: Key prefix, in ``private.safetensors``, of the design's own client state
-#: (:meth:`Strategy.private_state`, e.g. AdaFedFR's adapter and ``phi``).
+#: Key prefix, in the private state file (:func:`private_state_path`), of the design's own
+#: client state (:meth:`Strategy.private_state`, e.g. AdaFedFR's adapter and ``phi``).
 STRATEGY_PREFIX = "strategy."
+
+#: The one private state file of a client before they were kept per run.
+UNKEYED_PRIVATE_STATE = "private.safetensors"
+
+
+def private_state_path(state_dir: Path, run_id: str) -> Path:
+    """Where a client keeps its private layers for the run ``run_id``.
+
+    One file per run, named by a digest of the run id (which comes from the server, so it is
+    never used as a path itself), as the example-level accountant is: a client restarted into
+    the same run continues with its own head, and a new run in the same state folder starts
+    its private layers from the run's initial model instead of the last run's, whose file
+    stays as it was. Without a run id (a trainer outside a run): ``private.safetensors``.
+    """
+    if not run_id:
+        return state_dir / UNKEYED_PRIVATE_STATE
+    digest = hashlib.sha256(run_id.encode("utf-8")).hexdigest()[:16]
+    return state_dir / f"private-{digest}.safetensors"
 
 
 class LocalTrainer:
@@ -49,6 +69,7 @@ class LocalTrainer:
         state_dir: Path | None = None,
         seed: int | None = None,
         privacy: ClientPrivacy | None = None,
+        run_id: str = "",
     ) -> None:
         self.strategy = strategy
         self.model = model
@@ -56,6 +77,7 @@ class LocalTrainer:
         self.shared_names = strategy.shared_names(model)
         self.head_names = strategy.head_names(model)
         self.state_dir = state_dir
+        self.run_id = run_id
         self.privacy = privacy
         self.generator = torch.Generator().manual_seed(
             seed if seed is not None else secrets.randbits(63)
@@ -76,7 +98,7 @@ class LocalTrainer:
         return len(self.data.train)
 
     def _private_path(self) -> Path | None:
-        return self.state_dir / "private.safetensors" if self.state_dir else None
+        return private_state_path(self.state_dir, self.run_id) if self.state_dir else None
 
     def _private_names(self) -> list[str]:
         shared = set(self.shared_names)
@@ -84,8 +106,14 @@ class LocalTrainer:
 
     def _load_private(self) -> None:
         path = self._private_path()
-        if path is None or not path.exists():
+        if path is None:
             return
+        if not path.exists():
+            self._adopt_unkeyed_private(path)
+            return
+        self._load_from(path)
+
+    def _load_from(self, path: Path) -> None:
         try:
             saved = load_file(str(path))
         except (SafetensorError, OSError) as exc:  # kept, not overwritten: it may be restored
@@ -109,6 +137,27 @@ class LocalTrainer:
         except ValueError as exc:
             log.warning("ignoring the %s state in %s: %s", self.strategy.name, path, exc)
         log.info("restored private parameters from %s", path)
+
+    def _adopt_unkeyed_private(self, path: Path) -> None:
+        """Take over ``private.safetensors``, written before private state was kept per run.
+
+        It names no run: it may hold this run's layers (a client upgraded in the middle of
+        the run), so it is loaded, if it fits the model, copied to this run's file and renamed
+        ``private.safetensors.adopted`` so that no later run starts from it again. A damaged
+        one is named and left where it is.
+        """
+        legacy = path.with_name(UNKEYED_PRIVATE_STATE)
+        if legacy == path or not legacy.exists():
+            return
+        log.warning(
+            "%s names no run (written before private layers were kept per run): taken as this "
+            "run's, if it fits the model; kept from now on in %s",
+            legacy,
+            path.name,
+        )
+        self._load_from(legacy)
+        atomic_write_bytes(path, legacy.read_bytes())
+        legacy.replace(legacy.with_name(legacy.name + ".adopted"))
 
     def _save_private(self) -> None:
         path = self._private_path()

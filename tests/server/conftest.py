@@ -196,6 +196,7 @@ def serve_config(
             client_id=cid,
             image_size=config.data.image_size,
             state_dir=tmp_path / "clients" / cid if state_dirs else None,
+            run_id=side.coordinator.settings.run_id,  # as a client learns it at join
         )
         if before is not None:
             before(cid, trainer)

@@ -77,6 +77,41 @@ def test_a_damaged_private_state_is_named_and_kept(tmp_path: Path) -> None:
     assert (state / "private.safetensors").read_bytes() == damaged
 
 
+def test_private_layers_are_kept_per_run_and_an_unkeyed_file_is_adopted_once(
+    tmp_path: Path,
+) -> None:
+    from client.trainer import private_state_path
+
+    state = tmp_path / "state"
+    make = trainer_factory(ClientDataSource(data_path=_folders(tmp_path / "data")), state_dir=state)
+
+    def join(run_id: str) -> torch.Tensor:
+        trainer = make(JoinReply("client-0", run_id, "0", run_config_toml=QUICKSTART))
+        return trainer.model.head.weight.detach().clone()
+
+    # Prepare: run A's trainer saves a recognisable private head
+    trainer = make(JoinReply("client-0", "run-a", "0", run_config_toml=QUICKSTART))
+    fresh = trainer.model.head.weight.detach().clone()
+    with torch.no_grad():
+        trainer.model.head.weight.fill_(7.0)
+    trainer._save_private()
+    file_a = private_state_path(state, "run-a")
+    saved_a = file_a.read_bytes()
+    # Execute / Assert: a client restarted into run A gets its head back ...
+    assert torch.all(join("run-a") == 7.0)
+    # ... a new run in the same folder starts afresh, and run A's file is left as it was
+    assert torch.equal(join("run-b"), fresh)
+    assert file_a.read_bytes() == saved_a
+    # An unkeyed private.safetensors (an older client's) is taken by the next run, once
+    (state / "private.safetensors").write_bytes(saved_a)
+    assert torch.all(join("run-c") == 7.0)
+    assert not (state / "private.safetensors").exists()
+    assert (state / "private.safetensors.adopted").read_bytes() == saved_a
+    assert private_state_path(state, "run-c").read_bytes() == saved_a
+    assert torch.equal(join("run-d"), fresh)
+    assert private_state_path(state, "run-a").name.startswith("private-")
+
+
 def test_a_folder_client_reads_its_images_with_the_runs_crop(tmp_path: Path) -> None:
     from fl_secure.data.folders import load_identity_folders
 

@@ -98,7 +98,8 @@ def _check_split_and_privacy_of_p(
         for tensors in [*rec.received, *(u for u, _ in rec.released)]:
             assert list(tensors) == shared
         # ... but it trained, and is saved in the client's own state folder
-        saved = load_file(str(tmp / "clients" / cid / "private.safetensors"))
+        (path,) = (tmp / "clients" / cid).glob("private-*.safetensors")  # this run's
+        saved = load_file(str(path))
         assert sorted(saved) == sorted(projections[cid])
         assert any(np.abs(saved[k] - v).max() > 0 for k, v in projections[cid].items())
 

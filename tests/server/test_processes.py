@@ -389,9 +389,7 @@ def test_fedfr_domain_federation_with_client_level_dp_in_processes(federation) -
     from safetensors.numpy import load_file
 
     rows = [
-        load_file(str(fed.tmp / f"state-{i}" / "private.safetensors"))[
-            "head.classifier.weight"
-        ].shape[0]
+        load_file(str(_private_state(fed.tmp / f"state-{i}")))["head.classifier.weight"].shape[0]
         for i in range(3)
     ]
     from fl_secure.algorithms.cfinch import c_finch
@@ -409,3 +407,9 @@ def test_fedfr_domain_federation_with_client_level_dp_in_processes(federation) -
     assert rows == [9, *clusters]
     sizes = [len(share.train) for share in plan.clients[1:]]
     assert all(1 < c < n for c, n in zip(clusters, sizes, strict=True))
+
+
+def _private_state(state_dir: Path) -> Path:
+    """The one run's private layers a client kept in ``state_dir``."""
+    (path,) = state_dir.glob("private-*.safetensors")
+    return path
