@@ -1054,6 +1054,16 @@ class SecAggConfig:
         return decode(sum_vector, num_inputs, self.clip_range, self.scale, self.modulus_bits)
 
 
+#: The scalar of the low-order check in :func:`_verify_advert`. Every X25519 scalar is
+#: clamped to a multiple of 8, which sends a point of order dividing 8 to the identity (the
+#: all-zero output ``exchange`` refuses) whatever the scalar, and a point with a large-order
+#: part elsewhere unless the scalar is a multiple of that order (probability ~2^-252 for a
+#: random key): so one key drawn per process gives every check the verdict a fresh key would,
+#: without a key generation per advertised key (two per client and round, on every client
+#: and the server). Its agreements are thrown away.
+_LOW_ORDER_PROBE = X25519PrivateKey.generate()
+
+
 def _verify_advert(
     advert: AdvertiseKeys, config: SecAggConfig, registry: Mapping[str, Ed25519PublicKey]
 ) -> None:
@@ -1079,7 +1089,7 @@ def _verify_advert(
         ) from exc
     for name, key in (("c_pk", advert.c_pk), ("s_pk", advert.s_pk)):
         try:  # a low-order point makes every agreement with it fail (or all zeros)
-            X25519PrivateKey.generate().exchange(X25519PublicKey.from_public_bytes(key))
+            _LOW_ORDER_PROBE.exchange(X25519PublicKey.from_public_bytes(key))
         except ValueError as exc:
             raise ProtocolError(
                 f"advertisement of {who!r}: {name} is not a usable X25519 public key (a "
