@@ -13,7 +13,6 @@ trained head's values after the shared parameters' update.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import secrets
 from collections import OrderedDict
@@ -28,7 +27,7 @@ from fl_secure.algorithms import Strategy
 from fl_secure.algorithms.base import BROADCAST_PREFIX
 from fl_secure.errors import CheckpointError, ProtocolError
 from fl_secure.messages import LocalTraining, Tensors
-from fl_secure.runs import atomic_write_bytes
+from fl_secure.runs import atomic_write_bytes, run_keyed_path
 from fl_secure.training import FaceModel, LocalData, set_tensors
 from privacy.client_side import ClientPrivacy
 
@@ -51,10 +50,7 @@ def private_state_path(state_dir: Path, run_id: str) -> Path:
     its private layers from the run's initial model instead of the last run's, whose file
     stays as it was. Without a run id (a trainer outside a run): ``private.safetensors``.
     """
-    if not run_id:
-        return state_dir / UNKEYED_PRIVATE_STATE
-    digest = hashlib.sha256(run_id.encode("utf-8")).hexdigest()[:16]
-    return state_dir / f"private-{digest}.safetensors"
+    return run_keyed_path(state_dir, "private", ".safetensors", run_id)
 
 
 class LocalTrainer:

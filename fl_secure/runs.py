@@ -9,6 +9,7 @@ Writes that must survive a crash are atomic (temporary file, fsync, rename).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -36,6 +37,18 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def run_keyed_path(directory: Path, stem: str, suffix: str, run_id: str) -> Path:
+    """``directory/<stem>-<digest><suffix>``: a client's file for the run ``run_id``.
+
+    The digest is the first 16 hex digits of the run id's SHA-256: the run id comes from the
+    server, so it is never used as a path itself. Without a run id: ``directory/<stem><suffix>``.
+    """
+    if not run_id:
+        return directory / f"{stem}{suffix}"
+    digest = hashlib.sha256(run_id.encode("utf-8")).hexdigest()[:16]
+    return directory / f"{stem}-{digest}{suffix}"
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from typing import Any
 from fl_secure.config import Config
 from fl_secure.errors import PrivacyError
 from fl_secure.messages import LocalTraining, Tensors
-from fl_secure.runs import atomic_write_json
+from fl_secure.runs import atomic_write_json, run_keyed_path
 from fl_secure.training import FaceModel, LocalData, local_training
 from privacy.accountants import create_accountant
 from privacy.calibration import calibrate_noise
@@ -351,7 +350,4 @@ def accountant_state_path(state_dir: Path, run_id: str) -> Path:
     the last run's history (each run's budget is its own; the site's total over runs is the
     site ledger's, :mod:`privacy.site_ledger`).
     """
-    if not run_id:
-        return state_dir / "privacy_accountant.json"
-    digest = hashlib.sha256(run_id.encode("utf-8")).hexdigest()[:16]
-    return state_dir / f"privacy_accountant-{digest}.json"
+    return run_keyed_path(state_dir, "privacy_accountant", ".json", run_id)
