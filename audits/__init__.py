@@ -19,5 +19,4 @@ Wired to run directories (``fl-secure audit``):
 - :mod:`audits.observations` -- what the server and a curious client saw, by design and setting.
 - :mod:`audits.run_audit` -- every attack on those views; ``RUN/audit/results.json`` and grids.
 - :mod:`audits.mechanism` -- canary audit of the run's client-level aggregation as implemented.
-- :mod:`audits.simulated` -- a run directory from the in-process simulation (fast runs).
 """

@@ -83,7 +83,7 @@ def inversion_speed(steps: int, targets: int = 10, restarts: int = 4) -> dict[st
 def train_quickstart(out: Path, rounds: int) -> Path:
     """A shortened quickstart run on the real path; returns its run directory."""
     done = subprocess.run(  # noqa: S603 - fixed arguments
-        [sys.executable, "-m", "fl_secure.cli", "train", "--config",
+        [sys.executable, "-m", "fl_secure.app.cli", "train", "--config",
          str(ROOT / "examples" / "quickstart.toml"), "--set", f"train.rounds={rounds}",
          "--out", str(out), "--json", "--quiet"],
         capture_output=True, text=True, check=False,

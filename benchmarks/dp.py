@@ -236,7 +236,7 @@ def _train(config: Path, overrides: list[str], out: Path) -> dict[str, Any]:
     """One embedded run (server + client processes over gRPC + mTLS); its summary.json."""
     import subprocess
 
-    cmd = [sys.executable, "-m", "fl_secure.cli", "train", "--config", str(config)]
+    cmd = [sys.executable, "-m", "fl_secure.app.cli", "train", "--config", str(config)]
     cmd += ["--out", str(out), "--json", "--quiet"]
     for o in overrides:
         cmd += ["--set", o]

@@ -28,7 +28,7 @@ KEYS = ("tar_at_far_1e-1", "tar_at_far_1e-2", "tar_at_far_1e-3", "rank1")
 
 
 def train(config: Path, overrides: list[str], out: Path, *extra: str) -> dict[str, object]:
-    cmd = [sys.executable, "-m", "fl_secure.cli", "train", "--config", str(config)]
+    cmd = [sys.executable, "-m", "fl_secure.app.cli", "train", "--config", str(config)]
     cmd += ["--out", str(out), "--json", "--quiet", *extra]
     for o in overrides:
         cmd += ["--set", o]

@@ -45,7 +45,7 @@ def client_command(
     cmd = [
         sys.executable,
         "-m",
-        "fl_secure.cli",
+        "fl_secure.app.cli",
         "client",
         "--server",
         f"localhost:{port}",

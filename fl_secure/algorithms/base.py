@@ -163,7 +163,7 @@ class Strategy(ABC):
     def training_data(self, data: LocalData) -> LocalData:
         """The labelled data a client's local training uses: ``data`` by default.
 
-        Fine-tuning after training (:func:`fl_secure.tuning.evaluate_after_training`) tunes
+        Fine-tuning after training (:func:`fl_secure.app.tuning.evaluate_after_training`) tunes
         on it. FedFR's target clients return their pseudo-labelled images: their own targets
         are ``-1`` (unlabelled) and their head has one row per cluster.
         """

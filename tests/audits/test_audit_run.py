@@ -1,6 +1,6 @@
 """``fl-secure audit`` on tiny synthetic runs: the acceptance of issue 7, run to run.
 
-The non-private runs are made by the in-process simulation (:mod:`audits.simulated`); the
+The non-private runs are made by the in-process simulation (:mod:`fl_secure.app.simulated_run`); the
 client-level DP run needs the real path (the simulation refuses DP), so it is a tiny embedded
 ``fl-secure train`` (server + 3 client processes, plaintext loopback gRPC, central noise,
 epsilon 1) of the same config. Every run shares data, plan and seed, so the audit attacks the
@@ -30,9 +30,9 @@ from audits.canary import clopper_pearson_interval
 from audits.mechanism import Mechanism, audit_mechanism, mechanism_of_run
 from audits.observations import choose_targets, held_heads, load_run, observations
 from audits.run_audit import AuditSettings, audit_run, findings, summary_lines, table_rows
-from audits.simulated import write_simulated_run
+from fl_secure.app.cli import main
+from fl_secure.app.simulated_run import write_simulated_run
 from fl_secure.checkpoints import CheckpointStore
-from fl_secure.cli import main
 from fl_secure.config import config_from_dict
 from fl_secure.errors import CheckpointError, ConfigError
 from fl_secure.runs import RunDir
@@ -102,7 +102,7 @@ def dp_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     path = base / "dp.toml"
     path.write_text(TINY.format(algorithm="fedavg") + DP)
     done = subprocess.run(
-        [sys.executable, "-m", "fl_secure.cli", "train", "--config", str(path),
+        [sys.executable, "-m", "fl_secure.app.cli", "train", "--config", str(path),
          "--out", str(base / "runs"), "--insecure", "--json", "--quiet"],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
@@ -919,7 +919,7 @@ def test_a_prior_fitted_on_public_folders_keeps_grids_out_unless_asked(
     audit_run(run, dataclasses.replace(quick, include_images=True))
     assert sorted((run / "audit").glob("*.png"))
     # and the report leaves them out too, as it does for a run on real faces
-    from fl_secure.report import write_report
+    from fl_secure.app.report import write_report
 
     write_report(run, ["md"])
     assert sorted((run / "report").glob("*.png")) == []

@@ -24,11 +24,11 @@ from fl_secure.algorithms.adafedfr import (
     public_identity_features,
     select_negatives,
 )
+from fl_secure.app.simulation import simulate
 from fl_secure.config import ModelConfig, load_config
 from fl_secure.data.plan import load_dataset
 from fl_secure.data.types import FaceDataset
 from fl_secure.messages import LocalTraining
-from fl_secure.simulation import simulate
 from fl_secure.training import FaceModel, LocalData, build_model, embed, get_tensors
 
 CFG = ModelConfig(backbone="cnn-small", embedding_size=16)  # CosFace s=30, m=0.4 by default

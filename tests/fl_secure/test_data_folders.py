@@ -194,7 +194,7 @@ def test_listing_names_what_loading_would_load_without_decoding(tmp_path: Path) 
 
 
 def test_a_client_refuses_bad_data_before_it_dials(tmp_path: Path, capsys) -> None:
-    from fl_secure.cli import main
+    from fl_secure.app.cli import main
 
     # port 1 on loopback: a client that got as far as dialling would retry for minutes
     base = ["client", "--server", "127.0.0.1:1", "--id", "site-a", "--insecure", "--quiet"]

@@ -429,7 +429,7 @@ def test_registry_builds_fedaffect_with_the_run_settings() -> None:
 
 
 def test_the_simulation_refuses_fedaffect_with_a_pointer_to_the_grpc_path() -> None:
-    from fl_secure.simulation import simulate
+    from fl_secure.app.simulation import simulate
 
     with pytest.raises(ConfigError, match="fl-secure train"):
         simulate(_strategy_config())

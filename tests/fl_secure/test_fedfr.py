@@ -303,7 +303,7 @@ def test_source_pretraining_reads_the_source_client_only_and_seeds_the_fedfr_run
     tmp_path: Path,
 ) -> None:
     # Prepare: the tiny domain federation; its centralized run is FedFR's source pre-training
-    from fl_secure.centralized import pretraining_clients, run_centralized
+    from fl_secure.app.centralized import pretraining_clients, run_centralized
     from fl_secure.models import load_pretrained
 
     config = dataclasses.replace(
@@ -335,7 +335,7 @@ def test_source_pretraining_reads_the_source_client_only_and_seeds_the_fedfr_run
 
 def test_a_simulated_fedfr_run_fine_tunes_target_clients_on_their_pseudo_labels() -> None:
     # Prepare: fine-tuning after training is on (eval.tune_steps > 0)
-    from fl_secure.simulation import simulate
+    from fl_secure.app.simulation import simulate
 
     base = domain_config(cfinch_threshold=0.3)
     config = dataclasses.replace(

@@ -18,8 +18,8 @@ from fl_secure.algorithms.publicshare import (
     from_pixels,
     to_pixels,
 )
+from fl_secure.app.simulation import simulate
 from fl_secure.config import load_config
-from fl_secure.simulation import simulate
 
 
 def test_pixels_round_trip_within_half_a_grey_level() -> None:

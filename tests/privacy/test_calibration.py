@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from fl_secure.app.privacy_cli import add_privacy_parser
 from fl_secure.errors import PrivacyError
 from privacy.calibration import calibrate_noise, epsilon_for
-from privacy.cli import add_privacy_parser
 
 DELTA = 1e-5
 

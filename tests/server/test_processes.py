@@ -59,7 +59,7 @@ def _cli(*args: str, log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "GRPC_VERBOSITY": "ERROR", "PYTHONUNBUFFERED": "1"}
     with log.open("ab") as handle:
         return subprocess.Popen(
-            [sys.executable, "-m", "fl_secure.cli", *args],
+            [sys.executable, "-m", "fl_secure.app.cli", *args],
             stdout=handle,
             stderr=subprocess.STDOUT,
             env=env,

@@ -43,7 +43,7 @@ def test_orl_fedpe_over_mtls(tmp_path: Path) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "fl_secure.cli",
+        "fl_secure.app.cli",
         "train",
         "--config",
         str(ROOT / "examples" / "orl.toml"),
@@ -82,7 +82,7 @@ def test_orl_with_differential_privacy(tmp_path: Path, unit: str, overrides: lis
     # Prepare: ORL, 4 clients over gRPC + mTLS, 4 rounds, budget epsilon 8 at delta 1e-5
     rounds, target = 4, 8.0
     cmd = [
-        sys.executable, "-m", "fl_secure.cli", "train",
+        sys.executable, "-m", "fl_secure.app.cli", "train",
         "--config", str(ROOT / "examples" / "orl.toml"),
         "--out", str(tmp_path), "--json", "--quiet",
         "--set", f"train.rounds={rounds}", "--set", "train.local_epochs=1",
@@ -109,7 +109,7 @@ def test_orl_with_differential_privacy(tmp_path: Path, unit: str, overrides: lis
     assert summary["privacy"]["noise_secure"] is True
     # ... and a verified ledger with the entries of every round (per client at example level)
     ledger = subprocess.run(
-        [sys.executable, "-m", "fl_secure.cli", "privacy", "ledger", "--run", str(run_dir),
+        [sys.executable, "-m", "fl_secure.app.cli", "privacy", "ledger", "--run", str(run_dir),
          "--verify", "--json"],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip

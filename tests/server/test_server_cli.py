@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from fl_secure.cli import main
+from fl_secure.app.cli import main
 from fl_secure.tls import init_certificates
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,11 +13,11 @@ import torch
 
 from fl_secure.algorithms import FedGC
 from fl_secure.algorithms.fedgc import WEIGHT, correct_embeddings, softmax_regularizer
+from fl_secure.app.simulation import simulate
 from fl_secure.checkpoints import CheckpointStore
 from fl_secure.config import load_config
 from fl_secure.errors import ConfigError
 from fl_secure.messages import Tensors
-from fl_secure.simulation import simulate
 
 TINY = """
 [run]
@@ -61,7 +61,7 @@ def test_simulation_and_grpc_give_the_same_model(
     config = load_config(path)
     # Execute: embedded (server + 3 client processes over gRPC + mTLS), then in-process
     done = subprocess.run(
-        [sys.executable, "-m", "fl_secure.cli", "train", "--config", str(path),
+        [sys.executable, "-m", "fl_secure.app.cli", "train", "--config", str(path),
          "--out", str(tmp_path / "runs"), "--json", "--quiet"],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
@@ -109,7 +109,7 @@ def test_fedgc_over_grpc_corrects_heads_like_the_simulation(
     monkeypatch.setattr(FedGC, "server_heads", recorded)
     # Execute: embedded gRPC + mTLS run, then the simulation
     done = subprocess.run(
-        [sys.executable, "-m", "fl_secure.cli", "train", "--config", str(path),
+        [sys.executable, "-m", "fl_secure.app.cli", "train", "--config", str(path),
          "--out", str(tmp_path / "runs"), "--json", "--quiet"],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fl_secure.report.build import round_up
+from fl_secure.app.report.build import round_up
 
 #: Where Debian's Chromium lives; PDF output needs it.
 CHROMIUM_CANDIDATES = ("chromium", "chromium-browser", "google-chrome")

@@ -1,6 +1,6 @@
 """A run directory from the in-process simulation, so that fast runs can be audited too.
 
-:func:`write_simulated_run` runs :func:`fl_secure.simulation.simulate` (the gRPC path's
+:func:`write_simulated_run` runs :func:`fl_secure.app.simulation.simulate` (the gRPC path's
 algorithm code without the network; non-private, no secure aggregation) and writes the layout
 ``fl-secure train`` writes (:mod:`fl_secure.runs`): ``config.toml``, ``metrics.jsonl``,
 ``summary.json`` (with the ``secure_aggregation`` and privacy fields of
@@ -21,7 +21,7 @@ from fl_secure.runs import RunDir, atomic_write_bytes, new_run_dir
 
 def write_simulated_run(config: Config, base: Path, *, progress: bool = False) -> Path:
     """Simulate ``config`` and write a run directory under ``base``; return its path."""
-    from fl_secure.simulation import simulate
+    from fl_secure.app.simulation import simulate
 
     result = simulate(config, progress=progress)
     run = RunDir(new_run_dir(base, config.run.name))

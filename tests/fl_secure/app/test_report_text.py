@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from fl_secure import serde
+from fl_secure.app.report.render import md_text
 from fl_secure.errors import ProtocolError
 from fl_secure.messages import TensorSpec
-from fl_secure.report.render import md_text
 
 #: A tensor name a malicious client sends: a remote image (a tracking pixel), raw HTML, a
 #: table break, a line break that would start a heading of its own.

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from fl_secure.report import load_schema, write_report
+from fl_secure.app.report import load_schema, write_report
 from fl_secure.runs import RunDir
-from tests.fl_secure.test_report import TINY
+from tests.fl_secure.app.test_report import TINY
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,14 @@ def test_a_run_whose_round_aborts_lists_each_failed_attempt(tmp_path: Path) -> N
     assert "stage_timeout = 0.01" in config and "max_retries = 1" in config
     (tmp_path / "tiny.toml").write_text(config)
     env = {**os.environ, "GRPC_VERBOSITY": "ERROR"}
-    cmd = [sys.executable, "-m", "fl_secure.cli", "train", "--config", str(tmp_path / "tiny.toml")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fl_secure.app.cli",
+        "train",
+        "--config",
+        str(tmp_path / "tiny.toml"),
+    ]
     done = subprocess.run(
         [*cmd, "--out", str(tmp_path / "runs")], capture_output=True, text=True, env=env,
         timeout=300,
@@ -75,7 +82,7 @@ def test_a_run_whose_round_aborts_lists_each_failed_attempt(tmp_path: Path) -> N
 def test_a_retried_round_that_then_completes_keeps_its_failed_attempt(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fl_secure.report.build import _failed_attempts, _secure_aggregation
+    from fl_secure.app.report.build import _failed_attempts, _secure_aggregation
     from tests.server.test_secagg_grpc import _run, first_setup_fails
 
     # Prepare: the first attempt's secure-aggregation setup fails; the retry succeeds

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from client.setup import build_local_trainer
 from fl_secure.algorithms import get_strategy
+from fl_secure.app.tuning import evaluate_after_training
 from fl_secure.config import Config
 from fl_secure.data.plan import plan_client_id, plan_federation
 from fl_secure.errors import ConfigError, RoundAborted
@@ -38,7 +39,6 @@ from fl_secure.evaluation import DegenerateEmbeddings, per_client_summary
 from fl_secure.messages import Tensors, TensorSpec
 from fl_secure.training import HEADLINE, build_model, get_tensors, local_training
 from fl_secure.training import round_learning_rate as lr_of_round
-from fl_secure.tuning import evaluate_after_training
 from server.aggregate import StreamingMean
 from server.setup import make_evaluator
 
@@ -69,7 +69,7 @@ def simulate(
     Raises:
         RoundAborted: training diverged (an update, the global model or its embeddings not
             finite), where the gRPC coordinator would abort the run; or the fine-tuning after
-            training did (:func:`fl_secure.tuning.evaluate_after_training`).
+            training did (:func:`fl_secure.app.tuning.evaluate_after_training`).
     """
     before = torch.get_num_threads()
     torch.set_num_threads(config.train.threads)

@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from fl_secure.errors import ConfigError
-from fl_secure.experiment import (
+from fl_secure.app.experiment import (
     algorithm_overrides,
     load_experiment,
     read_results,
     run_experiment,
 )
+from fl_secure.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 BASE = """
 [run]
@@ -117,7 +117,7 @@ def test_variants_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="experiment.far = '0.1'; allowed: 1e-1, 1e-2"):
         load_experiment(tmp_path / "far.toml")
     # the module's documentation lists exactly the FARs the code allows
-    import fl_secure.experiment as module
+    import fl_secure.app.experiment as module
 
     assert 'FAR of the client-group tables ("1e-1" or "1e-2")' in (module.__doc__ or "")
     assert module.GROUP_FARS == ("1e-1", "1e-2")
@@ -172,8 +172,8 @@ def test_bad_experiment_files_are_refused(tmp_path: Path) -> None:
 
 
 def test_committed_experiments_parse_and_their_cells_load() -> None:
+    from fl_secure.app.simulation import check_simulable
     from fl_secure.config import load_config
-    from fl_secure.simulation import check_simulable
 
     for path in sorted((ROOT / "examples" / "experiments").glob("*.toml")):
         experiment = load_experiment(path)
@@ -247,8 +247,8 @@ def test_sampled_cohorts_are_refused_before_any_cell_runs(
         run_experiment(load_experiment(tmp_path / "grid.toml"), tmp_path / "out")
     assert not (tmp_path / "out").exists()
     # every client in every round is what the simulation runs: allowed
+    from fl_secure.app.simulation import check_simulable
     from fl_secure.config import load_config
-    from fl_secure.simulation import check_simulable
 
     check_simulable(load_config(tmp_path / "base.toml", ["server.clients_per_round=3"]))
     check_simulable(load_config(tmp_path / "base.toml", ["server.sample_rate=1"]))
@@ -257,7 +257,7 @@ def test_sampled_cohorts_are_refused_before_any_cell_runs(
 def test_earlier_results_are_not_replaced_without_overwrite(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from fl_secure.cli import main
+    from fl_secure.app.cli import main
 
     # Prepare: a results folder from an earlier grid
     (tmp_path / "base.toml").write_text(BASE)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from client.setup import build_local_trainer
+from fl_secure.app.tuning import evaluate_after_training, newcomer, tuned_metrics, tuning_task
 from fl_secure.config import Config, load_config
 from fl_secure.data.plan import plan_federation
 from fl_secure.training import build_model, evaluate_local, get_tensors, local_training
-from fl_secure.tuning import evaluate_after_training, newcomer, tuned_metrics, tuning_task
 
 TINY = """
 [run]
@@ -160,7 +160,7 @@ def test_diverged_tuning_or_global_model_aborts_naming_the_client(tmp_path: Path
 
 
 def test_adafedfr_tuned_and_untuned_scores_compare_the_same_network(tiny_adafedfr: Path) -> None:
-    from fl_secure.simulation import simulate
+    from fl_secure.app.simulation import simulate
 
     # Prepare: a tuning that cannot move the weights (lr 1e-30), and a real one
     base = ["eval.tune_steps=2", "data.images_per_identity=8"]

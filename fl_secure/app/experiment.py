@@ -16,13 +16,13 @@ An algorithm entry may carry its own overrides after ``+``: ``"hfmaml+embedding_
 runs ``hfmaml`` with ``algorithm.embedding_reg = 1`` (a bare key is an ``[algorithm]`` key,
 a dotted one any ``section.key``); the entry as written labels its rows.
 
-Every cell runs :func:`fl_secure.simulation.simulate` (the gRPC path's algorithm code without
+Every cell runs :func:`fl_secure.app.simulation.simulate` (the gRPC path's algorithm code without
 the network). ``results.csv`` has one row per run; ``results.md`` one row per (algorithm,
 partition) with mean ± std over seeds of the held-out TAR@FAR, and the clients' own
 figures with their spread across clients (the HF-MAML paper's fairness measure); then, in
 the layout of the HF-MAML paper's Tables V-X, TAR@FAR of the training clients and of the
 held-out clients (``partition.held_out_clients``, joining after training), untuned and tuned
-(``eval.tune_steps`` local batches; :mod:`fl_secure.tuning`), each as the mean over clients
+(``eval.tune_steps`` local batches; :mod:`fl_secure.app.tuning`), each as the mean over clients
 and as the std over clients (fairness), mean ± std over seeds.
 
 A run whose training diverges (NaN/Inf in an update, the global model or its embeddings),
@@ -197,7 +197,7 @@ def run_experiment(
         ConfigError: a cell's config is refused, or ``out`` already holds files (earlier
             results) and ``overwrite`` is not set.
     """
-    from fl_secure.simulation import check_simulable, simulate
+    from fl_secure.app.simulation import check_simulable, simulate
 
     configs = []
     for algorithm, partition, seed in experiment.cells():  # validate every cell first

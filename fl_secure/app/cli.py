@@ -1,7 +1,8 @@
 """Command line of fl-secure: ``fl-secure {train,server,client,certs,eval} ...``.
 
-This is the one module of ``fl_secure`` allowed to import ``server`` and ``client``; it does so
-inside the sub-command functions so that ``--help`` stays fast.
+It sits in the application layer (:mod:`fl_secure.app`), above ``server``, ``client`` and
+``audits``; it imports them inside the sub-command functions so that ``--help`` stays fast
+(torch, grpc and tenseal take seconds to import).
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
     _torch_threads(config.train.threads if config is not None else 1)
     if args.centralized:
-        from fl_secure.centralized import run_centralized
+        from fl_secure.app.centralized import run_centralized
 
         if config is None:
             raise FlSecureError("--centralized needs --config FILE")
@@ -153,7 +154,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 print(line)
             print(f"audit: {path}")
     if args.report:
-        from fl_secure.report import write_report
+        from fl_secure.app.report import write_report
 
         written = write_report(result.run_dir, ["html", "md", "json"])
         if args.json:
@@ -230,7 +231,7 @@ def _report(summary: dict[str, Any], run_dir: Path, as_json: bool) -> int:
 def _delta_population(summary: dict[str, Any]) -> tuple[int | None, str]:
     """N of the delta < 1/N rule: clients, or the smallest client's images (example level)."""
     if summary.get("privacy_unit") == "example":
-        from fl_secure.report.build import example_population
+        from fl_secure.app.report.build import example_population
 
         return example_population(summary), "training images (smallest client)"
     return summary.get("num_clients"), "clients"
@@ -238,7 +239,7 @@ def _delta_population(summary: dict[str, Any]) -> tuple[int | None, str]:
 
 def _print_sites(run_dir: Path, summary: dict[str, Any]) -> None:
     """The sites' own epsilon against the server (embedded runs keep their site ledgers)."""
-    from fl_secure.report.build import site_figures
+    from fl_secure.app.report.build import site_figures
 
     if summary.get("privacy_unit") != "client":
         return
@@ -485,7 +486,7 @@ def cmd_certs_ckks(args: argparse.Namespace) -> int:
 
 def cmd_experiment(args: argparse.Namespace) -> int:
     """Simulate an experiment grid; print where its tables went."""
-    from fl_secure.experiment import load_experiment, run_experiment
+    from fl_secure.app.experiment import load_experiment, run_experiment
 
     experiment = load_experiment(args.config)
     _torch_threads(1)
@@ -504,7 +505,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Write a run's compliance report; print where it went."""
-    from fl_secure.report import write_report
+    from fl_secure.app.report import write_report
 
     formats = [f.strip() for f in args.format.split(",") if f.strip()]
     written = write_report(args.run, formats, include_images=args.include_images, out=args.out)
@@ -518,7 +519,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Evaluate a checkpoint of a run on the run's held-out identities or an LFW pairs file."""
-    from fl_secure.eval_run import evaluate_run
+    from fl_secure.app.evaluate import evaluate_run
 
     result = evaluate_run(
         args.run,
@@ -580,7 +581,7 @@ def _certificate_days(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every sub-command."""
-    from privacy.cli import number_arg, positive_int
+    from fl_secure.app.privacy_cli import number_arg, positive_int
 
     parser = argparse.ArgumentParser(
         prog="fl-secure",
@@ -761,7 +762,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(q)
     q.set_defaults(func=cmd_certs_ckks)
 
-    from privacy.cli import add_privacy_parser  # privacy epsilon | calibrate | ledger
+    from fl_secure.app.privacy_cli import add_privacy_parser  # privacy epsilon | calibrate | ledger
 
     add_privacy_parser(sub)
 

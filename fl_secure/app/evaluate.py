@@ -330,13 +330,13 @@ def _trained_names(config: Config, *, centralized: bool = False) -> set[str]:
     """Names of the identities the run trained on (its data plan's).
 
     A centralized run pooled only some clients' labelled images
-    (:func:`fl_secure.centralized.pretraining_clients`: the source client of a domain
+    (:func:`fl_secure.app.centralized.pretraining_clients`: the source client of a domain
     partition); a federated run trained on every client's.
     """
     plan = plan_federation(config)
     shares = plan.clients
     if centralized:
-        from fl_secure.centralized import pretraining_clients
+        from fl_secure.app.centralized import pretraining_clients
 
         shares = pretraining_clients(config, plan)
     return {

@@ -10,16 +10,16 @@ import torch
 from sklearn.metrics import roc_auc_score
 
 from fl_secure.algorithms import FedPE
+from fl_secure.app.evaluate import evaluate_run
 from fl_secure.checkpoints import CheckpointStore
 from fl_secure.config import config_from_dict, config_to_toml
 from fl_secure.data.lfw import load_pair_images, read_pairs
 from fl_secure.data.plan import plan_federation
 from fl_secure.errors import CheckpointError
-from fl_secure.eval_run import evaluate_run
 from fl_secure.runs import RunDir
 from fl_secure.training import build_model, embed, evaluate_verification, get_tensors
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+DATA = Path(__file__).resolve().parents[3].parent / "shared" / "data"
 TINY = {
     "data": {
         "num_identities": 16,
@@ -231,7 +231,7 @@ def test_lfw_overlap_is_counted_for_plan_runs_and_unknown_when_sites_held_their_
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Prepare: a run whose clients trained on the plan (embedded: logs/ of its clients)
-    from fl_secure.cli import main
+    from fl_secure.app.cli import main
 
     (tmp_path / "run").mkdir()
     config, run, _ = _run(tmp_path / "run")
@@ -259,7 +259,7 @@ def test_lfw_overlap_is_counted_for_plan_runs_and_unknown_when_sites_held_their_
 
 
 def test_a_centralized_run_is_scored_with_its_saved_backbone(tmp_path: Path) -> None:
-    from fl_secure.centralized import run_centralized
+    from fl_secure.app.centralized import run_centralized
 
     # Prepare: a one-pass centralized run (it saves backbone.safetensors, no checkpoints)
     config = config_from_dict({**TINY, "train": {"rounds": 1, "local_steps": 1}})
@@ -289,7 +289,7 @@ def test_lfw_options_without_a_pairs_file_are_refused(tmp_path: Path) -> None:
 def test_disjoint_pairs_in_one_fold_keep_the_other_figures(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from fl_secure.cli import main
+    from fl_secure.app.cli import main
 
     # Prepare: a 2-fold pairs file whose pairs of untrained identities all sit in fold 1
     (tmp_path / "run").mkdir()
@@ -332,8 +332,8 @@ def _trained_names_of(config) -> set[str]:
 
 
 def test_a_centralized_domain_run_trained_on_its_source_client_only() -> None:
-    from fl_secure.centralized import pretraining_clients
-    from fl_secure.eval_run import _trained_names
+    from fl_secure.app.centralized import pretraining_clients
+    from fl_secure.app.evaluate import _trained_names
 
     # Prepare: a FedFR domain plan: client 0 the labelled source, the others targets
     config = config_from_dict({
@@ -363,7 +363,7 @@ def _scaled(run: RunDir, model, scale: float, prefix: str = "") -> None:
 def test_a_model_with_degenerate_embeddings_is_refused_by_name_on_both_paths(
     tmp_path: Path, scale: float, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from fl_secure.cli import main
+    from fl_secure.app.cli import main
 
     # Prepare: all weights zero (every embedding vanishes) or huge (outputs overflow)
     (tmp_path / "run").mkdir()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fl_secure.cli import main
+from fl_secure.app.cli import main
 from fl_secure.errors import ConfigError, TlsError
 from fl_secure.tls import init_certificates, issue_client_certificate
 from fl_secure.tls.enrollment import EnrollmentList
@@ -64,7 +64,7 @@ def test_certs_days_out_of_range_is_a_usage_error(tmp_path: Path, capsys, days: 
 
 
 def test_report_needs_a_known_format(tmp_path: Path) -> None:
-    from fl_secure.report import write_report
+    from fl_secure.app.report import write_report
 
     with pytest.raises(ConfigError, match="no report format given"):
         write_report(tmp_path, [])

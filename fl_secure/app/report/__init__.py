@@ -1,7 +1,7 @@
 """Compliance reports: ``fl-secure report --run DIR [--format html,md,json,pdf]``.
 
-:mod:`fl_secure.report.build` collects the report JSON from the run's own records (summary,
-metrics, ledger, audit); :mod:`fl_secure.report.render` turns it into a self-contained HTML
+:mod:`fl_secure.app.report.build` collects the report JSON from the run's own records (summary,
+metrics, ledger, audit); :mod:`fl_secure.app.report.render` turns it into a self-contained HTML
 page, Markdown and a PDF. The JSON follows ``schema/report-v1.schema.json``.
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fl_secure.app.report.build import REPORT_VERSION, SCHEMA_FILE, build_report, json_text
 from fl_secure.errors import ConfigError
-from fl_secure.report.build import REPORT_VERSION, SCHEMA_FILE, build_report, json_text
 
 log = logging.getLogger(__name__)
 FORMATS = ("html", "md", "json", "pdf")
@@ -32,7 +32,7 @@ def write_report(
     Audit image grids are embedded only when the run used synthetic faces, unless
     ``include_images`` (real faces must not leave the site by accident).
     """
-    from fl_secure.report.render import (
+    from fl_secure.app.report.render import (
         find_chromium,
         pdf_of,
         plots,
@@ -119,7 +119,7 @@ def _audit_images(run_dir: Path, report: dict[str, Any], include: bool) -> dict[
     if not synthetic and not include:
         log.info("audit images of real faces left out of the report (--include-images)")
         return {}
-    from fl_secure.report.render import grid_captions
+    from fl_secure.app.report.render import grid_captions
 
     # only the grids audit/results.json names: a stray PNG in the folder is not this audit's
     named = sorted(grid_captions(report["threat_model"].get("audit")))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fl_secure.cli import main
+from fl_secure.app.cli import main
 from fl_secure.config import config_from_dict, config_to_toml
 
 
@@ -63,7 +63,7 @@ def test_train_refuses_an_unworkable_config_before_writing_a_run(
     override: str,
     message: str,
 ) -> None:
-    config = Path(__file__).resolve().parents[2] / "examples" / "quickstart.toml"
+    config = Path(__file__).resolve().parents[3] / "examples" / "quickstart.toml"
     monkeypatch.chdir(tmp_path)
     extra = ["--set", "data.source=folders"] if override.startswith("data.path") else []
     code = main(["train", "--config", str(config), "--set", override, *extra, "--out", "runs"])

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
+from fl_secure.app.report import load_schema, write_report
+from fl_secure.app.report.build import build_report
+from fl_secure.app.report.render import CHROMIUM_FLAGS, find_chromium, print_pdf
 from fl_secure.data.manifest import SYNTHETIC_KIND
 from fl_secure.errors import FlSecureError
-from fl_secure.report import load_schema, write_report
-from fl_secure.report.build import build_report
-from fl_secure.report.render import CHROMIUM_FLAGS, find_chromium, print_pdf
 from privacy.ledger import Ledger
 
 pytestmark = pytest.mark.slow
@@ -60,13 +60,13 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = tmp / "tiny.toml"
     config.write_text(TINY)
     env = {**os.environ, "GRPC_VERBOSITY": "ERROR"}
-    cmd = [sys.executable, "-m", "fl_secure.cli", "train", "--config", str(config)]
+    cmd = [sys.executable, "-m", "fl_secure.app.cli", "train", "--config", str(config)]
     done = subprocess.run(
         [*cmd, "--out", str(tmp / "runs")], capture_output=True, text=True, env=env, timeout=600
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (run,) = sorted((tmp / "runs").glob("report-*"))
-    audit = [sys.executable, "-m", "fl_secure.cli", "audit", "--run", str(run), "--quiet"]
+    audit = [sys.executable, "-m", "fl_secure.app.cli", "audit", "--run", str(run), "--quiet"]
     done = subprocess.run(
         [*audit, "--targets", "3", "--steps", "20"],
         capture_output=True, text=True, env=env, timeout=600,
@@ -99,7 +99,7 @@ def test_report_json_validates_and_regenerates_identically(run_dir: Path, tmp_pa
     # Markdown carries what the HTML does: per-client scores, every audit number, captions
     import html as html_module
 
-    from fl_secure.report.render import grid_captions
+    from fl_secure.app.report.render import grid_captions
 
     md, page = written["md"].read_text(), written["html"].read_text()
     for section in ("### Per-client scores", "### Every audit number"):
@@ -259,8 +259,8 @@ def test_the_ledger_names_the_released_model_file_and_a_swapped_file_is_caught(
     import hashlib
     import shutil
 
+    from fl_secure.app.cli import main
     from fl_secure.checkpoints import CheckpointStore
-    from fl_secure.cli import main
     from privacy.ledger import Ledger
 
     # Prepare: a copy of a finished DP run (3 rounds); its last parameters file
@@ -374,7 +374,7 @@ def test_report_checks_the_ledger_against_what_the_run_recorded(
 def test_site_figures_say_unbounded_damaged_and_released_more(
     run_dir: Path, tmp_path: Path
 ) -> None:
-    from fl_secure.report.render import _site_rows
+    from fl_secure.app.report.render import _site_rows
 
     # Prepare: client-0's ledger gains a release without noise against the server (central
     # placement); client-1's ledger is truncated; client-2's gains one release more
@@ -421,7 +421,7 @@ def test_site_figures_say_unbounded_damaged_and_released_more(
 
 
 def test_audit_bounds_round_toward_the_safe_side() -> None:
-    from fl_secure.report.render import _audit_summary_row, fmt_lower, fmt_measure
+    from fl_secure.app.report.render import _audit_summary_row, fmt_lower, fmt_measure
 
     row = _audit_summary_row({"epsilon_lower_bound": 1.44475, "accountant_epsilon": 4.089234})
     assert row[-2] == "1.444" and row[-1] == "4.09"  # (nearest: 1.445 and 4.089)
@@ -436,7 +436,7 @@ def test_damaged_run_records_are_named(
 ) -> None:
     import shutil
 
-    from fl_secure.cli import main
+    from fl_secure.app.cli import main
     from fl_secure.errors import CheckpointError
 
     run = tmp_path / "run"
@@ -526,7 +526,7 @@ def test_edited_audit_results_are_named_field_by_field(run_dir: Path, tmp_path: 
 def test_report_embeds_only_the_grids_the_audit_results_name(run_dir: Path, tmp_path: Path) -> None:
     import shutil
 
-    from fl_secure.report.render import grid_captions
+    from fl_secure.app.report.render import grid_captions
 
     run = tmp_path / "run"
     shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns("report"))
@@ -540,7 +540,7 @@ def test_report_embeds_only_the_grids_the_audit_results_name(run_dir: Path, tmp_
 
 
 def test_audit_table_puts_chance_beside_the_measures_it_belongs_to() -> None:
-    from fl_secure.report.render import _audit_rows
+    from fl_secure.app.report.render import _audit_rows
 
     audit = {
         "attacks": {
@@ -572,7 +572,7 @@ def test_audit_table_puts_chance_beside_the_measures_it_belongs_to() -> None:
 def test_secure_aggregation_without_dp_is_not_presented_as_hiding_the_cohort(
     run_dir: Path,
 ) -> None:
-    from fl_secure.report.build import _warnings
+    from fl_secure.app.report.build import _warnings
 
     report = build_report(run_dir)  # SecAgg with client-level DP: no such warning
     codes = [w["code"] for w in report["warnings"]]
@@ -588,7 +588,7 @@ def test_secure_aggregation_without_dp_is_not_presented_as_hiding_the_cohort(
 def test_a_round_released_by_a_later_attempt_is_warned_of_under_sampling(
     run_dir: Path,
 ) -> None:
-    from fl_secure.report.build import _warnings
+    from fl_secure.app.report.build import _warnings
 
     report = build_report(run_dir)  # every client in every round: no amplification claimed
     metrics = [{"round": 1, "attempt": 0}, {"round": 2, "attempt": 1}, {"round": 3}]
@@ -762,7 +762,7 @@ def test_the_synthetic_manifest_covers_the_seed_and_celeba_its_annotations(
 
 
 def test_an_example_level_statement_counts_images_and_states_z_and_q(run_dir: Path) -> None:
-    from fl_secure.report.build import _privacy, _warnings
+    from fl_secure.app.report.build import _privacy, _warnings
 
     summary = {
         "privacy_unit": "example", "noise_placement": "local", "num_clients": 3,
@@ -797,8 +797,8 @@ def test_an_example_level_statement_counts_images_and_states_z_and_q(run_dir: Pa
 
 
 def test_the_plain_summary_states_the_adjacency_and_rounds_bounds_up(run_dir: Path) -> None:
-    from fl_secure.report.build import _plain_summary
-    from fl_secure.report.render import fmt_bound
+    from fl_secure.app.report.build import _plain_summary
+    from fl_secure.app.report.render import fmt_bound
 
     report = build_report(run_dir)
     report["privacy"].update(epsilon=7.9641, adjacency="add/remove")
@@ -820,7 +820,7 @@ def test_the_plain_summary_states_the_adjacency_and_rounds_bounds_up(run_dir: Pa
 def test_a_run_without_held_out_identities_is_judged_on_the_clients_test_images(
     run_dir: Path,
 ) -> None:
-    from fl_secure.report.build import _warnings
+    from fl_secure.app.report.build import _warnings
 
     report = build_report(run_dir)
     u = report["utility"]
@@ -860,7 +860,7 @@ def test_a_new_report_removes_the_files_the_previous_one_wrote_only(
 def test_the_ledgers_notes_are_in_the_report(tmp_path: Path) -> None:
     # a discarded sum the server had seen (or a budget stop) is a ledger note: the report
     # lists each, with its round, beside the verified chain
-    from fl_secure.report.build import _ledger
+    from fl_secure.app.report.build import _ledger
     from privacy.ledger import Ledger
 
     path = tmp_path / "ledger.sqlite"
@@ -880,7 +880,7 @@ def test_an_out_folder_without_a_record_keeps_the_users_own_report_files(
     (out / "report.pdf").write_bytes(b"%PDF-1.4 the quarterly report I wrote myself")
     (out / "report.md").write_text("# my own notes")
     # Execute: a JSON-only report into it
-    with caplog.at_level("WARNING", logger="fl_secure.report"):
+    with caplog.at_level("WARNING", logger="fl_secure.app.report"):
         write_report(run_dir, ["json"], out=out)
     # Assert: nothing it did not write is removed; the kept files are named in the log
     assert (out / "report.pdf").read_bytes() == b"%PDF-1.4 the quarterly report I wrote myself"
@@ -895,7 +895,7 @@ def test_an_out_folder_without_a_record_keeps_the_users_own_report_files(
 
 
 def test_example_level_epsilon_by_round_carries_each_clients_total_forward() -> None:
-    from fl_secure.report.build import _epsilon_by_round
+    from fl_secure.app.report.build import _epsilon_by_round
     from privacy.ledger import Entry
 
     def row(seq: int, round_: int, party: str, eps: float) -> Entry:
@@ -939,7 +939,7 @@ def test_client_chosen_text_in_the_stop_reason_is_text_in_the_markdown(
 ) -> None:
     import html as html_module
 
-    from fl_secure.report.render import md_text
+    from fl_secure.app.report.render import md_text
 
     copy = _copy_run(run_dir, tmp_path / "run")
     reason = (
@@ -1018,7 +1018,7 @@ def test_null_and_nan_figures_are_left_out_of_plots_and_shown_as_n_a(
 def test_a_report_that_fails_to_render_leaves_the_previous_one_whole(
     run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fl_secure.report import render
+    from fl_secure.app.report import render
 
     out = tmp_path / "out"
     write_report(run_dir, ["json", "md", "html"], out=out)
@@ -1062,7 +1062,7 @@ def test_failed_attempt_records_are_not_rounds_to_the_report(run_dir: Path, tmp_
 
 
 def test_a_run_that_accounted_nothing_is_not_stated_as_epsilon_zero(run_dir: Path) -> None:
-    from fl_secure.report.build import _plain_summary
+    from fl_secure.app.report.build import _plain_summary
 
     # a run aborted before its first round: summary.json's epsilon is 0.0 (nothing spent)
     report = build_report(run_dir)

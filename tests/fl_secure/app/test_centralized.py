@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fl_secure.centralized import run_centralized
+from fl_secure.app.centralized import run_centralized
 from fl_secure.config import config_from_dict, config_to_toml
 from fl_secure.errors import DataError, RoundAborted
 
@@ -45,7 +45,7 @@ def _records(run_dir: Path) -> list[dict]:
 def test_a_diverging_run_is_recorded_as_aborted_and_named_without_a_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from fl_secure.cli import main
+    from fl_secure.app.cli import main
 
     # Prepare: SGD at lr 1e8 diverges in the first pass
     config = tmp_path / "tiny.toml"
@@ -75,7 +75,7 @@ def test_a_diverging_run_is_recorded_as_aborted_and_named_without_a_traceback(
 def test_degenerate_embeddings_after_a_pass_abort_after_the_passes_before(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import fl_secure.centralized as centralized
+    import fl_secure.app.centralized as centralized
     from fl_secure.evaluation import DegenerateEmbeddings
 
     # Prepare: finite parameters whose held-out embeddings vanish after pass 2 (calls:
@@ -138,8 +138,8 @@ def test_a_pass_trains_as_many_batches_as_a_federated_round(
     local_steps: int,
     batches: int | None,
 ) -> None:
-    import fl_secure.centralized as centralized
-    from fl_secure.centralized import pretraining_clients, train_centralized_model
+    import fl_secure.app.centralized as centralized
+    from fl_secure.app.centralized import pretraining_clients, train_centralized_model
     from fl_secure.data.plan import plan_federation
 
     # Prepare: count the batches each pass trains (the loop's own count)

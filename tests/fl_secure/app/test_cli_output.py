@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fl_secure.cli import _report
+from fl_secure.app.cli import _report
 
 
 @pytest.mark.parametrize(
@@ -79,7 +79,7 @@ def test_a_delta_not_below_one_over_n_is_warned_of(
 def test_training_warns_of_such_a_delta_before_it_starts(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from fl_secure.cli import main
+    from fl_secure.app.cli import main
 
     config = tmp_path / "c.toml"
     config.write_text(
@@ -96,7 +96,7 @@ def test_training_warns_of_such_a_delta_before_it_starts(
 def test_a_server_whose_certificate_folder_holds_the_ca_key_warns(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from fl_secure.cli import main
+    from fl_secure.app.cli import main
     from fl_secure.tls import init_certificates
 
     init_certificates(tmp_path / "certs", clients=2)  # ca.key stays in the folder
@@ -112,13 +112,13 @@ def test_a_server_whose_certificate_folder_holds_the_ca_key_warns(
 def test_the_traceback_hint_names_where_minus_v_goes(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import fl_secure.experiment
-    from fl_secure.cli import main
+    import fl_secure.app.experiment
+    from fl_secure.app.cli import main
 
     def unreadable(path: object) -> None:
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(fl_secure.experiment, "load_experiment", unreadable)
+    monkeypatch.setattr(fl_secure.app.experiment, "load_experiment", unreadable)
     # the hint's form works: -v before the command shows the traceback
     with pytest.raises(PermissionError):
         main(["-v", "experiment", "--config", "grid.toml"])

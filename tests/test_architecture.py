@@ -1,0 +1,84 @@
+"""The layer rule, checked by import-linter: base < privacy < server | client < audits < app.
+
+Prepare / Execute / Assert: the contract in ``pyproject.toml`` is run on the real tree (kept)
+and on a scratch copy with one wrong import added (broken, naming the import).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("fl_secure", "privacy", "server", "client", "audits")
+
+
+def _lint_imports(cwd: Path) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).with_name("lint-imports")
+    if not exe.exists():
+        pytest.fail(f"import-linter is not installed next to {sys.executable}: make venv")
+    env = {**os.environ, "PYTHONPATH": str(cwd)}
+    return subprocess.run(
+        [str(exe), "--no-cache"], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def _layers() -> list[str]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    (contract,) = config["tool"]["importlinter"]["contracts"]
+    layers: list[str] = contract["layers"]
+    return layers
+
+
+def test_layer_contract_holds_on_the_tree() -> None:
+    done = _lint_imports(ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 kept, 0 broken" in done.stdout
+
+
+def test_base_layer_names_every_module_of_fl_secure_but_the_app_layer() -> None:
+    # Prepare: what fl_secure holds on disk
+    on_disk = {
+        p.stem if p.suffix == ".py" else p.name
+        for p in (ROOT / "fl_secure").iterdir()
+        if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()
+    }
+    # Execute: what the lowest layer names
+    base = {name.strip().removeprefix("fl_secure.") for name in _layers()[-1].split(":")}
+    # Assert: every module but app is in the base, so none escapes the contract
+    assert on_disk - {"app"} == base
+    assert _layers()[0] == "fl_secure.app"
+
+
+@pytest.mark.parametrize(
+    ("module", "wrong"),
+    [
+        ("fl_secure/data/types.py", "import server.aggregate"),  # base -> server
+        ("privacy/noise.py", "import client.trainer"),  # privacy -> client
+        ("server/aggregate.py", "import client.trainer"),  # server <-> client
+        ("audits/grids.py", "import fl_secure.app.cli"),  # audits -> app
+    ],
+)
+def test_a_wrong_import_breaks_the_contract(tmp_path: Path, module: str, wrong: str) -> None:
+    # Prepare: a scratch copy of the packages with one import that points up (or across)
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("*.pyc"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    target = tmp_path / module
+    source = target.read_text()
+    marker = "from __future__ import annotations\n"
+    assert marker in source
+    target.write_text(source.replace(marker, f"{marker}\n{wrong}  # noqa: F401\n", 1))
+    # Execute
+    done = _lint_imports(tmp_path)
+    # Assert: broken, and the report names the offending import
+    assert done.returncode != 0
+    assert "1 broken" in done.stdout
+    importer = module.removesuffix(".py").replace("/", ".")
+    assert f"{importer} -> {wrong.removeprefix('import ')}" in done.stdout
