@@ -19,7 +19,7 @@ from torch import nn
 from fl_secure.config import ModelConfig, TrainConfig
 from fl_secure.data.types import FaceDataset
 from fl_secure.errors import CheckpointError
-from fl_secure.evaluation import rank1, verification_metrics
+from fl_secure.evaluation import rank1, rank1_leave_one_out, verification_metrics
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.models import get_backbone, load_pretrained, make_head
 from fl_secure.models.heads import ClassHead
@@ -280,8 +280,6 @@ def evaluate_verification(
     backbone: nn.Module, dataset: FaceDataset, *, roc_points: bool = False
 ) -> dict[str, float]:
     """Verification over all pairs of ``dataset`` plus leave-one-out rank-1."""
-    from fl_secure.evaluation import rank1_leave_one_out
-
     emb = embed(backbone, dataset.images)
     labels = dataset.labels.numpy()
     metrics = verification_metrics(emb, labels, roc_points=roc_points)

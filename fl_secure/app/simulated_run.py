@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from fl_secure.app.simulation import simulate
 from fl_secure.checkpoints import CheckpointStore
 from fl_secure.config import Config, config_to_toml
 from fl_secure.runs import RunDir, atomic_write_bytes, new_run_dir
@@ -21,8 +22,6 @@ from fl_secure.runs import RunDir, atomic_write_bytes, new_run_dir
 
 def write_simulated_run(config: Config, base: Path, *, progress: bool = False) -> Path:
     """Simulate ``config`` and write a run directory under ``base``; return its path."""
-    from fl_secure.app.simulation import simulate
-
     result = simulate(config, progress=progress)
     run = RunDir(new_run_dir(base, config.run.name))
     atomic_write_bytes(run.config, config_to_toml(config).encode())
