@@ -240,8 +240,8 @@ class _Bytes:
         end = self.pos + count
         if count < 0 or end > len(self.data):
             raise self.error(
-                f"the file ends ({len(self.data)} bytes) inside {what}, which needs "
-                f"{count} more bytes: the file is truncated"
+                f"the file ends after {len(self.data)} bytes, inside {what} ({count} bytes "
+                "from here): the file is truncated"
             )
         chunk = self.data[self.pos : end]
         self.pos = end
@@ -294,15 +294,26 @@ class _Bytes:
             raise self.error(f"expected {what}, found the non-text bytes {raw[:16]!r}", at=start)
         return raw.decode("ascii")
 
-    def peek_string(self) -> str | None:
-        """The string at the cursor if one is there, without moving; None otherwise."""
-        saved = self.pos
-        try:
-            return self.string("a string")
-        except CheckpointError:
-            return None
-        finally:
-            self.pos = saved
+    def string_ahead(self, prefix: bytes) -> bool:
+        """Whether a string starting with ``prefix`` is at the cursor (the cursor stays).
+
+        In a truncated file, True as long as the bytes there agree with ``prefix``, so that
+        reading the string reports the truncation.
+        """
+        if self.pos >= len(self.data):
+            return True
+        control = self.data[self.pos]
+        size = control & 0x0F
+        if control & 0xF0 or size > 8:
+            return False
+        start = self.pos + 1 + size
+        if start > len(self.data):
+            return True
+        length = int.from_bytes(self.data[self.pos + 1 : start], "little")
+        if length < len(prefix):
+            return False
+        text = self.data[start : start + len(prefix)]
+        return text == prefix[: len(text)]
 
     def boolean(self, what: str) -> bool:
         """A bool: the ASCII byte ``1`` or ``0``."""
@@ -374,8 +385,7 @@ class _NetReader:
 
     def _loss(self) -> LossMetric:
         start = self.at.pos
-        name = self.at.peek_string()
-        if name is None or not name.startswith("loss_"):
+        if not self.at.string_ahead(b"loss_"):
             found = self.at.data[start : start + 8].hex(" ")
             raise self.at.error(
                 "expected a dlib DNN whose loss layer is loss_metric_ (a face-recognition "
@@ -401,8 +411,7 @@ class _NetReader:
         """The layer versions from the output down, until the input layer's name."""
         wrappers: list[tuple[str, int]] = []
         while True:
-            name = self.at.peek_string()
-            if name is not None and name.startswith("input"):
+            if self.at.string_ahead(b"input"):
                 break
             start = self.at.pos
             version = self.at.integer("a layer version")
