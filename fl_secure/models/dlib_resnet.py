@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_secure.errors import CheckpointError, ConfigError
-from fl_secure.models.dlib_format import Affine, Conv, DlibNet, Fc
+from fl_secure.models.dlib_layers import Affine, Conv, DlibNet, Fc
 
 EMBEDDING_SIZE: Final = 128
 IMAGE_SIZE: Final = 150

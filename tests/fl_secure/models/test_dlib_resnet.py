@@ -24,7 +24,8 @@ from PIL import Image
 from fl_secure.config import ModelConfig
 from fl_secure.errors import CheckpointError, ConfigError
 from fl_secure.models import dlib_weights
-from fl_secure.models.dlib_format import (
+from fl_secure.models.dlib_format import read_dlib_net
+from fl_secure.models.dlib_layers import (
     AddPrev,
     Affine,
     Conv,
@@ -33,7 +34,6 @@ from fl_secure.models.dlib_format import (
     Pool,
     Relu,
     TagOrSkip,
-    read_dlib_net,
 )
 from fl_secure.models.dlib_resnet import DlibResNet, check_topology, zero_padded_add
 from fl_secure.models.dlib_weights import (
