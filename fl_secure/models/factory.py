@@ -22,6 +22,7 @@ from torch import nn
 
 from fl_secure.errors import CheckpointError, ConfigError
 from fl_secure.models.cnn import FaceCNN
+from fl_secure.models.dlib_resnet import DlibResNet
 from fl_secure.models.resnet import resnet18_face
 from fl_secure.runs import atomic_write_bytes
 
@@ -31,6 +32,9 @@ BACKBONES: Final[Mapping[str, Callable[..., nn.Module]]] = MappingProxyType(
         "cnn-small": partial(FaceCNN, widths=(16, 32, 64, 128)),  # narrower, for tests
         "resnet18": partial(resnet18_face, norm="group"),  # HF-MAML's ResNet-18, GroupNorm
         "resnet18-bn": partial(resnet18_face, norm="batch"),  # BatchNorm: not for DP-SGD
+        # dlib's face ResNet: embedding 128, image 150 only; pretrained weights from
+        # fl_secure.models.dlib_weights.dlib_resnet_weights()
+        "dlib-resnet": DlibResNet,
     }
 )
 """Backbone builders by name; each takes ``embedding_size`` and ``image_size`` keywords."""
