@@ -18,6 +18,7 @@ dlib is optional: ``pip install 'fl-secure[faces]'`` brings ``dlib-bin`` and the
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,14 +117,16 @@ class FaceAligner:
         self.upsample = upsample
         landmarks = dlib_model_file(LANDMARKS_DAT, models_dir)
         self.landmarks_sha256 = sha256_file(landmarks)
-        self._predictor: Any = self._dlib.shape_predictor(str(landmarks))
+        self._predictor = _load_model("shape_predictor", str(landmarks), self.landmarks_sha256)
         self.detector_sha256: str | None = None
         if detector == "cnn":
             mmod = dlib_model_file(MMOD_DAT, models_dir)
             self.detector_sha256 = sha256_file(mmod)
-            self._detect: Any = self._dlib.cnn_face_detection_model_v1(str(mmod))
+            self._detect = _load_model(
+                "cnn_face_detection_model_v1", str(mmod), self.detector_sha256
+            )
         else:
-            self._detect = self._dlib.get_frontal_face_detector()
+            self._detect = _load_model("get_frontal_face_detector", None, None)
 
     @property
     def dlib_version(self) -> str:
@@ -151,6 +154,17 @@ class FaceAligner:
         shape = self.landmarks(image, face)
         chip = self._dlib.get_face_chip(image, shape, size=size, padding=padding)
         return np.asarray(chip, dtype=np.uint8)
+
+
+@functools.cache
+def _load_model(factory: str, path: str | None, sha256: str | None) -> Any:
+    """A dlib model, loaded once per process (the HOG detector alone takes a second or two).
+
+    The models are only read after loading, so one copy serves every aligner; the file's
+    SHA-256 is part of the key, so a file replaced on disk is loaded again.
+    """
+    make = getattr(import_dlib(), factory)
+    return make() if path is None else make(path)
 
 
 def _box(rect: Any) -> tuple[int, int, int, int]:
