@@ -203,7 +203,11 @@ def _publish(stage: Path, dst: Path) -> None:
         return
     old = dst.with_name(f".{dst.name}.old-{uuid.uuid4().hex[:8]}")
     os.rename(dst, old)
-    os.rename(stage, dst)
+    try:
+        os.rename(stage, dst)
+    except BaseException:
+        os.rename(old, dst)  # the earlier output stays where it was
+        raise
     shutil.rmtree(old)
 
 

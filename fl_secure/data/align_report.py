@@ -121,6 +121,25 @@ class AlignReport:
         aligned = {e.identity for e in self.entries if e.status in FACE_STATUSES}
         return tuple(name for name in self.identities if name not in aligned)
 
+    def summary(self) -> str:
+        """A few lines for a terminal: chips written, counts per status, what to look at."""
+        p = self.parameters
+        lines = [
+            f"{self.chips} chips of {len(self.entries)} images ({len(self.identities)} "
+            f"identities) from {self.src} in {self.dst}",
+            f"  {p.size} px, padding {p.padding}, {p.detector} detector, upsample "
+            f"{p.upsample}, fallback {p.fallback}",
+            "  " + ", ".join(f"{status} {count}" for status, count in self.totals.items()),
+        ]
+        if self.unaligned_identities:
+            lines.append(
+                f"  identities without an aligned face: {_some(self.unaligned_identities)}"
+            )
+        if self.ignored:
+            lines.append(f"  not images, left out: {_some(self.ignored)}")
+        lines.append(f"  every file's status: {self.dst / MANIFEST}")
+        return "\n".join(lines)
+
     def to_dict(self) -> dict[str, Any]:
         """The manifest: parameters, totals, per-identity counts, then every entry."""
         return {
@@ -162,6 +181,11 @@ class AlignReport:
         if unknown:
             raise DataError(f"{where} lists images of unknown identities {sorted(unknown)}")
         return report
+
+
+def _some(names: tuple[str, ...], shown: int = 5) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def _entry_from_dict(item: dict[str, Any]) -> AlignEntry:

@@ -130,6 +130,10 @@ def test_odd_files_are_recorded_not_dropped(lfw_run: AlignReport) -> None:
     assert (totals["no_face"], totals["fallback_center"], totals["unreadable"]) == (2, 0, 2)
     assert len(lfw_run.entries) == 8 + 1 + 5 and lfw_run.chips == 10
     assert lfw_run.unaligned_identities == ()
+    summary = lfw_run.summary()
+    assert summary.startswith(f"10 chips of 14 images (6 identities) from {lfw_run.src}")
+    assert "no_face 2, fallback_center 0, unreadable 2" in summary
+    assert "not images, left out: zz_odd/notes.txt" in summary
 
 
 @needs_dlib
