@@ -179,6 +179,33 @@ def test_chips_are_dlib_chips_by_dlib_face_descriptors(lfw_run: AlignReport) -> 
 
 
 @needs_dlib
+def test_cnn_detector_aligns_and_records_its_model(tmp_path: Path) -> None:
+    _needs_faces()
+    src = tmp_path / "raw"
+    _copy(ORL / "s2" / "1.pgm", src / "s2")
+    _copy(_lfw(PEOPLE[3], 1), src / PEOPLE[3])
+    report = align_folder(src, tmp_path / "chips", detector="cnn", upsample=0, progress=False)
+    assert [e.status for e in report.entries] == ["aligned", "aligned"]
+    mmod = dlib_faces.dlib_model_file(dlib_faces.MMOD_DAT)
+    assert report.parameters.detector == "cnn"
+    assert report.parameters.detector_sha256 == hashlib.sha256(mmod.read_bytes()).hexdigest()
+
+
+def test_manifest_reader_refuses_other_documents(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=f"{tmp_path} has no {MANIFEST}"):
+        read_align_manifest(tmp_path)
+    (tmp_path / MANIFEST).write_text("{not json")
+    with pytest.raises(DataError, match="cannot read"):
+        read_align_manifest(tmp_path)
+    (tmp_path / MANIFEST).write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(DataError, match="is not a manifest of `fl-secure data align`"):
+        read_align_manifest(tmp_path)
+    (tmp_path / MANIFEST).write_text(json.dumps({"format": "fl-secure align manifest 1"}))
+    with pytest.raises(DataError, match="is malformed: KeyError"):
+        read_align_manifest(tmp_path)
+
+
+@needs_dlib
 def test_fallback_center_writes_the_centre_square_of_faceless_images(tmp_path: Path) -> None:
     src = tmp_path / "raw"
     (src / "a").mkdir(parents=True)
