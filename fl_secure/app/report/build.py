@@ -129,7 +129,7 @@ def build_report(run_dir: Path) -> dict[str, Any]:
     audit_path = run.path / "audit" / "results.json"
     audit = read_json_object(audit_path, "the audit results") if audit_path.exists() else None
     if audit is not None:
-        from audits.run_audit import check_results
+        from audits.results import check_results
 
         check_results(audit, str(audit_path))
     ledger, entries = _ledger(run.path / "ledger.sqlite", summary)
@@ -589,7 +589,7 @@ def _threat_model(summary: dict[str, Any], audit: dict[str, Any] | None) -> dict
         "source": "summary.json" + (", audit/results.json" if audit is not None else ""),
     }
     if audit is not None:
-        from audits.run_audit import table_rows
+        from audits.results import table_rows
 
         out["audit_summary"] = table_rows(audit)  # one row per party view, beside chance
         out["audit"] = audit
