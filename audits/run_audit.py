@@ -76,7 +76,7 @@ class AuditSettings:
     include_images: bool = False  # grids of real (non-synthetic) faces
     public_dir: Path | None = None  # identity folders of public faces (default: held-out)
     public_center_crop: int = 0  # centre crop of the public faces before resizing (LFW: 150)
-    canaries: int | None = None  # None: sized to test the run's claim (mechanism.audit_size)
+    canaries: int | None = None  # None: sized to test the run's claim (mechanism_audit.audit_size)
     trials: int | None = None
     seed: int = 0
 
