@@ -17,6 +17,12 @@ Transport-free core; functions take tensors and models, not run directories.
 Wired to run directories (``fl-secure audit``):
 
 - :mod:`audits.observations` -- what the server and a curious client saw, by design and setting.
-- :mod:`audits.run_audit` -- every attack on those views; ``RUN/audit/results.json`` and grids.
-- :mod:`audits.mechanism` -- canary audit of the run's client-level aggregation as implemented.
+- :mod:`audits.targets` -- the target identities and the auditor's images of them.
+- :mod:`audits.attacks` -- each attack (inversion, templates, leakage, canary) on one view.
+- :mod:`audits.mechanism` -- the run's client-level aggregation, as its summary states it.
+- :mod:`audits.canary_release` -- that aggregation released on worst-case canaries.
+- :mod:`audits.mechanism_audit` -- empirical epsilon of the mechanism, and the audit's size.
+- :mod:`audits.run_audit` -- every attack on those views; ``RUN/audit/results.json``, grids
+  and findings.
+- :mod:`audits.results` -- reading ``results.json`` back: its check, rows per view, tables.
 """

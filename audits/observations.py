@@ -411,7 +411,7 @@ def choose_targets(run: RunContext, count: int) -> list[int]:
     targets spread over the sites. Identities the curious client also holds are skipped, and
     so is an identity already chosen from another site (an attribute partition splits an
     identity's images over the clients whose predicates they match): each target is one
-    label of the judge and the gallery (:func:`audits.run_audit.target_data`). In a
+    label of the judge and the gallery (:func:`audits.targets.target_data`). In a
     ``server-sees-heads`` run only the clients whose heads the server holds are drawn from
     (:func:`held_heads`): every target then has its row in the server's view.
     """

@@ -105,7 +105,8 @@ def main() -> None:
     )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
-    from audits.run_audit import AuditSettings, audit_run, markdown_table
+    from audits.results import markdown_table
+    from audits.run_audit import AuditSettings, audit_run
 
     if args.table:
         audited = [json.loads((r / "audit" / "results.json").read_text()) for r in args.table]

@@ -176,7 +176,7 @@ def cmd_site(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(summary, sort_keys=True) + "\n")
         return 0
-    from fl_secure.app.report.build import round_up
+    from fl_secure.app.report.formatting import round_up
 
     runs = ", ".join(f"{run} ({n})" for run, n in summary["releases_by_run"].items())
     sys.stdout.write(
@@ -297,7 +297,7 @@ def _emit(args: argparse.Namespace, report: dict[str, Any]) -> None:
     if args.json:
         sys.stdout.write(json.dumps(report, sort_keys=True) + "\n")
         return
-    from fl_secure.app.report.build import round_up
+    from fl_secure.app.report.formatting import round_up
 
     population = f", population {report['population']}" if report["population"] else ""
     target = f" (target {report['target_epsilon']:g})" if "target_epsilon" in report else ""

@@ -13,7 +13,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -26,17 +25,19 @@ from typing import Any
 import numpy as np
 import pytest
 
+from audits.attacks.leakage import leakage_attack
 from audits.canary import clopper_pearson_interval
-from audits.mechanism import Mechanism, audit_mechanism, mechanism_of_run
 from audits.observations import choose_targets, held_heads, load_run, observations
-from audits.run_audit import AuditSettings, audit_run, findings, summary_lines, table_rows
+from audits.results import table_rows
+from audits.run_audit import AuditSettings, audit_run, findings, summary_lines
+from audits.targets import target_data
 from fl_secure.app.cli import main
+from fl_secure.app.report import write_report
 from fl_secure.app.simulated_run import write_simulated_run
 from fl_secure.checkpoints import CheckpointStore
 from fl_secure.config import config_from_dict
 from fl_secure.errors import CheckpointError, ConfigError
 from fl_secure.runs import RunDir
-from privacy.calibration import calibrate_noise
 
 TINY = """
 [run]
@@ -247,182 +248,6 @@ def test_client_level_dp_lowers_global_head_success_and_stays_under_the_accounta
     assert {r["party"] for r in rows} == {"server", "curious_client"}
 
 
-@pytest.mark.parametrize("placement", ["central", "distributed", "local"])
-@pytest.mark.parametrize("epsilon", [1.0, 8.0])
-def test_mechanism_audit_never_exceeds_the_accountant(placement: str, epsilon: float) -> None:
-    z = calibrate_noise(target_epsilon=epsilon, sample_rate=1.0, steps=8, delta=1e-5)
-    mech = Mechanism(z, 1.0, 3.0, placement, 8, 1.0, 3, 3, 1e-5, epsilon)
-    found = audit_mechanism(mech, seed=1)
-    assert found["epsilon_lower_bound"] <= epsilon
-    if epsilon == 8.0 and placement != "local":  # local noise is sqrt(3) x what is accounted
-        assert found["epsilon_lower_bound"] > 1.0  # the audit is not vacuous (measured 3.2-3.4)
-    # 1000 trials can show at most 4.73: epsilon 1 is tested, epsilon 8 cannot be, and the
-    # audit says so instead of "not exceeded"
-    assert found["can_test_accountant"] is (epsilon == 1.0)
-    assert found["exceeds_accountant"] is (False if epsilon == 1.0 else None)
-
-
-def test_a_mechanism_with_less_noise_than_it_claims_is_flagged() -> None:
-    # Prepare: the noise of epsilon 1, divided by 4 (a broken mechanism claiming epsilon 1)
-    z = calibrate_noise(target_epsilon=1.0, sample_rate=1.0, steps=8, delta=1e-5)
-    mech = Mechanism(z / 4, 1.0, 3.0, "central", 8, 1.0, 0, 3, 1e-5, 1.0)
-    # Execute
-    found = audit_mechanism(mech, seed=1)
-    # Assert: the bound passes the claim (measured 1.8), and the finding says so
-    assert found["can_test_accountant"] is True and found["exceeds_accountant"] is True
-    assert found["epsilon_lower_bound"] > 1.0
-    codes = {f["code"] for f in findings({"attacks": {"canary": found}})}
-    assert codes == {"audit-exceeds-accountant"}
-
-
-def test_the_audit_sizes_itself_to_test_the_claim() -> None:
-    from audits.mechanism import MAX_AUTO_TRIALS, audit_size, trials_to_test
-
-    # Prepare: claims of epsilon 8 (one round), 1 and none; one of 12
-    z = calibrate_noise(target_epsilon=8.0, sample_rate=1.0, steps=1, delta=1e-5)
-    eight = Mechanism(z, 1.0, 3.0, "central", 1, 1.0, 0, 3, 1e-5, 8.0)
-    # Execute / Assert: 1.25 x the fewest trials that can show more than 8 (26130)
-    n = audit_size(eight)
-    assert n == 32_664 and n > trials_to_test(8.0, 1e-5, 0.025) == 26_130
-    assert audit_mechanism(eight, canaries=n, trials=n, seed=3)["can_test_accountant"] is True
-    assert audit_size(dataclasses.replace(eight, accountant_epsilon=1.0)) == 1000
-    assert audit_size(dataclasses.replace(eight, accountant_epsilon=None)) == 1000
-    # no audit up to the cap can test 12: the cap, and the audit says it cannot test
-    twelve = dataclasses.replace(eight, accountant_epsilon=12.0)
-    assert audit_size(twelve) == MAX_AUTO_TRIALS
-    capped = audit_mechanism(twelve, canaries=MAX_AUTO_TRIALS, trials=MAX_AUTO_TRIALS, seed=3)
-    assert capped["can_test_accountant"] is False
-    assert capped["largest_bound_this_audit_can_show"] == pytest.approx(8.83, abs=0.01)
-
-
-def test_an_audit_sized_for_epsilon_8_can_refute_a_mechanism_without_noise() -> None:
-    from audits.mechanism import trials_to_test
-
-    # Prepare: a claim of epsilon 8 (one round) that 1000 trials cannot test; the size the
-    # audit names
-    z = calibrate_noise(target_epsilon=8.0, sample_rate=1.0, steps=1, delta=1e-5)
-    honest = Mechanism(z, 1.0, 3.0, "central", 1, 1.0, 0, 3, 1e-5, 8.0)
-    small = audit_mechanism(honest, seed=1)
-    assert small["can_test_accountant"] is False and small["trials_to_test_accountant"] > 20_000
-    (finding,) = findings({"attacks": {"canary": small}})
-    assert finding["code"] == "audit-cannot-test-accountant"
-    assert f"--canary-trials {small['trials_to_test_accountant']}" in finding["message"]
-    n = trials_to_test(8.0, 1e-5, 0.025)
-    assert n == small["trials_to_test_accountant"]
-    # Execute: that many trials, on the honest mechanism and on one with almost no noise
-    fair = audit_mechanism(honest, canaries=n, trials=n, seed=2)
-    broken = audit_mechanism(dataclasses.replace(honest, noise_multiplier=z / 1000), canaries=n,
-                             trials=n, seed=2)  # fmt: skip
-    # Assert: the sized audit can test the claim; it passes the honest mechanism and refutes
-    # the broken one
-    assert fair["can_test_accountant"] is True and fair["exceeds_accountant"] is False
-    assert fair["trials_to_test_accountant"] is None
-    assert fair["trials_to_test_accountant_more_than"] is None
-    assert small["trials_to_test_accountant_more_than"] is None
-    assert broken["exceeds_accountant"] is True and broken["epsilon_lower_bound"] > 8.0
-
-
-def test_the_trials_that_test_a_claim_follow_the_closed_form_of_a_perfect_attack() -> None:
-    from audits.mechanism import _perfect_bound, perfect_attack_epsilon, trials_to_test
-
-    # the closed form 1 - (alpha / 2) ** (1 / h) is the exact Clopper-Pearson bound
-    for n in (2, 14, 1000, 26_130, 60_000, 1_000_000):
-        assert perfect_attack_epsilon(n, 1e-5, 0.025) == pytest.approx(
-            _perfect_bound(n, 1e-5, 0.025), rel=1e-12, abs=1e-12
-        )
-    # the fewest: n trials can show more than epsilon, n - 2 cannot, far beyond 2^63 / 2
-    for epsilon in (0.5, 8.0, 20.0, 25.0):
-        n = trials_to_test(epsilon, 1e-5, 0.025)
-        assert n is not None and n % 2 == 0
-        assert perfect_attack_epsilon(n, 1e-5, 0.025) > epsilon
-        assert perfect_attack_epsilon(n - 2, 1e-5, 0.025) <= epsilon
-    assert trials_to_test(20.0, 1e-5, 0.025) == 4_252_056_142  # (as the doubling search found)
-    # 10^12 trials show at most 25.46: a larger claim, or an infinite one, names no count
-    assert perfect_attack_epsilon(1e12, 1e-5, 0.025) == pytest.approx(25.46, abs=0.01)
-    for epsilon in (26.0, 42.5, 54.4, math.inf):
-        assert trials_to_test(epsilon, 1e-5, 0.025) is None
-    assert trials_to_test(12.0, 1e-5, 0.025, limit=1_000_000) is None  # needs 1,426,412
-
-
-@pytest.mark.parametrize("epsilon", [54.38, math.inf])
-def test_a_claim_no_practical_audit_can_test_is_reported_not_a_crash(epsilon: float) -> None:
-    from audits.mechanism import MAX_TRIALS_TO_TEST
-
-    # Prepare: z 0.2 over 2 rounds, the accountant's epsilon 54.4 (PLD), or no bound at all
-    summary = _summary("central", "none", 0.2, epsilon) | {"rounds_completed": 2}
-    mech = mechanism_of_run(summary, num_clients=3, min_clients=3, rounds=2)
-    # Execute
-    found = audit_mechanism(mech, canaries=1000, trials=1000, seed=0)
-    # Assert: the audit cannot test it and says that no audit up to the limit can
-    assert found["can_test_accountant"] is False and found["exceeds_accountant"] is None
-    assert found["trials_to_test_accountant"] is None
-    assert found["trials_to_test_accountant_more_than"] == MAX_TRIALS_TO_TEST == 10**12
-    (finding,) = findings({"attacks": {"canary": found}})
-    assert finding["code"] == "audit-cannot-test-accountant"
-    assert "--canary-trials" not in finding["message"]
-    if math.isfinite(epsilon):
-        assert "no audit of up to 1,000,000,000,000 trials can" in finding["message"]
-    else:
-        assert "no audit can: an infinite epsilon bounds nothing" in finding["message"]
-    assert any(line.startswith("finding [audit-cannot") for line in summary_lines(
-        {"attacks": {"canary": found}}
-    ))  # fmt: skip
-
-
-@pytest.mark.parametrize(("placement", "honest"), [("central", 0), ("distributed", 3)])
-def test_under_client_sampling_the_one_run_audit_ranks_by_the_likelihood_ratio(
-    placement: str, honest: int
-) -> None:
-    import torch
-
-    from audits.canary import one_run_audit
-    from audits.mechanism import canary_scores
-
-    # Prepare: epsilon 8 over 200 rounds at q = 0.02 (each round's ratio is a mixture)
-    z = calibrate_noise(target_epsilon=8.0, sample_rate=0.02, steps=200, delta=1e-5)
-    mech = Mechanism(z, 1.0, 3.0, placement, 200, 0.02, honest, 3, 1e-5, 8.0)
-    for seed in range(3):
-        included = np.random.default_rng(seed).random(1000) < 0.5
-        bounds = []
-        # Execute: the same releases, scored by their sum and by the log-likelihood ratio
-        for mixture in (False, True):
-            scores, _ = canary_scores(mech, included, seed=seed + 10, mixture=mixture)
-            bound = one_run_audit(torch.from_numpy(scores), torch.from_numpy(included),
-                                  k_plus=100, k_minus=100, delta=1e-5, alpha=0.025)  # fmt: skip
-            bounds.append(bound.epsilon)
-        # Assert: the ratio's bound is well above the sum's (measured 1.18-1.37 against
-        # 0.36-0.75), and still below the accountant's
-        assert bounds[1] > bounds[0] + 0.3 and bounds[1] <= 8.0, bounds
-
-
-@pytest.mark.parametrize("placement", ["central", "distributed", "local"])
-def test_canaries_built_one_at_a_time_release_exactly_the_dense_batch(placement: str) -> None:
-    from audits.mechanism import OneHotCanaries, release_round
-    from privacy.noise import SeededGaussian
-
-    # Prepare: 40 of 300 coordinates carry a canary of norm 2C
-    mech = Mechanism(1.3, 1.0, 5.0, placement, 1, 1.0, 3, 3, 1e-5, 3.0)
-    rows = np.sort(np.random.default_rng(0).choice(300, 40, replace=False))
-    dense = np.zeros((40, 300))
-    dense[np.arange(40), rows] = 2.0
-    # Execute
-    lazy = release_round(mech, OneHotCanaries(rows, 300, 2.0), SeededGaussian(5))
-    eager = release_round(mech, dense, SeededGaussian(5))
-    # Assert: bit-identical releases (the same updates, in the same order, same noise)
-    np.testing.assert_array_equal(lazy, eager)
-
-
-def test_a_central_noise_round_without_a_sampled_canary_still_releases() -> None:
-    from audits.mechanism import release_round
-    from privacy.noise import SeededGaussian
-
-    # central noise: no honest noise shares (honest_clients 0), and no canary this round
-    mech = Mechanism(1.0, 1.0, 5.0, "central", 1, 0.005, 0, 3, 1e-5, 3.0)
-    out = release_round(mech, np.zeros((0, 4000)), SeededGaussian(0))
-    assert out.shape == (4000,)
-    assert np.std(out) == pytest.approx(1.0 * 1.0 / 5.0, rel=0.05)  # z C / W
-
-
 def test_cli_audit_writes_json(runs: dict[str, dict[str, Any]], capsys) -> None:
     run = runs["fedgc"]["run"]
     grids = sorted(p.name for p in (Path(run) / "audit").glob("*.png"))
@@ -483,8 +308,6 @@ def test_an_audit_refuses_a_run_another_process_holds(
     runs: dict[str, dict[str, Any]], capsys
 ) -> None:
     # Prepare: a server (here: this process) holds the audited run while training it
-    from fl_secure.runs import RunDir
-
     run = RunDir(Path(runs["fedpe"]["run"]))
     before = (run.path / "audit" / "results.json").read_bytes()
     # Execute
@@ -653,8 +476,6 @@ def test_targets_come_from_the_clients_whose_heads_the_server_holds(
 def test_an_identity_split_over_sites_by_its_attributes_is_one_target(tmp_path: Path) -> None:
     import torch
 
-    from audits.run_audit import target_data
-
     # Prepare: an attribute partition splits identities by per-image attributes, so clients
     # 1 (hat=0) and 2 (hat=1 & glasses=0) hold images of the same identities
     raw = tomllib.loads(TINY.format(algorithm="fedavg"))
@@ -714,91 +535,6 @@ def test_a_run_that_does_not_pair_clients_with_shares_is_refused(
     assert load_run(older).client_ids == ["client-0", "client-1", "client-2"]
 
 
-def _summary(placement: str, scheme: str, z: float, epsilon: float) -> dict[str, Any]:
-    return {
-        "privacy_unit": "client",
-        "noise_placement": placement,
-        "epsilon": epsilon,
-        "delta": 1e-5,
-        "rounds_completed": 8,
-        "privacy": {"noise_multiplier": z, "clip_norm": 1.0, "aggregate_denominator": 3.0},
-        "secure_aggregation": {"scheme": scheme},
-    }
-
-
-@pytest.mark.parametrize(
-    ("placement", "scheme", "contributors"),
-    [("local", "none", 1), ("local", "secagg", 3), ("distributed", "secagg+", 3),
-     ("central", "none", 0)],
-)  # fmt: skip
-def test_canaries_face_the_noise_of_the_fewest_honest_clients_a_round_has(
-    placement: str, scheme: str, contributors: int
-) -> None:
-    # Prepare: 10 enrolled clients, rounds of at least 3
-    z = calibrate_noise(target_epsilon=8.0, sample_rate=1.0, steps=8, delta=1e-5)
-    summary = _summary(placement, scheme, z, 8.0)
-    # Execute
-    mech = mechanism_of_run(summary, num_clients=10, min_clients=3, rounds=8)
-    found = audit_mechanism(mech, seed=1)
-    # Assert: noise shares of the fewest honest clients, not of all 10 enrolled ones
-    assert mech.honest_clients == contributors
-    assert found["epsilon_lower_bound"] <= 8.0
-    if contributors <= 1 or placement == "distributed":  # z C on the canary, as accounted
-        assert found["epsilon_lower_bound"] > 1.0  # not vacuous (10 shares gave 0.3)
-
-
-@pytest.mark.parametrize(
-    ("encrypted", "contributors"),
-    [(["backbone.embedding"], 1), (["backbone.stages", "head"], 1), ("all", 3), (None, 3)],
-)  # fmt: skip
-def test_a_ckks_run_that_encrypts_some_layers_shows_each_clients_noise_share_alone(
-    encrypted: Any, contributors: int
-) -> None:
-    from audits.mechanism import release_std
-
-    # Prepare: local noise under CKKS; ckks_layers encrypts a subset (or every layer: "all",
-    # or a summary written without encrypted_layers)
-    z = calibrate_noise(target_epsilon=8.0, sample_rate=1.0, steps=8, delta=1e-5)
-    summary = _summary("local", "ckks", z, 8.0)
-    if encrypted is not None:
-        summary["secure_aggregation"]["encrypted_layers"] = encrypted
-    # Execute
-    mech = mechanism_of_run(summary, num_clients=10, min_clients=3, rounds=8)
-    # Assert: the layers left in the clear reach the server one client at a time, so a
-    # canary there carries one share z C; the encrypted sum carries min_clients of them
-    assert mech.honest_clients == contributors
-    assert release_std(mech) == pytest.approx(math.sqrt(contributors) * z * 1.0 / 3.0)
-
-
-@pytest.mark.parametrize(
-    ("field", "value", "message"),
-    [
-        ("privacy.noise_multiplier", None, "privacy.noise_multiplier is missing (expected a"),
-        ("privacy.clip_norm", None, "privacy.clip_norm is missing (expected a number"),
-        ("privacy.clip_norm", "1.0", "privacy.clip_norm is '1.0', not a number"),
-        ("privacy.aggregate_denominator", True, "privacy.aggregate_denominator is True, not a"),
-        ("epsilon", None, "epsilon is missing (expected a number; a client-level DP run"),
-        ("noise_placement", None, "noise_placement is None, not one of central, local, distr"),
-        ("privacy", [], "privacy is [], not an object"),
-    ],
-)  # fmt: skip
-def test_a_summary_without_a_privacy_field_is_refused_by_name(
-    field: str, value: Any, message: str
-) -> None:
-    # Prepare: a client-level DP summary with one field removed (None) or damaged
-    summary = _summary("central", "none", 1.0, 8.0)
-    *parents, key = field.split(".")
-    node = summary[parents[0]] if parents else summary
-    if value is None:
-        del node[key]
-    else:
-        node[key] = value
-    # Execute / Assert: CheckpointError naming the file and the field, not a KeyError
-    with pytest.raises(CheckpointError, match=re.escape(f"RUN/summary.json is damaged: {message}")):
-        mechanism_of_run(summary, num_clients=3, min_clients=3, rounds=8,
-                         source="RUN/summary.json")  # fmt: skip
-
-
 def test_an_audit_names_the_privacy_field_its_run_summary_lacks(
     fedgc_run: Path, tmp_path: Path
 ) -> None:
@@ -814,23 +550,13 @@ def test_an_audit_names_the_privacy_field_its_run_summary_lacks(
     )
 
 
-def test_an_example_level_run_is_not_called_a_run_without_dp() -> None:
-    summary = {"privacy_unit": "example", "epsilon": 2.0, "delta": 1e-5, "rounds_completed": 4}
-    mech = mechanism_of_run(summary, num_clients=3, min_clients=3, rounds=4)
-    found = audit_mechanism(mech, canaries=200, trials=200, seed=0)
-    assert found["accountant_epsilon"] is None  # no client-level claim to compare with
-    assert found["accountant"].startswith("none at the client level: the run's DP is example")
-
-
 def test_an_example_level_run_gets_no_leakage_figure_from_an_update_without_dp_sgd(
     fedgc_run: Path, tmp_path: Path
 ) -> None:
-    from audits.run_audit import _leakage
-
     run = load_run(_copy_with_summary(fedgc_run, tmp_path / "example", privacy_unit="example"))
     server = observations(run, choose_targets(run, 4))[0]
     assert server.updates == "each client's update"
-    found = _leakage(run, server, SETTINGS)
+    found = leakage_attack(run, server, seed=SETTINGS.seed)
     assert found["applicable"] is False and "DP-SGD" in found["why"]
 
 
@@ -919,8 +645,6 @@ def test_a_prior_fitted_on_public_folders_keeps_grids_out_unless_asked(
     audit_run(run, dataclasses.replace(quick, include_images=True))
     assert sorted((run / "audit").glob("*.png"))
     # and the report leaves them out too, as it does for a run on real faces
-    from fl_secure.app.report import write_report
-
     write_report(run, ["md"])
     assert sorted((run / "report").glob("*.png")) == []
     write_report(run, ["md"], include_images=True)

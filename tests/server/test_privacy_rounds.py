@@ -512,7 +512,7 @@ def _noised_before_the_server(tmp_path: Path, placement: str = "local") -> Any:
 
 
 def test_a_sum_the_server_saw_and_discarded_is_composed_like_a_round(tmp_path: Path) -> None:
-    from fl_secure.app.report.build import _epsilon_by_round
+    from fl_secure.app.report.ledger import _epsilon_by_round
 
     # Prepare: local noise (the guarantee covers the server's view), rounds 1 and 2 done
     first = _noised_before_the_server(tmp_path)

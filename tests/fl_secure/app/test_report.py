@@ -11,12 +11,25 @@ from typing import Any
 
 import pytest
 
-from fl_secure.app.report import load_schema, write_report
-from fl_secure.app.report.build import build_report
-from fl_secure.app.report.render import CHROMIUM_FLAGS, find_chromium, print_pdf
-from fl_secure.data.manifest import SYNTHETIC_KIND
-from fl_secure.errors import FlSecureError
-from privacy.ledger import Ledger
+from audits.run_audit import findings
+from fl_secure.app.cli import main
+from fl_secure.app.report import load_schema, write, write_report
+from fl_secure.app.report.audit_rows import audit_rows, audit_summary_row, grid_captions
+from fl_secure.app.report.build import _privacy, build_report
+from fl_secure.app.report.formatting import fmt_bound, fmt_lower, fmt_measure
+from fl_secure.app.report.ledger import _epsilon_by_round, ledger_section
+from fl_secure.app.report.pdf import CHROMIUM_FLAGS, find_chromium, print_pdf
+from fl_secure.app.report.plain_summary import plain_summary
+from fl_secure.app.report.render_markdown import md_text
+from fl_secure.app.report.report_warnings import report_warnings
+from fl_secure.app.report.rows import site_rows
+from fl_secure.checkpoints import CheckpointStore
+from fl_secure.config import config_from_dict
+from fl_secure.data.manifest import SYNTHETIC_KIND, data_manifest
+from fl_secure.errors import CheckpointError, FlSecureError
+from fl_secure.runs import RunDir
+from privacy.ledger import Entry, Ledger
+from server.setup import _first_data_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -98,8 +111,6 @@ def test_report_json_validates_and_regenerates_identically(run_dir: Path, tmp_pa
     assert written["json"].read_bytes() == again["json"].read_bytes()
     # Markdown carries what the HTML does: per-client scores, every audit number, captions
     import html as html_module
-
-    from fl_secure.app.report.render import grid_captions
 
     md, page = written["md"].read_text(), written["html"].read_text()
     for section in ("### Per-client scores", "### Every audit number"):
@@ -201,8 +212,6 @@ def test_each_sites_own_epsilon_is_the_reference_accountants(run_dir: Path) -> N
 def test_audit_findings_are_report_warnings(run_dir: Path, tmp_path: Path) -> None:
     import shutil
 
-    from audits.run_audit import findings
-
     report = build_report(run_dir)
     codes = [w["code"] for w in report["warnings"]]
     audit = report["threat_model"]["audit"]
@@ -258,10 +267,6 @@ def test_the_ledger_names_the_released_model_file_and_a_swapped_file_is_caught(
 ) -> None:
     import hashlib
     import shutil
-
-    from fl_secure.app.cli import main
-    from fl_secure.checkpoints import CheckpointStore
-    from privacy.ledger import Ledger
 
     # Prepare: a copy of a finished DP run (3 rounds); its last parameters file
     copy = tmp_path / "run"
@@ -374,8 +379,6 @@ def test_report_checks_the_ledger_against_what_the_run_recorded(
 def test_site_figures_say_unbounded_damaged_and_released_more(
     run_dir: Path, tmp_path: Path
 ) -> None:
-    from fl_secure.app.report.render import _site_rows
-
     # Prepare: client-0's ledger gains a release without noise against the server (central
     # placement); client-1's ledger is truncated; client-2's gains one release more
     copy = _copy_run(run_dir, tmp_path / "run")
@@ -401,7 +404,7 @@ def test_site_figures_say_unbounded_damaged_and_released_more(
     assert rows["client-0"]["epsilon"] is None
     assert "epsilon" in rows["client-0"]["unbounded"]
     assert rows["client-2"]["unbounded"] == [] and rows["client-2"]["releases"] == 4
-    _, table = _site_rows(report["sites"])
+    _, table = site_rows(report["sites"])
     assert table[0][2] == "∞ (unbounded)" and table[2][2] != "∞ (unbounded)"
     warned = {w["code"]: w["message"] for w in report["warnings"]}
     assert "client-1" in warned["site-ledger-unreadable"]
@@ -421,9 +424,7 @@ def test_site_figures_say_unbounded_damaged_and_released_more(
 
 
 def test_audit_bounds_round_toward_the_safe_side() -> None:
-    from fl_secure.app.report.render import _audit_summary_row, fmt_lower, fmt_measure
-
-    row = _audit_summary_row({"epsilon_lower_bound": 1.44475, "accountant_epsilon": 4.089234})
+    row = audit_summary_row({"epsilon_lower_bound": 1.44475, "accountant_epsilon": 4.089234})
     assert row[-2] == "1.444" and row[-1] == "4.09"  # (nearest: 1.445 and 4.089)
     assert fmt_lower(2.0) == "2" and fmt_lower(0.0012345) == "0.001234"
     assert fmt_measure("epsilon_lower_bound", 3.33339) == "3.333"
@@ -435,9 +436,6 @@ def test_damaged_run_records_are_named(
     run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import shutil
-
-    from fl_secure.app.cli import main
-    from fl_secure.errors import CheckpointError
 
     run = tmp_path / "run"
     shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns("report"))
@@ -485,8 +483,6 @@ def test_edited_audit_results_are_named_field_by_field(run_dir: Path, tmp_path: 
     import copy
     import shutil
 
-    from fl_secure.errors import CheckpointError
-
     run = tmp_path / "run"
     shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns("report"))
     path = run / "audit" / "results.json"
@@ -526,8 +522,6 @@ def test_edited_audit_results_are_named_field_by_field(run_dir: Path, tmp_path: 
 def test_report_embeds_only_the_grids_the_audit_results_name(run_dir: Path, tmp_path: Path) -> None:
     import shutil
 
-    from fl_secure.app.report.render import grid_captions
-
     run = tmp_path / "run"
     shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns("report"))
     named = sorted(grid_captions(json.loads((run / "audit" / "results.json").read_text())))
@@ -540,8 +534,6 @@ def test_report_embeds_only_the_grids_the_audit_results_name(run_dir: Path, tmp_
 
 
 def test_audit_table_puts_chance_beside_the_measures_it_belongs_to() -> None:
-    from fl_secure.app.report.render import _audit_rows
-
     audit = {
         "attacks": {
             "inversion": {"server": {"head_row": {
@@ -557,7 +549,7 @@ def test_audit_table_puts_chance_beside_the_measures_it_belongs_to() -> None:
             }}},
         }
     }  # fmt: skip
-    rows = {(r[0].split("/")[-1], r[1]): (r[2], r[3]) for r in _audit_rows(audit)}
+    rows = {(r[0].split("/")[-1], r[1]): (r[2], r[3]) for r in audit_rows(audit)}
     assert rows[("head_row", "top1")][1] == "0.1" and rows[("head_row", "top5")][1] == "0.5"
     assert rows[("head_row", "seconds")][1] == rows[("head_row", "psnr_db")][1] == ""
     assert ("head_row", "chance_top5") not in rows  # the levels are a column, not rows
@@ -572,34 +564,30 @@ def test_audit_table_puts_chance_beside_the_measures_it_belongs_to() -> None:
 def test_secure_aggregation_without_dp_is_not_presented_as_hiding_the_cohort(
     run_dir: Path,
 ) -> None:
-    from fl_secure.app.report.build import _warnings
-
     report = build_report(run_dir)  # SecAgg with client-level DP: no such warning
     codes = [w["code"] for w in report["warnings"]]
     assert "secure-sum-without-dp" not in codes and "dp-off" not in codes
     report["privacy"]["differential_privacy"] = False
-    codes = [w["code"] for w in _warnings(report, {})]
+    codes = [w["code"] for w in report_warnings(report, {})]
     assert "dp-off" in codes and "secure-sum-without-dp" in codes
     report["secure_aggregation"]["scheme"] = "none"  # then the sum is not the server's view
-    codes = [w["code"] for w in _warnings(report, {})]
+    codes = [w["code"] for w in report_warnings(report, {})]
     assert "no-secure-aggregation" in codes and "secure-sum-without-dp" not in codes
 
 
 def test_a_round_released_by_a_later_attempt_is_warned_of_under_sampling(
     run_dir: Path,
 ) -> None:
-    from fl_secure.app.report.build import _warnings
-
     report = build_report(run_dir)  # every client in every round: no amplification claimed
     metrics = [{"round": 1, "attempt": 0}, {"round": 2, "attempt": 1}, {"round": 3}]
     assert report["privacy"]["sample_rate"] == 1.0
-    assert "cohort-redrawn" not in [w["code"] for w in _warnings(report, {}, metrics)]
+    assert "cohort-redrawn" not in [w["code"] for w in report_warnings(report, {}, metrics)]
     report["privacy"].update(sample_rate=0.5, sampling="fixed_size")
-    warned = {w["code"]: w["message"] for w in _warnings(report, {}, metrics)}
+    warned = {w["code"]: w["message"] for w in report_warnings(report, {}, metrics)}
     assert warned["cohort-redrawn"].startswith("Rounds [2] were released by a later attempt")
     assert "(fixed_size at rate 0.5)" in warned["cohort-redrawn"]
     retried_none = [{"round": r, "attempt": 0} for r in (1, 2, 3)]
-    assert "cohort-redrawn" not in [w["code"] for w in _warnings(report, {}, retried_none)]
+    assert "cohort-redrawn" not in [w["code"] for w in report_warnings(report, {}, retried_none)]
 
 
 def test_html_report_renders_in_headless_chromium(run_dir: Path, tmp_path: Path) -> None:
@@ -708,11 +696,6 @@ def test_a_folder_manifest_hashes_the_images_only_and_a_resume_keeps_the_first(
 ) -> None:
     import dataclasses
 
-    from fl_secure.config import config_from_dict
-    from fl_secure.data.manifest import data_manifest
-    from fl_secure.runs import RunDir
-    from server.setup import _first_data_manifest
-
     faces = tmp_path / "faces"
     for who in ("a", "b"):
         (faces / who).mkdir(parents=True)
@@ -738,8 +721,6 @@ def test_a_folder_manifest_hashes_the_images_only_and_a_resume_keeps_the_first(
 def test_the_synthetic_manifest_covers_the_seed_and_celeba_its_annotations(
     tmp_path: Path,
 ) -> None:
-    from fl_secure.data.manifest import data_manifest
-
     # the generator draws other faces under another run.seed: another manifest
     table = {"source": "synthetic", "num_identities": 10}
     assert data_manifest(table, seed=0)["sha256"] != data_manifest(table, seed=1)["sha256"]
@@ -762,8 +743,6 @@ def test_the_synthetic_manifest_covers_the_seed_and_celeba_its_annotations(
 
 
 def test_an_example_level_statement_counts_images_and_states_z_and_q(run_dir: Path) -> None:
-    from fl_secure.app.report.build import _privacy, _warnings
-
     summary = {
         "privacy_unit": "example", "noise_placement": "local", "num_clients": 3,
         "delta": 0.05, "epsilon": 7.9, "client_train_sizes": [72, 90, 80],
@@ -781,13 +760,13 @@ def test_an_example_level_statement_counts_images_and_states_z_and_q(run_dir: Pa
     assert _privacy(summary, {}, {"example_level": rows})["noise_multiplier"] is None
     report = build_report(run_dir)
     report["privacy"] = p
-    (warning,) = [w for w in _warnings(report, {}) if w["code"] == "delta-not-below-1-over-n"]
+    (warning,) = [w for w in report_warnings(report, {}) if w["code"] == "delta-not-below-1-over-n"]
     assert "N = 72 training images of the smallest client" in warning["message"]
     assert "one image's data" in warning["message"]
     # q = batch_size / N (no privacy.sample_rate) makes N public; a configured q does not
-    assert "example-count-public" in [w["code"] for w in _warnings(report, {})]
+    assert "example-count-public" in [w["code"] for w in report_warnings(report, {})]
     configured = {"privacy": {"sample_rate": 0.05}}
-    assert "example-count-public" not in [w["code"] for w in _warnings(report, configured)]
+    assert "example-count-public" not in [w["code"] for w in report_warnings(report, configured)]
     # a served run's sites keep their counts (they state 1): no N, and the report says why
     served = {**summary, "client_train_sizes": None,
               "client_reported_examples": {"client-0": 1, "client-1": 1}}  # fmt: skip
@@ -797,21 +776,18 @@ def test_an_example_level_statement_counts_images_and_states_z_and_q(run_dir: Pa
 
 
 def test_the_plain_summary_states_the_adjacency_and_rounds_bounds_up(run_dir: Path) -> None:
-    from fl_secure.app.report.build import _plain_summary
-    from fl_secure.app.report.render import fmt_bound
-
     report = build_report(run_dir)
     report["privacy"].update(epsilon=7.9641, adjacency="add/remove")
-    (line,) = [x for x in _plain_summary(report) if x.startswith("Training was")]
+    (line,) = [x for x in plain_summary(report) if x.startswith("Training was")]
     assert "epsilon = 7.97 " in line and "whether or not any one institution took part" in line
     report["privacy"]["adjacency"] = "replace-one"
-    (line,) = [x for x in _plain_summary(report) if x.startswith("Training was")]
+    (line,) = [x for x in plain_summary(report) if x.startswith("Training was")]
     assert "whether any one institution is replaced by another" in line
     assert "took part" not in line
     # TINY's distributed noise over every client (Poisson, q = 1): each sends its own share
     assert build_report(run_dir)["privacy"]["adjacency"] == "zero-out"
     report["privacy"]["adjacency"] = "zero-out"
-    (line,) = [x for x in _plain_summary(report) if x.startswith("Training was")]
+    (line,) = [x for x in plain_summary(report) if x.startswith("Training was")]
     assert "sent its real update or a zero one (its noise share is sent either way)" in line
     assert fmt_bound(7.96875) == "7.969" and fmt_bound(7.9641) == "7.965"
     assert fmt_bound(1e-5) == "1e-05"
@@ -820,17 +796,15 @@ def test_the_plain_summary_states_the_adjacency_and_rounds_bounds_up(run_dir: Pa
 def test_a_run_without_held_out_identities_is_judged_on_the_clients_test_images(
     run_dir: Path,
 ) -> None:
-    from fl_secure.app.report.build import _warnings
-
     report = build_report(run_dir)
     u = report["utility"]
     u["final"], u["untrained"] = {}, {}
     u["clients_spread"] = {"tar_at_far_1e-2_mean": 0.175}
     u["untrained_clients_spread"] = {"tar_at_far_1e-2_mean": 0.175}
-    warned = {w["code"]: w["message"] for w in _warnings(report, {})}
+    warned = {w["code"]: w["message"] for w in report_warnings(report, {})}
     assert "the clients' own test images" in warned["no-utility"]
     u["clients_spread"]["tar_at_far_1e-2_mean"] = 0.5
-    assert "no-utility" not in {w["code"] for w in _warnings(report, {})}
+    assert "no-utility" not in {w["code"] for w in report_warnings(report, {})}
 
 
 def test_a_centralized_baseline_gets_no_compliance_report(run_dir: Path, tmp_path: Path) -> None:
@@ -860,13 +834,10 @@ def test_a_new_report_removes_the_files_the_previous_one_wrote_only(
 def test_the_ledgers_notes_are_in_the_report(tmp_path: Path) -> None:
     # a discarded sum the server had seen (or a budget stop) is a ledger note: the report
     # lists each, with its round, beside the verified chain
-    from fl_secure.app.report.build import _ledger
-    from privacy.ledger import Ledger
-
     path = tmp_path / "ledger.sqlite"
     with Ledger.open(path, "run-1") as ledger:
         ledger.append("note", round=3, party="server", payload={"message": "sum discarded"})
-    section, entries = _ledger(path, {})
+    section, entries = ledger_section(path, {})
     assert section["verified"] and len(entries) == 1
     assert section["notes"] == [{"round": 3, "message": "sum discarded"}]
 
@@ -895,9 +866,6 @@ def test_an_out_folder_without_a_record_keeps_the_users_own_report_files(
 
 
 def test_example_level_epsilon_by_round_carries_each_clients_total_forward() -> None:
-    from fl_secure.app.report.build import _epsilon_by_round
-    from privacy.ledger import Entry
-
     def row(seq: int, round_: int, party: str, eps: float) -> Entry:
         return Entry(seq, "example_level", round_, party, {"epsilon": eps}, f"t{seq}", "", "")
 
@@ -938,8 +906,6 @@ def test_client_chosen_text_in_the_stop_reason_is_text_in_the_markdown(
     run_dir: Path, tmp_path: Path
 ) -> None:
     import html as html_module
-
-    from fl_secure.app.report.render import md_text
 
     copy = _copy_run(run_dir, tmp_path / "run")
     reason = (
@@ -1018,8 +984,6 @@ def test_null_and_nan_figures_are_left_out_of_plots_and_shown_as_n_a(
 def test_a_report_that_fails_to_render_leaves_the_previous_one_whole(
     run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fl_secure.app.report import render
-
     out = tmp_path / "out"
     write_report(run_dir, ["json", "md", "html"], out=out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
@@ -1029,7 +993,7 @@ def test_a_report_that_fails_to_render_leaves_the_previous_one_whole(
     def broken(*args: Any, **kwargs: Any) -> str:
         raise RuntimeError("the page cannot be rendered")
 
-    monkeypatch.setattr(render, "render_html", broken)
+    monkeypatch.setattr(write, "render_html", broken)
     with pytest.raises(RuntimeError, match="cannot be rendered"):
         write_report(copy, ["json", "md", "html"], out=out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -1062,12 +1026,10 @@ def test_failed_attempt_records_are_not_rounds_to_the_report(run_dir: Path, tmp_
 
 
 def test_a_run_that_accounted_nothing_is_not_stated_as_epsilon_zero(run_dir: Path) -> None:
-    from fl_secure.app.report.build import _plain_summary
-
     # a run aborted before its first round: summary.json's epsilon is 0.0 (nothing spent)
     report = build_report(run_dir)
     report["privacy"]["epsilon"] = 0.0
-    first = _plain_summary(report)[0]
+    first = plain_summary(report)[0]
     assert first == "Differential privacy was configured, but no round was accounted."
     report["privacy"]["epsilon"] = 1.25
-    assert "epsilon = 1.25" in _plain_summary(report)[0]
+    assert "epsilon = 1.25" in plain_summary(report)[0]

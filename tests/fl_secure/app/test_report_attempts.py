@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from fl_secure.app.report import load_schema, write_report
+from fl_secure.app.report.attempts import failed_attempts, secure_aggregation_section
 from fl_secure.runs import RunDir
 from tests.fl_secure.app.test_report import TINY
 
@@ -82,7 +83,6 @@ def test_a_run_whose_round_aborts_lists_each_failed_attempt(tmp_path: Path) -> N
 def test_a_retried_round_that_then_completes_keeps_its_failed_attempt(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fl_secure.app.report.build import _failed_attempts, _secure_aggregation
     from tests.server.test_secagg_grpc import _run, first_setup_fails
 
     # Prepare: the first attempt's secure-aggregation setup fails; the retry succeeds
@@ -103,11 +103,11 @@ def test_a_retried_round_that_then_completes_keeps_its_failed_attempt(
     assert records[-1]["secure_aggregation"]["survivors"] == ["client-0", "client-1", "client-2"]
     completed = [r for r in records if "kind" not in r]
     failed = [r for r in records if r.get("kind") == "aborted"]
-    assert _failed_attempts(completed, failed) == [
+    assert failed_attempts(completed, failed) == [
         {"round": 1, "attempt": 0, "task": "train", "reason": reason, "outcome": "retried",
          "failed": {}}
     ]  # fmt: skip
-    sa = _secure_aggregation({"secure_aggregation": {"scheme": "secagg"}}, completed, failed)
+    sa = secure_aggregation_section({"secure_aggregation": {"scheme": "secagg"}}, completed, failed)
     assert sa["aborted_rounds"] == [1]
     assert [(r["round"], r["attempt"], r["aborted"]) for r in sa["rounds"]] == [(1, 1, "")]
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fl_secure import serde
-from fl_secure.app.report.render import md_text
+from fl_secure.app.report.render_markdown import md_text
 from fl_secure.errors import ProtocolError
 from fl_secure.messages import TensorSpec
 
