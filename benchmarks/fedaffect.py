@@ -48,8 +48,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
-from client.setup import build_local_trainer
 from client.trainer import LocalTrainer
+from client.trainer_factory import build_local_trainer
 from fl_secure.algorithms.fedaffect import (
     NUM_EXPRESSIONS,
     HeldOut,

@@ -355,7 +355,7 @@ def _serve(
 def cmd_client(args: argparse.Namespace) -> int:
     """A client: connects out to the server, trains on its own data."""
     from client.app import Connection, FlClient
-    from client.setup import ClientDataSource, trainer_factory
+    from client.trainer_factory import ClientDataSource, trainer_factory
     from fl_secure.config import load_config
 
     if args.config is not None and args.plan_index is None:

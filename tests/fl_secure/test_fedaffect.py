@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from client.setup import build_local_trainer
+from client.trainer_factory import build_local_trainer
 from fl_secure.algorithms import get_strategy
 from fl_secure.algorithms.fedaffect import (
     ClientData,
@@ -437,7 +437,7 @@ def test_the_simulation_refuses_fedaffect_with_a_pointer_to_the_grpc_path() -> N
 
 def test_client_evaluation_is_expression_accuracy_against_its_own_labelled_support() -> None:
     # Prepare: a FedAffect client of a tiny synthetic run (expressions learnable at 2.5)
-    from client.setup import build_local_trainer
+    from client.trainer_factory import build_local_trainer
     from fl_secure.algorithms.fedaffect import expression_accuracy as accuracy_of
     from fl_secure.config import config_from_dict
     from fl_secure.data.plan import plan_federation
