@@ -57,8 +57,8 @@ from fl_secure.algorithms.fedaffect import (
     client_data,
     held_out_expression_split,
     make_expression_evaluator,
-    weighted_average,
 )
+from fl_secure.algorithms.fedaffect_rounds import weighted_average
 from fl_secure.config import Config, config_from_dict
 from fl_secure.data.plan import FederatedData, plan_federation
 from fl_secure.data.synthetic import SyntheticFaceConfig, generate_synthetic_faces
