@@ -54,7 +54,7 @@ the slides are silent or garbled.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
@@ -71,11 +71,13 @@ from fl_secure.algorithms.fedaffect_rounds import (
 from fl_secure.algorithms.fedaffect_simclr import projection_head
 from fl_secure.config import AlgorithmConfig, ModelConfig
 from fl_secure.data.synthetic import EXPRESSIONS
-from fl_secure.data.types import FaceDataset
 from fl_secure.errors import DataError
-from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.models.factory import get_backbone
 from fl_secure.training import FaceModel, LocalData, set_tensors
+
+if TYPE_CHECKING:
+    from fl_secure.data.types import FaceDataset
+    from fl_secure.messages import LocalTraining, Tensors
 
 NUM_EXPRESSIONS = len(EXPRESSIONS)
 HeldOut = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
