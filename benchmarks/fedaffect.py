@@ -48,8 +48,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
-from client.setup import build_local_trainer
 from client.trainer import LocalTrainer
+from client.trainer_factory import build_local_trainer
 from fl_secure.algorithms.fedaffect import (
     NUM_EXPRESSIONS,
     HeldOut,
@@ -57,8 +57,8 @@ from fl_secure.algorithms.fedaffect import (
     client_data,
     held_out_expression_split,
     make_expression_evaluator,
-    weighted_average,
 )
+from fl_secure.algorithms.fedaffect_rounds import weighted_average
 from fl_secure.config import Config, config_from_dict
 from fl_secure.data.plan import FederatedData, plan_federation
 from fl_secure.data.synthetic import SyntheticFaceConfig, generate_synthetic_faces

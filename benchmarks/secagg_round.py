@@ -42,7 +42,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from client.app import Connection, FlClient  # noqa: E402
+from client.app import FlClient  # noqa: E402
+from client.transport import Connection  # noqa: E402
 from fl_secure.config import (  # noqa: E402
     Config,
     PartitionConfig,

@@ -130,7 +130,8 @@ def server_peak_kb(n: int, clients: int) -> dict[str, object]:
     """Run a server process for one round of ``clients`` echo clients; return its VmHWM."""
     from conftest import EchoTrainer
 
-    from client.app import Connection, FlClient
+    from client.app import FlClient
+    from client.transport import Connection
 
     with tempfile.TemporaryDirectory() as tmp:
         code = SERVER_SNIPPET.format(root=str(ROOT), tests=str(ROOT / "tests" / "server"))

@@ -1,107 +1,59 @@
-"""The client loop: connect with the client's certificate, join, poll, train, upload.
+"""The client loop: join, poll, train, upload; and the site's own policy on what it releases.
 
-The client opens every connection (it may sit behind NAT). When the server is unreachable or
-restarts, it reconnects with exponential backoff and jitter and joins again.
+:class:`FlClient` connects with the client's certificate (:mod:`client.transport`), joins,
+polls for tasks and answers them: a plain round here, a securely aggregated one through
+:class:`client.secure_round.SecureExchange`. When the server is unreachable or restarts, it
+reconnects with exponential backoff and jitter and joins again. Before any update leaves, the
+site's ledger (:class:`privacy.site_ledger.SiteLedger`) counts it, and a task the site has
+answered, or one past its epsilon budget, is refused.
 """
 
 from __future__ import annotations
 
 import logging
-import random
-import threading
 import time
-from collections import OrderedDict
+import tomllib
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
-import numpy as np
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from client.trainer import LocalTrainer
+from client.secure_round import SecureExchange, withdraw_reason
+from client.transport import RETRYABLE, Backoff, open_channel, rpc_details
 from fl_secure import __version__, serde
-from fl_secure.config import Config
-from fl_secure.errors import (
-    ConfigError,
-    FlSecureError,
-    PrivacyError,
-    ProtocolError,
-    RoundAborted,
-    TlsError,
-    UpdateError,
-)
+from fl_secure.config import config_from_dict
+from fl_secure.errors import ConfigError, FlSecureError, ProtocolError, TlsError
 from fl_secure.memory import retain_freed_memory
-from fl_secure.messages import JoinReply, Task, TaskKind, Tensors, UpdateHeader
-from fl_secure.tls import channel_credentials, warn_insecure
+from fl_secure.messages import (
+    JoinRequest,
+    ParametersRequest,
+    PollRequest,
+    SecAggMessage,
+    SecAggStage,
+    Task,
+    TaskKind,
+    UpdateHeader,
+    WithdrawReason,
+)
 from fl_secure.tls.identity import load_signing_identity
-from fl_secure.v1 import transport_pb2 as pb
 from fl_secure.v1 import transport_pb2_grpc as pb_grpc
+from privacy.ckks_session import CkksSetup, is_ckks_setup, load_secret_context
+from privacy.client_side import ClientPrivacy
+from privacy.secagg_session import RoundSetup, check_setup
 from privacy.site_ledger import SiteLedger
 
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+        Ed25519PrivateKey,
+        Ed25519PublicKey,
+    )
+
+    from client.trainer import LocalTrainer
+    from client.transport import Connection
+    from fl_secure.config import Config
+    from fl_secure.messages import JoinReply, Tensors
+
 log = logging.getLogger(__name__)
-
-INSECURE_ID_HEADER = "x-fl-secure-client-id"
-_RETRYABLE = {
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
-#: Training metrics a secure round's upload may carry (besides ``dp_*``): not data-dependent.
-_SECURE_METRICS = frozenset({"local_steps"})
-
-
-@dataclass(frozen=True)
-class Connection:
-    """Where and how to reach the server."""
-
-    address: str
-    client_id: str
-    cert_dir: Path | None = None
-    insecure: bool = False
-    server_name: str = ""  # TLS name to check when the address is an IP without SAN
-
-
-def open_channel(conn: Connection) -> grpc.Channel:
-    """A channel with the client's certificate (or, loudly, a plaintext one)."""
-    options: list[tuple[str, object]] = [
-        ("grpc.keepalive_time_ms", 20_000),
-        ("grpc.enable_retries", 0),
-        # replies of the authenticated server can be large: a CKKS round's encrypted sum is
-        # ~80 bytes per parameter (tensors themselves are streamed in chunks)
-        ("grpc.max_receive_message_length", 1 << 30),
-    ]
-    if conn.server_name:
-        options.append(("grpc.ssl_target_name_override", conn.server_name))
-    if conn.insecure:
-        warn_insecure(f"client {conn.client_id}")
-        return grpc.insecure_channel(conn.address, options=options)
-    if conn.cert_dir is None:
-        raise TlsError("the client needs --certs DIR (or --insecure for a loopback test)")
-    creds = channel_credentials(conn.cert_dir, conn.client_id)
-    return grpc.secure_channel(conn.address, creds, options=options)
-
-
-class Backoff:
-    """Exponential backoff with full jitter."""
-
-    def __init__(self, initial: float = 0.5, maximum: float = 10.0) -> None:
-        self.initial, self.maximum, self.attempt = initial, maximum, 0
-
-    def next_delay(self) -> float:
-        """Delay before the next attempt."""
-        delay = min(self.maximum, self.initial * 2**self.attempt)
-        self.attempt += 1
-        return random.uniform(0, delay)  # noqa: S311 - timing jitter, not security
-
-    def reset(self) -> None:
-        """After a success."""
-        self.attempt = 0
 
 
 class FlClient:
@@ -134,7 +86,7 @@ class FlClient:
         self._run_config_toml: str | None = None
         self._run_id = ""
         self._unreachable_since: float | None = None  # start of the current outage
-        self._metadata = ((INSECURE_ID_HEADER, conn.client_id),) if conn.insecure else ()
+        self._metadata = conn.metadata
 
     def run(self) -> str:
         """Loop until FINISHED; return the server's closing message."""
@@ -148,7 +100,7 @@ class FlClient:
                 return message
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
-                if code not in _RETRYABLE:
+                if code not in RETRYABLE:
                     raise
                 now = time.monotonic()
                 first = self._unreachable_since is None
@@ -162,7 +114,7 @@ class FlClient:
                     "cannot reach the server at %s (%s: %s); retrying for up to %.0f s",
                     self.conn.address,
                     getattr(code, "name", code),
-                    _details(exc),
+                    rpc_details(exc),
                     self.max_wait,
                 )
                 self.sleep(delay)
@@ -173,7 +125,7 @@ class FlClient:
         examples = self.trainer.num_examples if self.trainer else 0
         reply = serde.join_reply_from_proto(
             stub.Join(
-                pb.JoinRequest(software_version=__version__, num_examples=examples),
+                serde.join_request_to_proto(JoinRequest(__version__, examples)),
                 metadata=self._metadata,
                 timeout=30,
             )
@@ -188,9 +140,7 @@ class FlClient:
         if self.trainer is None:
             self.trainer = self.trainer_factory(reply)
             stub.Join(
-                pb.JoinRequest(
-                    software_version=__version__, num_examples=self.trainer.num_examples
-                ),
+                serde.join_request_to_proto(JoinRequest(__version__, self.trainer.num_examples)),
                 metadata=self._metadata,
                 timeout=30,
             )
@@ -199,7 +149,9 @@ class FlClient:
         while True:
             task = serde.task_from_proto(
                 stub.PollTask(
-                    pb.PollRequest(last_round=self.last_round), metadata=self._metadata, timeout=60
+                    serde.poll_request_to_proto(PollRequest(self.last_round)),
+                    metadata=self._metadata,
+                    timeout=60,
                 )
             )
             if task.kind is TaskKind.FINISHED:
@@ -219,7 +171,7 @@ class FlClient:
                     what = "training" if task.kind is TaskKind.TRAIN else "evaluation"
                     log.error("round %d: %s task refused: %s", task.round, what, refusal)
                     # said at once, so that the round (or its cohort) does not wait for it
-                    self._withdraw(stub, task, pb.WITHDRAW_REASON_DECLINED)
+                    self._withdraw(stub, task, WithdrawReason.DECLINED)
                     self.sleep(1.0)  # a server that insists is not answered in a tight loop
                     continue
             self._do_task(stub, task)
@@ -261,10 +213,6 @@ class FlClient:
             ProtocolError: the server sends another config or run id than at the first join.
             PrivacyError: the run cannot keep the site's own epsilon budget.
         """
-        import tomllib
-
-        from fl_secure.config import config_from_dict
-
         if self._run_config_toml is not None:
             if run_config_toml != self._run_config_toml or run_id != self._run_id:
                 raise ProtocolError(
@@ -304,7 +252,7 @@ class FlClient:
 
         def fetch() -> Tensors:
             chunks = stub.GetParameters(
-                pb.ParametersRequest(round=task.round, nonce=task.nonce),
+                serde.parameters_request_to_proto(ParametersRequest(task.round, task.nonce)),
                 metadata=self._metadata,
                 timeout=600,
             )
@@ -349,8 +297,10 @@ class FlClient:
         else:  # evaluation figures are not covered by DP: a run has two, each counted
             self.site.record_evaluation(self._run_id, task.round, task.nonce)
         try:
-            reply = stub.SubmitUpdate(
-                serde.update_to_chunks(header, update), metadata=self._metadata, timeout=600
+            reply = serde.submit_reply_from_proto(
+                stub.SubmitUpdate(
+                    serde.update_to_chunks(header, update), metadata=self._metadata, timeout=600
+                )
             )
             log.info("round %d: %s", task.round, reply.message)
         except grpc.RpcError as exc:
@@ -373,8 +323,6 @@ class FlClient:
         """
         if self._run_config is None:  # pragma: no cover - _session holds it before any task
             raise RuntimeError("a release before the run config was held")
-        from privacy.client_side import ClientPrivacy
-
         dpsgd = ClientPrivacy.released_dpsgd(metrics or {})
         row = self.site.record(self._run_config, self._run_id, task.round, task.nonce, dpsgd)
         if row is None or row.unit not in ("client", "example"):
@@ -401,24 +349,12 @@ class FlClient:
         fetch: Callable[[], Tensors],
         started: float,
     ) -> None:
-        """A TRAIN round under secure aggregation: the server only learns the cohort's sum."""
-        from privacy.ckks_session import (
-            CKKS_TENSOR,
-            CkksSetup,
-            check_ckks_setup,
-            client_ckks_update,
-            is_ckks_setup,
-            load_secret_context,
-        )
-        from privacy.secagg_session import (
-            MASKED,
-            MASKED_TENSOR,
-            RoundSetup,
-            check_setup,
-            client_secure_update,
-            wire_dtype,
-        )
+        """A TRAIN round under secure aggregation: the server only learns the cohort's sum.
 
+        Refused before any stage (and the server told) when the setup's scheme is not the
+        one the run joined under or its round id was seen before; on a local failure the
+        client withdraws with the failure's category (:func:`client.secure_round.withdraw_reason`).
+        """
         trainer = self.trainer
         run_config = self._run_config
         assert trainer is not None and run_config is not None
@@ -435,126 +371,44 @@ class FlClient:
                 "CKKS" if ckks else "masking (SecAgg)",
                 scheme,
             )
-            self._withdraw(stub, task, pb.WITHDRAW_REASON_MESSAGE_REFUSED)
+            self._withdraw(stub, task, WithdrawReason.MESSAGE_REFUSED)
             return
         try:  # a round id this site has seen is a replay: refused before any stage
             parsed = (CkksSetup if ckks else RoundSetup).from_bytes(task.secagg_setup)
             self._first_use(parsed.round_id)
         except FlSecureError as exc:
             log.error("round %d: refused: %s", task.round, exc)
-            self._withdraw(stub, task, pb.WITHDRAW_REASON_MESSAGE_REFUSED)
+            self._withdraw(stub, task, WithdrawReason.MESSAGE_REFUSED)
             return
         if self._signing is None and not ckks:
             self._signing = load_signing_identity(self.conn.cert_dir, self.conn.client_id)
-        metrics: dict[str, float] = {}
-        timeout = max(60.0, (task.deadline_unix_ms / 1000.0) - time.time() + 60.0)
-
-        def start(stage: int, payload: bytes) -> Any:  # a grpc.Future of the reply
-            return stub.SecAggExchange.future(
-                pb.SecAggMessage(
-                    round=task.round,
-                    nonce=task.nonce,
-                    stage=pb.SecAggStage.ValueType(stage + 1),
-                    payload=payload,
-                ),
-                metadata=self._metadata,
-                timeout=timeout,
-            )
-
-        # Held open for the whole round, so that the server notices at once if this process
-        # dies (the call closes); the server answers it when the round ends. Kept on self:
-        # gRPC cancels a call whose future is garbage collected. No deadline: the unmasking
-        # may run a stage timeout past the round's deadline, and an expired call would tell
-        # the server this client had gone. Nothing waits for its reply.
-        self._attend = attend = stub.SecAggExchange.future(
-            pb.SecAggMessage(round=task.round, nonce=task.nonce, stage=pb.SECAGG_STAGE_ATTEND),
-            metadata=self._metadata,
+        exchange = SecureExchange(
+            stub,
+            task,
+            self._metadata,
+            trainer=trainer,
+            run_config=run_config,
+            fetch=fetch,
+            started=started,
+            count_release=self._count_release,
         )
+        self._attend = exchange.attend  # held for the round (see SecureExchange)
         finished = False
-
-        # The "masked input" call only waits for the server's unmask request (sent once every
-        # upload is in); it is started with the upload (see upload) so that the request
-        # reaches this client without a round trip after the upload's reply.
-        pending: dict[int, Any] = {}
-
-        def exchange(stage: int, payload: bytes) -> bytes:
-            call = pending.pop(stage, None)
-            if call is None:
-                call = start(stage, payload)
-            elif payload:  # pragma: no cover - only the empty "masked input" call is started
-                raise FlSecureError("a secure-aggregation call was started with another payload")
-            return bytes(call.result().payload)
-
-        # The global parameters download while the key stages run (they are public to the
-        # cohort); training starts only after the key stages, as before.
-        parameters = _background(fetch)
-
-        training_failed = False
-        ckks_setup: CkksSetup | None = None
-
-        def compute() -> Tensors:  # after the key stages: the download, then training
-            nonlocal training_failed
-            params = parameters.result()
-            if ckks_setup is not None:  # the layers it encrypts, against the shared ones
-                check_ckks_setup(ckks_setup, run_config, list(params))
-            try:
-                update, _, found = trainer.train(params, task.training)
-            except BaseException:
-                training_failed = True
-                raise
-            # Only the schedule and the DP bookkeeping go beside a masked upload: a training
-            # loss or accuracy in the clear would tell the server about this site's update.
-            metrics.update(
-                {k: v for k, v in found.items() if k in _SECURE_METRICS or k[:3] == "dp_"}
-            )
-            return update
-
-        def upload(vector: np.ndarray) -> None:
-            # The example count is not sent: the secure sum is an unweighted one.
-            header = UpdateHeader(
-                round=task.round,
-                nonce=task.nonce,
-                num_examples=1,
-                metrics={**metrics, "local_seconds": time.monotonic() - started},
-            )
-            if ckks:
-                tensors = OrderedDict([(CKKS_TENSOR, vector.astype(np.uint8))])
-            else:
-                tensors = OrderedDict(
-                    [(MASKED_TENSOR, vector.astype(wire_dtype(setup), copy=False))]
-                )
-                # Nothing is revealed before the upload has succeeded and the request is in:
-                # client_secure_update reads the reply only after upload() returned.
-                pending[MASKED] = start(MASKED, b"")
-            try:
-                self._count_release(task, metrics)  # before the masked/encrypted update leaves
-                stub.SubmitUpdate(
-                    serde.update_to_chunks(header, tensors), metadata=self._metadata, timeout=600
-                )
-            except BaseException:
-                call = pending.pop(MASKED, None)
-                if call is not None:
-                    call.cancel()
-                raise
-
         try:
             if ckks:
                 if self._ckks_secret is None:
                     self._ckks_secret = load_secret_context(self.conn.cert_dir)
-                ckks_setup = CkksSetup.from_bytes(task.secagg_setup)
-                client_ckks_update(ckks_setup, self._ckks_secret, exchange, compute, upload)
+                exchange.ckks(CkksSetup.from_bytes(task.secagg_setup), self._ckks_secret)
             else:
                 assert self._signing is not None
                 identity, registry = self._signing
                 setup = RoundSetup.from_bytes(task.secagg_setup)
                 check_setup(setup, run_config, self.conn.client_id, registry)
-                client_secure_update(
-                    setup, self.conn.client_id, identity, registry, exchange, compute, upload
-                )
+                exchange.masked(setup, self.conn.client_id, identity, registry)
             finished = True
         except Exception as exc:
             # Say so at once, so that the cohort does not wait for this client to a deadline.
-            self._withdraw(stub, task, withdraw_reason(exc, training_failed))
+            self._withdraw(stub, task, withdraw_reason(exc, exchange.training_failed))
             if isinstance(exc, grpc.RpcError) and exc.code() in (
                 grpc.StatusCode.ABORTED,
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -567,10 +421,7 @@ class FlClient:
                 return
             raise
         finally:
-            for call in pending.values():  # a call left over by a failed round
-                call.cancel()
-            if not finished:  # leaving the round (as a killed process would)
-                attend.cancel()
+            exchange.close(finished)
         log.info("round %d: masked update in the secure sum", task.round)
         self.last_round = task.round
         self.rounds_done += 1
@@ -583,77 +434,17 @@ class FlClient:
                 "signed key advertisements could be an earlier round's)"
             )
 
-    def _withdraw(
-        self, stub: pb_grpc.FlSecureStub, task: Task, reason: pb.WithdrawReason.ValueType
-    ) -> None:
+    def _withdraw(self, stub: pb_grpc.FlSecureStub, task: Task, reason: WithdrawReason) -> None:
         """Leave a secure round this client can no longer finish (best effort)."""
+        message = SecAggMessage(
+            round=task.round,
+            nonce=task.nonce,
+            stage=SecAggStage.WITHDRAW,
+            withdraw_reason=reason,
+        )
         try:
             stub.SecAggExchange(
-                pb.SecAggMessage(
-                    round=task.round,
-                    nonce=task.nonce,
-                    stage=pb.SECAGG_STAGE_WITHDRAW,
-                    withdraw_reason=reason,
-                ),
-                metadata=self._metadata,
-                timeout=10,
+                serde.secagg_message_to_proto(message), metadata=self._metadata, timeout=10
             )
         except grpc.RpcError as exc:  # the round is over, or the server is out of reach
             log.info("round %d: withdrawal not delivered: %s", task.round, exc.code())
-
-
-def withdraw_reason(exc: BaseException, training_failed: bool) -> pb.WithdrawReason.ValueType:
-    """The category of a secure round's local failure that a withdrawal tells the server.
-
-    Only the category leaves the client (``WithdrawReason``), never the error's text, which
-    may quote data-dependent values.
-    """
-    if isinstance(exc, UpdateError):  # before training: a diverged model's update is refused
-        return pb.WITHDRAW_REASON_UPDATE_REFUSED
-    if training_failed:
-        return pb.WITHDRAW_REASON_LOCAL_TRAINING
-    if isinstance(exc, grpc.RpcError):
-        return pb.WITHDRAW_REASON_TRANSPORT
-    if isinstance(exc, RoundAborted):  # a client raises it for too few neighbours only
-        return pb.WITHDRAW_REASON_TOO_FEW_SHARES
-    if isinstance(exc, (ProtocolError, PrivacyError)):
-        return pb.WITHDRAW_REASON_MESSAGE_REFUSED
-    return pb.WITHDRAW_REASON_OTHER
-
-
-def _background(work: Callable[[], Tensors]) -> Future[Tensors]:
-    """Run ``work`` in a daemon thread (it never holds up the process's exit)."""
-    future: Future[Tensors] = Future()
-
-    def run() -> None:
-        if not future.set_running_or_notify_cancel():  # pragma: no cover - never cancelled
-            return
-        try:
-            future.set_result(work())
-        except BaseException as exc:  # handed to whoever waits for the result
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="fl-secure-prefetch", daemon=True).start()
-    return future
-
-
-__all__ = ["Backoff", "Connection", "FlClient", "ProtocolError", "open_channel"]
-
-
-def _details(exc: grpc.RpcError) -> str:
-    """The reason gRPC gives for a failed call (e.g. a refused connection, a TLS failure)."""
-    details = exc.details() if hasattr(exc, "details") else None
-    return str(details or exc).strip()
-
-
-def explain_rpc_error(exc: grpc.RpcError, address: str) -> str:
-    """One line for the user: what the server or the transport said, and what to check."""
-    code = exc.code() if hasattr(exc, "code") else None
-    name = getattr(code, "name", str(code))
-    hint = {
-        "UNAVAILABLE": "is the server running and reachable, and does --certs hold the ca.pem "
-        "that signed the server's certificate?",
-        "PERMISSION_DENIED": "the server does not enroll this client's certificate",
-        "DEADLINE_EXCEEDED": "the server did not answer in time",
-    }.get(name, "")
-    return f"server {address}: {name}: {_details(exc)}" + (f" ({hint})" if hint else "")

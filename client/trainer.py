@@ -17,19 +17,22 @@ import logging
 import secrets
 from collections import OrderedDict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save
 
-from fl_secure.algorithms import Strategy
 from fl_secure.algorithms.base import BROADCAST_PREFIX
 from fl_secure.errors import CheckpointError, ProtocolError
-from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import atomic_write_bytes, run_keyed_path
 from fl_secure.training import FaceModel, LocalData, set_tensors
-from privacy.client_side import ClientPrivacy
+
+if TYPE_CHECKING:
+    from fl_secure.algorithms import Strategy
+    from fl_secure.messages import LocalTraining, Tensors
+    from privacy.client_side import ClientPrivacy
 
 log = logging.getLogger(__name__)
 

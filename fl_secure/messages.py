@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, IntEnum
 
 import numpy as np
 
@@ -94,6 +94,14 @@ class UpdateHeader:
 
 
 @dataclass(frozen=True)
+class JoinRequest:
+    """A client joining (or joining again after a reconnect)."""
+
+    software_version: str
+    num_examples: int = 0  # 0 until the client has built its trainer
+
+
+@dataclass(frozen=True)
 class JoinReply:
     """The server's answer to a client joining."""
 
@@ -101,3 +109,70 @@ class JoinReply:
     run_id: str
     software_version: str
     run_config_toml: str = ""
+
+
+@dataclass(frozen=True)
+class PollRequest:
+    """A client asking for its next task."""
+
+    last_round: int = 0  # the last round this client finished (0 = none)
+
+
+@dataclass(frozen=True)
+class ParametersRequest:
+    """A client asking for the global parameters of the task it holds."""
+
+    round: int
+    nonce: bytes
+
+
+@dataclass(frozen=True)
+class SubmitReply:
+    """The server's answer to an uploaded update."""
+
+    accepted: bool
+    message: str = ""
+
+
+class SecAggStage(IntEnum):
+    """Stage of a secure round's message (``fl_secure.v1.SecAggStage``, the same numbers).
+
+    The key stages count from 1 on the wire; the client and server sessions of secure
+    aggregation count them from 0, so their stage ``s`` travels as ``SecAggStage(s + 1)``.
+    """
+
+    UNSPECIFIED = 0
+    ADVERTISE_KEYS = 1  # send: signed public keys; reply: the cohort's keys
+    SHARE_KEYS = 2  # send: encrypted shares; reply: the shares sent to you
+    UNMASK = 3  # send: nothing; reply: which shares to reveal
+    UNMASK_REPLY = 4  # send: the revealed shares; reply: acknowledgement
+    WITHDRAW = 5  # send: nothing; the client leaves the round now
+    ATTEND = 6  # send: nothing; held open by the client for its whole round
+
+
+class WithdrawReason(IntEnum):
+    """Why a client withdraws (``fl_secure.v1.WithdrawReason``, the same numbers).
+
+    A category of the client's own failure, never data; the server words it by number, and
+    a number it does not know (a newer client's) reads as none.
+    """
+
+    UNSPECIFIED = 0
+    LOCAL_TRAINING = 1  # local training raised an error
+    UPDATE_REFUSED = 2  # the update was not finite or had the wrong size
+    MESSAGE_REFUSED = 3  # a message of the round failed the client's checks
+    TOO_FEW_SHARES = 4  # too few neighbours took part to reach t
+    TRANSPORT = 5  # a call to the server failed
+    OTHER = 6  # an unexpected local error
+    DECLINED = 7  # the site's own policy declined the round (its budget)
+
+
+@dataclass(frozen=True)
+class SecAggMessage:
+    """One message of a secure round's exchange (either direction)."""
+
+    round: int
+    nonce: bytes  # the task's nonce: only cohort members take part
+    stage: SecAggStage
+    payload: bytes = b""  # versioned encoding of privacy.secagg messages (never pickle)
+    withdraw_reason: WithdrawReason = WithdrawReason.UNSPECIFIED  # with WITHDRAW only

@@ -4,6 +4,11 @@ Tensors are sent as raw little-endian bytes with dtype, shape and a SHA-256 dige
 data chunks of at most :data:`MAX_CHUNK_BYTES`. Readers validate every field against what is
 expected (names, dtypes, shapes, sizes, digests, finite values) and raise
 :class:`~fl_secure.errors.ProtocolError` naming the problem.
+
+Every other message is a symmetric pair ``x_to_proto`` / ``x_from_proto`` of a dataclass of
+:mod:`fl_secure.messages`. The module runs past 500 lines on purpose: it is the one place that
+builds or reads protobuf messages, so each pair stays beside its mirror and the tensor stream
+beside the headers it checks.
 """
 
 from __future__ import annotations
@@ -19,12 +24,19 @@ import numpy as np
 from fl_secure.errors import ProtocolError
 from fl_secure.messages import (
     JoinReply,
+    JoinRequest,
     LocalTraining,
+    ParametersRequest,
+    PollRequest,
+    SecAggMessage,
+    SecAggStage,
+    SubmitReply,
     Task,
     TaskKind,
     Tensors,
     TensorSpec,
     UpdateHeader,
+    WithdrawReason,
 )
 from fl_secure.v1 import transport_pb2 as pb
 
@@ -420,6 +432,18 @@ def task_from_proto(msg: pb.Task) -> Task:
     )
 
 
+def join_request_to_proto(request: JoinRequest) -> pb.JoinRequest:
+    """Protobuf of a join request."""
+    return pb.JoinRequest(
+        software_version=request.software_version, num_examples=request.num_examples
+    )
+
+
+def join_request_from_proto(msg: pb.JoinRequest) -> JoinRequest:
+    """Dataclass of a join request."""
+    return JoinRequest(software_version=msg.software_version, num_examples=int(msg.num_examples))
+
+
 def join_reply_to_proto(reply: JoinReply) -> pb.JoinReply:
     """Protobuf of a join reply."""
     return pb.JoinReply(
@@ -437,4 +461,70 @@ def join_reply_from_proto(msg: pb.JoinReply) -> JoinReply:
         run_id=msg.run_id,
         software_version=msg.software_version,
         run_config_toml=msg.run_config_toml,
+    )
+
+
+def poll_request_to_proto(request: PollRequest) -> pb.PollRequest:
+    """Protobuf of a poll for the next task."""
+    return pb.PollRequest(last_round=request.last_round)
+
+
+def poll_request_from_proto(msg: pb.PollRequest) -> PollRequest:
+    """Dataclass of a poll for the next task."""
+    return PollRequest(last_round=int(msg.last_round))
+
+
+def parameters_request_to_proto(request: ParametersRequest) -> pb.ParametersRequest:
+    """Protobuf of a request for a task's global parameters."""
+    return pb.ParametersRequest(round=request.round, nonce=request.nonce)
+
+
+def parameters_request_from_proto(msg: pb.ParametersRequest) -> ParametersRequest:
+    """Dataclass of a request for a task's global parameters."""
+    return ParametersRequest(round=int(msg.round), nonce=bytes(msg.nonce))
+
+
+def submit_reply_to_proto(reply: SubmitReply) -> pb.SubmitReply:
+    """Protobuf of the answer to an upload."""
+    return pb.SubmitReply(accepted=reply.accepted, message=reply.message)
+
+
+def submit_reply_from_proto(msg: pb.SubmitReply) -> SubmitReply:
+    """Dataclass of the answer to an upload."""
+    return SubmitReply(accepted=bool(msg.accepted), message=msg.message)
+
+
+def secagg_message_to_proto(msg: SecAggMessage) -> pb.SecAggMessage:
+    """Protobuf of a secure-aggregation message (the enums keep their numbers)."""
+    return pb.SecAggMessage(
+        round=msg.round,
+        nonce=msg.nonce,
+        stage=pb.SecAggStage.ValueType(int(msg.stage)),
+        payload=msg.payload,
+        withdraw_reason=pb.WithdrawReason.ValueType(int(msg.withdraw_reason)),
+    )
+
+
+def secagg_message_from_proto(msg: pb.SecAggMessage) -> SecAggMessage:
+    """Dataclass of a secure-aggregation message.
+
+    A withdrawal reason this version does not know (a newer client's) reads as none.
+
+    Raises:
+        ProtocolError: an unknown stage.
+    """
+    try:
+        stage = SecAggStage(msg.stage)
+    except ValueError:
+        raise ProtocolError(f"unknown secure-aggregation stage {int(msg.stage)}") from None
+    try:
+        reason = WithdrawReason(msg.withdraw_reason)
+    except ValueError:
+        reason = WithdrawReason.UNSPECIFIED
+    return SecAggMessage(
+        round=int(msg.round),
+        nonce=bytes(msg.nonce),
+        stage=stage,
+        payload=bytes(msg.payload),
+        withdraw_reason=reason,
     )

@@ -354,8 +354,9 @@ def _serve(
 
 def cmd_client(args: argparse.Namespace) -> int:
     """A client: connects out to the server, trains on its own data."""
-    from client.app import Connection, FlClient
-    from client.setup import ClientDataSource, trainer_factory
+    from client.app import FlClient
+    from client.trainer_factory import ClientDataSource, trainer_factory
+    from client.transport import Connection
     from fl_secure.config import load_config
 
     if args.config is not None and args.plan_index is None:
@@ -412,7 +413,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     client = FlClient(conn, make, site=site)
     import grpc
 
-    from client.app import explain_rpc_error
+    from client.transport import explain_rpc_error
 
     try:
         message = client.run()

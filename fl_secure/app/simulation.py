@@ -1,9 +1,10 @@
 """In-process simulation: the federated rounds of a config without the network.
 
 Runs the *same* code as the gRPC path: every client is a :class:`client.trainer.LocalTrainer`
-built by :func:`client.setup.build_local_trainer` (same model, label space, batch-order seed),
-the server folds the updates with :class:`server.aggregate.StreamingMean` weighted by example
-counts and applies the strategy's ``server_update`` (and, for ``server-sees-heads`` designs
+built by :func:`client.trainer_factory.build_local_trainer` (same model, label space,
+batch-order seed), the server folds the updates with :class:`server.aggregate.StreamingMean`
+weighted by example counts and applies the strategy's ``server_update`` (and, for
+``server-sees-heads`` designs
 such as FedGC, its ``server_heads`` on the uploaded heads, each returned to its owner only),
 with the coordinator's per-round learning rate. A strategy's per-round broadcast (AdaFedFR's
 public representations ``R``, Eq. 4, Algorithm 1 lines 6-8: :meth:`Strategy.broadcaster`)
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from client.setup import build_local_trainer
+from client.trainer_factory import build_local_trainer
 from fl_secure.algorithms import get_strategy
 from fl_secure.app.tuning import evaluate_after_training
 from fl_secure.config import Config

@@ -12,16 +12,18 @@ from torch.nn import functional as F  # noqa: N812
 
 from fl_secure.algorithms import get_strategy
 from fl_secure.algorithms.adafedfr import (
+    AdaFedFR,
+    bytes_per_round,
+    public_dataset,
+    public_identity_features,
+)
+from fl_secure.algorithms.adafedfr_losses import (
     LOSS_WEIGHTS,
     TAU,
-    AdaFedFR,
     ClientState,
     SelectionVector,
     adafedfr_losses,
-    bytes_per_round,
     k_negative_contrastive_loss,
-    public_dataset,
-    public_identity_features,
     select_negatives,
 )
 from fl_secure.app.simulation import simulate

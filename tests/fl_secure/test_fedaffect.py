@@ -13,31 +13,33 @@ import pytest
 import torch
 from torch import nn
 
-from client.setup import build_local_trainer
+from client.trainer_factory import build_local_trainer
 from fl_secure.algorithms import get_strategy
 from fl_secure.algorithms.fedaffect import (
-    ClientData,
-    ClientState,
     FedAffect,
-    FedAffectConfig,
     FedAffectModel,
-    RelationModule,
-    augment,
     build_fedaffect_model,
-    client_round,
-    expression_accuracy,
     expression_targets,
     held_out_expression_split,
-    local_few_shot,
     make_expression_evaluator,
-    nt_xent,
-    projection_head,
+)
+from fl_secure.algorithms.fedaffect_relation import (
+    RelationModule,
+    expression_accuracy,
     prototypes,
     relation_loss,
     relation_targets,
     sample_episode,
+)
+from fl_secure.algorithms.fedaffect_rounds import (
+    ClientData,
+    ClientState,
+    FedAffectConfig,
+    client_round,
+    local_few_shot,
     weighted_average,
 )
+from fl_secure.algorithms.fedaffect_simclr import augment, nt_xent, projection_head
 from fl_secure.config import AlgorithmConfig, Config, config_from_dict
 from fl_secure.data.plan import plan_federation
 from fl_secure.data.synthetic import EXPRESSIONS, SyntheticFaceConfig, generate_synthetic_faces
@@ -437,8 +439,8 @@ def test_the_simulation_refuses_fedaffect_with_a_pointer_to_the_grpc_path() -> N
 
 def test_client_evaluation_is_expression_accuracy_against_its_own_labelled_support() -> None:
     # Prepare: a FedAffect client of a tiny synthetic run (expressions learnable at 2.5)
-    from client.setup import build_local_trainer
-    from fl_secure.algorithms.fedaffect import expression_accuracy as accuracy_of
+    from client.trainer_factory import build_local_trainer
+    from fl_secure.algorithms.fedaffect_relation import expression_accuracy as accuracy_of
     from fl_secure.config import config_from_dict
     from fl_secure.data.plan import plan_federation
 

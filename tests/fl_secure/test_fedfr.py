@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from client.setup import build_local_trainer
 from client.trainer import LocalTrainer
+from client.trainer_factory import build_local_trainer
 from fl_secure.algorithms.cfinch import c_finch, finch, pairwise_f_score
 from fl_secure.algorithms.fedfr import (
     FedFR,

@@ -145,7 +145,7 @@ def test_example_level_calibrates_to_the_target_over_the_planned_rounds() -> Non
 @pytest.mark.parametrize("unit", ["client", "example", "none"])
 def test_dp_keeps_the_example_count_home(unit: str) -> None:
     # Prepare: one client of a tiny synthetic federation (16 of its images are for training)
-    from client.setup import build_local_trainer
+    from client.trainer_factory import build_local_trainer
     from fl_secure.data.plan import plan_federation
     from fl_secure.messages import LocalTraining
 

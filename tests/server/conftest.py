@@ -12,9 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from client.app import Connection, FlClient
-from client.setup import build_local_trainer
+from client.app import FlClient
 from client.trainer import LocalTrainer
+from client.trainer_factory import build_local_trainer
+from client.transport import Connection
 from fl_secure.config import Config
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import RunDir

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import privacy.secagg_session as session  # noqa: E402
-from client.app import Connection, FlClient  # noqa: E402
+from client.app import FlClient  # noqa: E402
+from client.transport import Connection  # noqa: E402
 from fl_secure.messages import LocalTraining, Tensors  # noqa: E402
 
 

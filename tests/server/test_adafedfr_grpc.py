@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from client.setup import build_local_trainer
+from client.trainer_factory import build_local_trainer
 from fl_secure.algorithms import get_strategy
 from fl_secure.algorithms.adafedfr import (
     REPRESENTATIONS,

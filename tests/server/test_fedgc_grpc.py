@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client.app import Connection, FlClient
+from client.app import FlClient
+from client.transport import Connection
 from fl_secure.algorithms import FedGC
 from fl_secure.algorithms.fedgc import WEIGHT, correct_embeddings
 from fl_secure.errors import ProtocolError

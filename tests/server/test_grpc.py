@@ -71,7 +71,8 @@ def test_a_client_whose_round_closed_before_its_download_waits_for_the_next(
     # poll answered at the deadline, a slow link), so its download is refused
     import time
 
-    from client.app import Connection, FlClient
+    from client.app import FlClient
+    from client.transport import Connection
 
     run = grpc_run_factory(small_params, clients=1, min_clients=1, round_timeout=1.5)
 
@@ -364,7 +365,8 @@ def test_an_unreachable_server_is_reported_once_loudly_then_explained(
     import logging
     import socket
 
-    from client.app import Connection, FlClient, explain_rpc_error
+    from client.app import FlClient
+    from client.transport import Connection, explain_rpc_error
 
     init_certificates(tmp_path / "certs", clients=1)
     with socket.socket() as s:  # a port nobody listens on

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client.app import Connection, FlClient
+from client.app import FlClient
+from client.transport import Connection
 from fl_secure.config import (
     Config,
     PartitionConfig,
@@ -583,7 +584,7 @@ def test_bad_attend_and_withdraw_messages_are_refused_and_a_withdrawal_is_honour
     # gRPC stub that takes its task and never advertises keys
     import grpc
 
-    from client.app import open_channel
+    from client.transport import open_channel
     from fl_secure import __version__
     from fl_secure.v1 import transport_pb2 as pb
     from fl_secure.v1 import transport_pb2_grpc as pb_grpc
@@ -659,7 +660,7 @@ def test_bad_attend_and_withdraw_messages_are_refused_and_a_withdrawal_is_honour
 def test_withdraw_reasons_match_the_wire_enum_and_classify_local_failures() -> None:
     import grpc
 
-    from client.app import withdraw_reason
+    from client.secure_round import withdraw_reason
     from fl_secure.errors import PrivacyError, ProtocolError, RoundAborted, UpdateError
     from fl_secure.v1 import transport_pb2 as pb
     from privacy.secagg_session import WITHDRAW_REASONS

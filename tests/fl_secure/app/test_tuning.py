@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from client.setup import build_local_trainer
+from client.trainer_factory import build_local_trainer
 from fl_secure.app.tuning import evaluate_after_training, newcomer, tuned_metrics, tuning_task
 from fl_secure.config import Config, load_config
 from fl_secure.data.plan import plan_federation

@@ -14,7 +14,8 @@ from typing import Any
 import grpc
 import pytest
 
-from client.app import Backoff, Connection, FlClient
+from client.app import FlClient
+from client.transport import Backoff, Connection
 from fl_secure import __version__, serde
 from fl_secure.config import config_from_dict, config_to_toml
 from fl_secure.errors import PrivacyError, ProtocolError

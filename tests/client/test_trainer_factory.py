@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from client.setup import ClientDataSource, trainer_factory
+from client.trainer_factory import ClientDataSource, trainer_factory
 from fl_secure.errors import ConfigError
 from fl_secure.messages import JoinReply
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from client.app import Backoff, Connection, FlClient
+from client.app import FlClient
+from client.transport import Backoff, Connection
 from fl_secure.config import config_from_dict, config_to_toml
 from fl_secure.errors import TlsError
 from fl_secure.tls import init_certificates, issue_client_certificate

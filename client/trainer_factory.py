@@ -11,6 +11,7 @@ import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,12 +23,14 @@ from fl_secure.config import Config, DataConfig, config_from_dict
 from fl_secure.data.folders import load_identity_folders
 from fl_secure.data.plan import plan_federation
 from fl_secure.data.splits import stratified_split
-from fl_secure.data.types import FaceDataset
 from fl_secure.errors import ConfigError
-from fl_secure.messages import JoinReply
 from fl_secure.training import FaceModel, build_model
 from privacy.client_side import ClientPrivacy
 from privacy.noise import seeded_source
+
+if TYPE_CHECKING:
+    from fl_secure.data.types import FaceDataset
+    from fl_secure.messages import JoinReply
 
 
 @dataclass(frozen=True)
