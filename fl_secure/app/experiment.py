@@ -46,7 +46,9 @@ from typing import Any
 
 import numpy as np
 
-from fl_secure.config import _PATH_KEYS, _RUN_NAME, load_config, parse_override
+from fl_secure.config import load_config, parse_override
+from fl_secure.config.loading import PATH_KEYS
+from fl_secure.config.values import RUN_NAME
 from fl_secure.errors import ConfigError, RoundAborted
 from fl_secure.runs import atomic_write_bytes
 
@@ -105,7 +107,7 @@ class Experiment:
 def _anchored(override: str, folder: Path) -> str:
     """``override`` with a relative file path of a path key made absolute from ``folder``."""
     keys, value = parse_override(override)
-    if tuple(keys) not in _PATH_KEYS or not isinstance(value, str) or not value:
+    if tuple(keys) not in PATH_KEYS or not isinstance(value, str) or not value:
         return override
     if Path(value).is_absolute():
         return override
@@ -163,7 +165,7 @@ def load_experiment(path: str | Path) -> Experiment:
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         raise ConfigError('experiment.set must be a list of "section.key=value" strings')
     name = table.get("name", p.stem)
-    if not isinstance(name, str) or not _RUN_NAME.fullmatch(name):
+    if not isinstance(name, str) or not RUN_NAME.fullmatch(name):
         raise ConfigError(
             f"experiment.name = {name!r}: expected a plain folder name of 1-100 characters, no "
             "'/', '\\' or control characters, not starting with '.' or a space (the results "
