@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from client.trainer import LocalTrainer
 from fl_secure import __version__, serde
+from fl_secure.algorithms.registry import check_config
 from fl_secure.config import Config
 from fl_secure.errors import (
     ConfigError,
@@ -275,6 +276,7 @@ class FlClient:
             return
         try:
             config = config_from_dict(tomllib.loads(run_config_toml))
+            check_config(config)
         except (tomllib.TOMLDecodeError, FlSecureError) as exc:
             raise ConfigError(f"the server sent an invalid run config: {exc}") from exc
         self.site.check_run(config, run_id)

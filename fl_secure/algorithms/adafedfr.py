@@ -84,7 +84,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Self
 
 import numpy as np
 import torch
@@ -92,7 +92,7 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
 from fl_secure.algorithms.base import BROADCAST_PREFIX, Broadcaster, Exposure, Strategy
-from fl_secure.config import Config
+from fl_secure.config import AlgorithmConfig, Config
 from fl_secure.data.synthetic import SyntheticFaceConfig, generate_synthetic_faces
 from fl_secure.data.types import FaceDataset
 from fl_secure.messages import LocalTraining, Tensors
@@ -364,6 +364,12 @@ class AdaFedFR(Strategy):
         self._states: weakref.WeakKeyDictionary[FaceModel, ClientState] = (
             weakref.WeakKeyDictionary()
         )
+
+    @classmethod
+    def from_config(cls, params: AlgorithmConfig | None = None, *, head: str | None = None) -> Self:
+        """The run's k of the top-k negatives (Eq. 6)."""
+        del head
+        return cls() if params is None else cls(params.num_negatives)
 
     def describe(self) -> str:
         """One line for logs and reports."""

@@ -77,7 +77,7 @@ import copy
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Self
 
 import numpy as np
 import torch
@@ -85,7 +85,7 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
 from fl_secure.algorithms.base import Exposure, Strategy
-from fl_secure.config import AlgorithmConfig, ModelConfig
+from fl_secure.config import AlgorithmConfig, ModelConfig, PrivacyUnit
 from fl_secure.data.synthetic import EXPRESSIONS
 from fl_secure.data.types import FaceDataset
 from fl_secure.errors import DataError
@@ -662,9 +662,21 @@ class FedAffect(Strategy):
     name: ClassVar[str] = "fedaffect"
     exposure: ClassVar[Exposure] = "private-embedding"
     shares_head: ClassVar[bool] = True  # the head slot holds g, which is shared
+    evaluates_expressions: ClassVar[bool] = True
+    refused_privacy_units: ClassVar[Mapping[PrivacyUnit, str]] = {
+        "example": "NT-Xent couples the images of a minibatch, so DP-SGD's per-example "
+        "clipping would not bound one image's influence; use privacy.unit = 'client' "
+        "(DP-FedAvg) or 'none'"
+    }
 
     def __init__(self, params: AlgorithmConfig | None = None) -> None:
         self.params = params or AlgorithmConfig(name="fedaffect")
+
+    @classmethod
+    def from_config(cls, params: AlgorithmConfig | None = None, *, head: str | None = None) -> Self:
+        """The run's labels, episode shape, NT-Xent temperature and module sizes."""
+        del head
+        return cls(params)
 
     def evaluate_client(self, model: FaceModel, data: LocalData) -> dict[str, float]:
         """Expression accuracy on the client's test images, its labelled images as support.

@@ -89,6 +89,7 @@ def _check_resume(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Embedded mode: server and N client processes on localhost over gRPC + mTLS."""
+    from fl_secure.algorithms.registry import check_config
     from fl_secure.config import Config, load_config
     from server.embedded import run_embedded
 
@@ -98,6 +99,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.config is None:
             raise FlSecureError("train needs --config FILE (or --resume RUN_DIR)")
         config = load_config(args.config, args.set)
+        check_config(config)
     if args.audit:  # refuse before training, not after it (a resumed run: its own config)
         from audits.observations import check_auditable
         from fl_secure.runs import RunDir
@@ -265,6 +267,7 @@ def _print_sites(run_dir: Path, summary: dict[str, Any]) -> None:
 
 def cmd_server(args: argparse.Namespace) -> int:
     """Standalone server: clients on other machines connect to it."""
+    from fl_secure.algorithms.registry import check_config
     from fl_secure.config import load_config
     from fl_secure.runs import RunDir, new_run_dir
     from server.app import check_address, load_enrollment
@@ -281,6 +284,7 @@ def cmd_server(args: argparse.Namespace) -> int:
         if args.config is None:
             raise FlSecureError("server needs --config FILE (or --resume RUN_DIR)")
         config = load_config(args.config, args.set)
+    check_config(config)
     if args.insecure:
         enrolled = {f"client-{i}" for i in range(config.partition.num_clients)}
     else:
@@ -356,6 +360,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     """A client: connects out to the server, trains on its own data."""
     from client.app import Connection, FlClient
     from client.setup import ClientDataSource, trainer_factory
+    from fl_secure.algorithms.registry import check_config
     from fl_secure.config import load_config
 
     if args.config is not None and args.plan_index is None:
@@ -391,8 +396,11 @@ def cmd_client(args: argparse.Namespace) -> int:
             len(found),
             sum(len(files) for _, files in found),
         )
+    local_config = load_config(args.config) if args.config else None
+    if local_config is not None:
+        check_config(local_config)
     source = ClientDataSource(
-        local_config=load_config(args.config) if args.config else None,
+        local_config=local_config,
         plan_index=args.plan_index if args.plan_index is not None else -1,
         data_path=args.data,
     )

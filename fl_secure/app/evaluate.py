@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from fl_secure.algorithms.registry import check_config, strategy_class
 from fl_secure.checkpoints import Checkpoint, CheckpointStore
 from fl_secure.config import Config, load_config
 from fl_secure.data.lfw import load_pair_images, read_pairs
@@ -94,9 +95,10 @@ def evaluate_run(
     if not run.config.exists():
         raise CheckpointError(f"{run_path} is not a run directory (no config.toml)")
     config = load_config(run.config)
+    check_config(config)
     centralized = run.path / CENTRALIZED_BACKBONE
     is_centralized = centralized.is_file() and not run.checkpoints.exists()
-    if config.algorithm.name == "fedaffect" and not is_centralized:
+    if strategy_class(config.algorithm.name).evaluates_expressions and not is_centralized:
         if lfw_pairs is not None:
             raise DataError(
                 f"{run_path} is a FedAffect run: its model recognises facial expressions, not "
@@ -316,6 +318,7 @@ def _pretraining_names(
         )
     try:
         earlier = load_config(beside)
+        check_config(earlier)
         names = _trained_names(earlier, centralized=True)
     except (FlSecureError, OSError) as exc:
         return set(), (

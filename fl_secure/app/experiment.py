@@ -204,9 +204,11 @@ def run_experiment(
     configs = []
     for algorithm, partition, seed in experiment.cells():  # validate every cell first
         overrides = experiment.cell_overrides(algorithm, partition, seed)
-        try:  # the config refuses settings an algorithm would ignore (algorithm.embedding_reg)
+        try:
             config = load_config(experiment.base, overrides)
-            check_simulable(config)  # what the simulation refuses, before any cell runs
+            # what the algorithm refuses (a setting it would ignore, such as
+            # algorithm.embedding_reg) and what the simulation does, before any cell runs
+            check_simulable(config)
         except ConfigError as exc:
             raise ConfigError(
                 f"cell algorithm {algorithm!r}, partition {partition!r}, seed {seed} "

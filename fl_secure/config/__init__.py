@@ -4,6 +4,8 @@ One dataclass per TOML section (:mod:`~fl_secure.config.data`,
 :mod:`~fl_secure.config.learning`, :mod:`~fl_secure.config.protection`,
 :mod:`~fl_secure.config.run`), their allowed values (:mod:`~fl_secure.config.values`),
 reading (:mod:`~fl_secure.config.loading`) and writing back (:mod:`~fl_secure.config.to_toml`).
+The checks that depend on ``algorithm.name`` belong to the algorithms, which sit above this
+package: the entry points call :func:`fl_secure.algorithms.registry.check_config`.
 """
 
 from fl_secure.config.data import DataConfig, PartitionConfig

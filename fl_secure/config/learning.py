@@ -6,7 +6,6 @@ import math
 from dataclasses import dataclass
 
 from fl_secure.config.values import AlgorithmName, LrSchedule, Optimizer, check
-from fl_secure.errors import ConfigError
 from fl_secure.models.heads import DEFAULT_SCALE_MARGIN, HeadKind
 
 
@@ -84,11 +83,6 @@ class AlgorithmConfig:
         check(self.beta > 0, "algorithm.beta", "a number > 0")
         check(self.delta > 0, "algorithm.delta", "a number > 0")
         check(self.embedding_reg >= 0, "algorithm.embedding_reg", "a number >= 0")
-        if self.embedding_reg > 0 and self.name not in ("hfmaml", "hfmaml-global"):
-            raise ConfigError(
-                f"algorithm.embedding_reg = {self.embedding_reg:g} (HF-MAML Eq. 4) is implemented "
-                f"by hfmaml and hfmaml-global only; {self.name} would ignore it"
-            )
         check(self.labels_per_class >= 1, "algorithm.labels_per_class", "an integer >= 1")
         check(2 <= self.n_way <= 5, "algorithm.n_way", "an integer in [2, 5] (5 expressions)")
         check(self.k_shot >= 1, "algorithm.k_shot", "an integer >= 1")

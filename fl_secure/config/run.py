@@ -82,7 +82,12 @@ class Config:
     secure_aggregation: SecureAggregationConfig = field(default_factory=SecureAggregationConfig)
 
     def __post_init__(self) -> None:
-        """Cross-section checks."""
+        """Cross-section checks that hold whatever the algorithm.
+
+        What an algorithm itself refuses (FedGC under secure aggregation, FedAffect under
+        DP-SGD, ...) is its strategy's to say, above this package:
+        :func:`fl_secure.algorithms.registry.check_config`.
+        """
         p = self.privacy
         if p.unit == "client" and p.noise_placement == "distributed":
             if not self.secure_aggregation.enabled:
@@ -112,21 +117,6 @@ class Config:
                     "the cohort, minus their own update the others' sum; use noise_placement "
                     "'local' with 'ckks'"
                 )
-        if self.algorithm.name in ("fedgc", "fedcos"):
-            _check_server_sees_heads(self)
-        if self.algorithm.name == "fedaffect" and self.privacy.unit == "example":
-            raise ConfigError(
-                "algorithm.name = 'fedaffect' cannot run with privacy.unit = 'example': NT-Xent "
-                "couples the images of a minibatch, so DP-SGD's per-example clipping would not "
-                "bound one image's influence; use privacy.unit = 'client' (DP-FedAvg) or 'none'"
-            )
-        if self.algorithm.name == "fedfr" and self.privacy.unit == "example":
-            raise ConfigError(
-                "algorithm.name = 'fedfr' cannot run with privacy.unit = 'example': a target "
-                "client's pseudo labels come from clustering all its images (C-FINCH), so one "
-                "image can change the labels of others and DP-SGD's per-example guarantee does "
-                "not cover it; use privacy.unit = 'client' (DP-FedAvg) or 'none'"
-            )
         if self.partition.kind == "domain" and self.data.source != "synthetic":
             raise ConfigError(
                 "partition.kind = 'domain' needs data.source = 'synthetic': the target domain "
@@ -149,22 +139,3 @@ class Config:
                 "Poisson-sampled (sample_rate) or of fixed size (clients_per_round); set the "
                 "other to 0"
             )
-
-
-def _check_server_sees_heads(config: Config) -> None:
-    """FedGC/FedCos upload each client's class embeddings in the clear (by design)."""
-    name = config.algorithm.name
-    if config.secure_aggregation.enabled:
-        raise ConfigError(
-            f"algorithm.name = {name!r} cannot run with secure_aggregation.scheme = "
-            f"{config.secure_aggregation.scheme!r}: the server must see each client's class "
-            "embeddings to apply the FedGC correction, which secure aggregation exists to hide; "
-            "set secure_aggregation.scheme = 'none' or use fedpe"
-        )
-    if config.privacy.unit == "client":
-        raise ConfigError(
-            f"algorithm.name = {name!r} cannot run with privacy.unit = 'client': the uploaded "
-            "class embeddings would be an unclipped, un-noised per-client release outside the "
-            "client-level guarantee; use privacy.unit = 'example' (DP-SGD covers the "
-            "embeddings) or 'none', or fedpe"
-        )
