@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from fl_secure.app.simulation import check_simulable, simulate
 from fl_secure.config import load_config, parse_override
 from fl_secure.config.loading import PATH_KEYS
 from fl_secure.config.values import RUN_NAME
@@ -199,8 +200,6 @@ def run_experiment(
         ConfigError: a cell's config is refused, or ``out`` already holds files (earlier
             results) and ``overwrite`` is not set.
     """
-    from fl_secure.app.simulation import check_simulable, simulate
-
     configs = []
     for algorithm, partition, seed in experiment.cells():  # validate every cell first
         overrides = experiment.cell_overrides(algorithm, partition, seed)
