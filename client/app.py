@@ -21,6 +21,7 @@ import grpc
 from client.secure_round import SecureExchange, withdraw_reason
 from client.transport import RETRYABLE, Backoff, open_channel, rpc_details
 from fl_secure import __version__, serde
+from fl_secure.algorithms.registry import check_config
 from fl_secure.config import config_from_dict
 from fl_secure.errors import ConfigError, FlSecureError, ProtocolError, TlsError
 from fl_secure.memory import retain_freed_memory
@@ -223,6 +224,7 @@ class FlClient:
             return
         try:
             config = config_from_dict(tomllib.loads(run_config_toml))
+            check_config(config)
         except (tomllib.TOMLDecodeError, FlSecureError) as exc:
             raise ConfigError(f"the server sent an invalid run config: {exc}") from exc
         self.site.check_run(config, run_id)

@@ -14,7 +14,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from fl_secure.algorithms import Strategy, get_strategy
+from fl_secure.algorithms import Strategy, check_config, get_strategy, strategy_class
 from fl_secure.algorithms.fedaffect import (
     FedAffect,
     build_fedaffect_model,
@@ -57,7 +57,7 @@ def make_evaluator(config: Config, plan: FederatedData) -> Callable[[Tensors], d
 
     FedAffect: expression accuracy of the global encoder and relation module instead.
     """
-    if config.algorithm.name == "fedaffect":
+    if strategy_class(config.algorithm.name).evaluates_expressions:
         return make_expression_evaluator(
             config.model, config.algorithm, config.data.image_size, config.run.seed, plan.held_out
         )
@@ -142,6 +142,7 @@ def build_server(
     cert_dir: Path | None = None,
 ) -> ServerSide:
     """Initial shared parameters (same seed as the clients), evaluator and coordinator."""
+    check_config(config)
     strategy = get_strategy(config.algorithm.name, config.algorithm, head=config.model.head)
     plan = plan or plan_federation(config)
     manifest = {
@@ -244,6 +245,7 @@ def preflight(config: Config, population: int) -> None:
     DP-SGD needs a model Opacus can train; client-level noise must be calibratable to the
     budget and fit the secure-aggregation encoding. :func:`build_server` repeats them.
     """
+    check_config(config)
     # an unknown backbone or unusable pretrained weights: refused before a run dir exists
     model = build_model(config.model, 1, config.data.image_size, config.run.seed)
     if (

@@ -93,7 +93,7 @@ def _evaluation(config: Config, strategy: Strategy, clients_hold_the_plan: bool)
     """What the held-out figures were measured on, in words."""
     what = (
         "expression accuracy of the relation scores against support prototypes"
-        if strategy.name == "fedaffect"
+        if strategy.evaluates_expressions
         else "all pairs"
     )
     if clients_hold_the_plan:

@@ -55,7 +55,7 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Self
 
 import numpy as np
 import torch
@@ -64,6 +64,7 @@ from torch.nn import functional as F  # noqa: N812
 
 from fl_secure.algorithms.adafedfr_losses import TAU, ClientState, adafedfr_losses
 from fl_secure.algorithms.base import BROADCAST_PREFIX, Broadcaster, Exposure, Strategy
+from fl_secure.config import AlgorithmConfig, Config
 from fl_secure.data.synthetic import SyntheticFaceConfig, generate_synthetic_faces
 from fl_secure.training import (
     FaceModel,
@@ -160,6 +161,12 @@ class AdaFedFR(Strategy):
         self._states: weakref.WeakKeyDictionary[FaceModel, ClientState] = (
             weakref.WeakKeyDictionary()
         )
+
+    @classmethod
+    def from_config(cls, params: AlgorithmConfig | None = None, *, head: str | None = None) -> Self:
+        """The run's k of the top-k negatives (Eq. 6)."""
+        del head
+        return cls() if params is None else cls(params.num_negatives)
 
     def describe(self) -> str:
         """One line for logs and reports."""

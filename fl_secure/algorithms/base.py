@@ -12,14 +12,15 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Self
 
 import numpy as np
 import torch
 from torch import nn
 
-from fl_secure.config import Config
+from fl_secure.config import AlgorithmConfig, Config, PrivacyUnit
 from fl_secure.data.types import FaceDataset
+from fl_secure.errors import ConfigError
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.training import (
     FaceModel,
@@ -60,6 +61,55 @@ class Strategy(ABC):
     #: ``server-sees-heads`` designs (FedGC): the client's private head travels to the server
     #: with its update (as ``head.*`` values) and back to the client alone.
     uploads_head: ClassVar[bool] = False
+    #: The model learns facial expressions, not identities (FedAffect): the server and
+    #: ``fl-secure eval`` score expression accuracy instead of face verification, and the
+    #: in-process simulation, which scores verification, does not run the design.
+    evaluates_expressions: ClassVar[bool] = False
+    #: Whether the design implements ``algorithm.embedding_reg`` (HF-MAML Eq. 4).
+    uses_embedding_reg: ClassVar[bool] = False
+    #: Why the design cannot run under secure aggregation, if it cannot ("" if it can).
+    refuses_secure_aggregation: ClassVar[str] = ""
+    #: Privacy units the design cannot run under: why, and what to use instead.
+    refused_privacy_units: ClassVar[Mapping[PrivacyUnit, str]] = {}
+
+    @classmethod
+    def from_config(cls, params: AlgorithmConfig | None = None, *, head: str | None = None) -> Self:
+        """An instance with the run's ``[algorithm]`` settings (the defaults without them).
+
+        ``head``: the run's ``model.head``, for designs whose server step depends on it (FedGC).
+        """
+        del params, head
+        return cls()
+
+    @classmethod
+    def check_config(cls, config: Config) -> None:
+        """Refuse a run config that this design would not run as it reads.
+
+        :mod:`fl_secure.config` sits below the algorithms and cannot ask them: the entry points
+        call this through :func:`fl_secure.algorithms.registry.check_config`.
+
+        Raises:
+            ConfigError: a setting the design would ignore, or one it cannot run under (the
+                message names the key, why, and what to use instead).
+        """
+        embedding_reg = config.algorithm.embedding_reg
+        if embedding_reg > 0 and not cls.uses_embedding_reg:
+            raise ConfigError(
+                f"algorithm.embedding_reg = {embedding_reg:g} (HF-MAML Eq. 4) is implemented "
+                f"by hfmaml and hfmaml-global only; {cls.name} would ignore it"
+            )
+        scheme = config.secure_aggregation.scheme
+        if cls.refuses_secure_aggregation and config.secure_aggregation.enabled:
+            raise ConfigError(
+                f"algorithm.name = {cls.name!r} cannot run with secure_aggregation.scheme = "
+                f"{scheme!r}: {cls.refuses_secure_aggregation}"
+            )
+        unit = config.privacy.unit
+        if unit in cls.refused_privacy_units:
+            raise ConfigError(
+                f"algorithm.name = {cls.name!r} cannot run with privacy.unit = {unit!r}: "
+                f"{cls.refused_privacy_units[unit]}"
+            )
 
     def shared_names(self, model: FaceModel) -> list[str]:
         """Names of the tensors the server aggregates (state-dict keys, in order).

@@ -53,8 +53,8 @@ the slides are silent or garbled.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, ClassVar, Self
 
 import numpy as np
 import torch
@@ -69,7 +69,7 @@ from fl_secure.algorithms.fedaffect_rounds import (
     client_round,
 )
 from fl_secure.algorithms.fedaffect_simclr import projection_head
-from fl_secure.config import AlgorithmConfig, ModelConfig
+from fl_secure.config import AlgorithmConfig, ModelConfig, PrivacyUnit
 from fl_secure.data.synthetic import EXPRESSIONS
 from fl_secure.errors import DataError
 from fl_secure.models.factory import get_backbone
@@ -184,9 +184,21 @@ class FedAffect(Strategy):
     name: ClassVar[str] = "fedaffect"
     exposure: ClassVar[Exposure] = "private-embedding"
     shares_head: ClassVar[bool] = True  # the head slot holds g, which is shared
+    evaluates_expressions: ClassVar[bool] = True
+    refused_privacy_units: ClassVar[Mapping[PrivacyUnit, str]] = {
+        "example": "NT-Xent couples the images of a minibatch, so DP-SGD's per-example "
+        "clipping would not bound one image's influence; use privacy.unit = 'client' "
+        "(DP-FedAvg) or 'none'"
+    }
 
     def __init__(self, params: AlgorithmConfig | None = None) -> None:
         self.params = params or AlgorithmConfig(name="fedaffect")
+
+    @classmethod
+    def from_config(cls, params: AlgorithmConfig | None = None, *, head: str | None = None) -> Self:
+        """The run's labels, episode shape, NT-Xent temperature and module sizes."""
+        del head
+        return cls(params)
 
     def evaluate_client(self, model: FaceModel, data: LocalData) -> dict[str, float]:
         """Expression accuracy on the client's test images, its labelled images as support.

@@ -48,9 +48,9 @@ Choices made here, where the paper is silent or this framework differs:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import ClassVar
+from typing import ClassVar, Self
 
 import numpy as np
 import torch
@@ -58,6 +58,7 @@ from torch import nn
 
 from fl_secure.algorithms.base import ClientUpdate, Exposure, Strategy
 from fl_secure.algorithms.cfinch import Metric, c_finch, canonical
+from fl_secure.config import AlgorithmConfig, PrivacyUnit
 from fl_secure.data.types import FaceDataset
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.models.heads import ClassHead, MarginHead, SoftmaxHead
@@ -189,6 +190,11 @@ class FedFR(Strategy):
     name: ClassVar[str] = "fedfr"
     exposure: ClassVar[Exposure] = "private-embedding"
     shares_head: ClassVar[bool] = False
+    refused_privacy_units: ClassVar[Mapping[PrivacyUnit, str]] = {
+        "example": "a target client's pseudo labels come from clustering all its images "
+        "(C-FINCH), so one image can change the labels of others and DP-SGD's per-example "
+        "guarantee does not cover it; use privacy.unit = 'client' (DP-FedAvg) or 'none'"
+    }
 
     def __init__(
         self,
@@ -206,6 +212,12 @@ class FedFR(Strategy):
         self.drop_singletons = drop_singletons
         #: A target client's pseudo-labelled data, made on the first model it receives.
         self.pseudo: LocalData | None = None
+
+    @classmethod
+    def from_config(cls, params: AlgorithmConfig | None = None, *, head: str | None = None) -> Self:
+        """The run's DCL lambda (Eq. 3) and C-FINCH threshold."""
+        del head
+        return cls() if params is None else cls(params.dcl_lambda, params.cfinch_threshold)
 
     def describe(self) -> str:
         """One line for logs and reports."""

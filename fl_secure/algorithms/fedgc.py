@@ -51,13 +51,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Self
 
 import numpy as np
 import torch
 from torch.nn import functional as F  # noqa: N812
 
 from fl_secure.algorithms.base import Exposure, Strategy
+from fl_secure.config import AlgorithmConfig, PrivacyUnit
 from fl_secure.messages import Tensors
 
 Regularizer = Literal["softmax", "cosine"]
@@ -141,10 +142,28 @@ class FedGC(Strategy):
     shares_head: ClassVar[bool] = False
     uploads_head: ClassVar[bool] = True
     regularizer: ClassVar[Regularizer] = "softmax"
+    # each client's class embeddings are uploaded in the clear, by design
+    refuses_secure_aggregation: ClassVar[str] = (
+        "the server must see each client's class embeddings to apply the FedGC correction, "
+        "which secure aggregation exists to hide; set secure_aggregation.scheme = 'none' or "
+        "use fedpe"
+    )
+    refused_privacy_units: ClassVar[Mapping[PrivacyUnit, str]] = {
+        "client": "the uploaded class embeddings would be an unclipped, un-noised per-client "
+        "release outside the client-level guarantee; use privacy.unit = 'example' (DP-SGD "
+        "covers the embeddings) or 'none', or fedpe"
+    }
 
     def __init__(self, reg_lambda: float = 20.0, *, normalize: bool = True) -> None:
         self.reg_lambda = reg_lambda
         self.normalize = normalize  # False for a softmax head: Eq. 5 on the raw rows
+
+    @classmethod
+    def from_config(cls, params: AlgorithmConfig | None = None, *, head: str | None = None) -> Self:
+        """The run's lambda; a margin ``head``'s rows are normalised, a softmax head's raw."""
+        if params is None:
+            return cls()
+        return cls(params.reg_lambda, normalize=head != "softmax")
 
     def describe(self) -> str:
         """One line for logs and reports."""

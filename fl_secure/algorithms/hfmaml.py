@@ -24,7 +24,7 @@ paper) or a smaller ``algorithm.delta`` keep the Hessian term meaningful.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, Self
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
 from fl_secure.algorithms.base import Exposure, Strategy
+from fl_secure.config import AlgorithmConfig
 from fl_secure.messages import LocalTraining
 from fl_secure.training import AbsentRows, FaceModel, LocalData, round_start_copy
 
@@ -120,11 +121,20 @@ class HFMAML(Strategy):
     name: ClassVar[str] = "hfmaml"
     exposure: ClassVar[Exposure] = "private-embedding"
     shares_head: ClassVar[bool] = False
+    uses_embedding_reg: ClassVar[bool] = True
 
     def __init__(
         self, alpha: float = 0.01, beta: float = 0.1, delta: float = 0.001, reg: float = 0.0
     ) -> None:
         self.alpha, self.beta, self.delta, self.reg = alpha, beta, delta, reg
+
+    @classmethod
+    def from_config(cls, params: AlgorithmConfig | None = None, *, head: str | None = None) -> Self:
+        """The run's step sizes (Eq. 1-2), finite-difference width (Eq. 3) and C (Eq. 4)."""
+        del head
+        if params is None:
+            return cls()
+        return cls(params.alpha, params.beta, params.delta, params.embedding_reg)
 
     def describe(self) -> str:
         """One line for logs and reports."""

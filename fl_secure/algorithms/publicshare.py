@@ -27,14 +27,14 @@ module (their personalisation); the public class embeddings are not aggregated.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import ClassVar
+from typing import ClassVar, Self
 
 import numpy as np
 import torch
 
 from fl_secure.algorithms.adafedfr import public_dataset
 from fl_secure.algorithms.base import BROADCAST_PREFIX, Broadcaster, Exposure, Strategy
-from fl_secure.config import Config
+from fl_secure.config import AlgorithmConfig, Config
 from fl_secure.data.types import FaceDataset
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.training import FaceModel, LocalData, train_local
@@ -66,6 +66,12 @@ class PublicDataShare(Strategy):
             raise ValueError(f"public_identities must be >= 1, got {public_identities}")
         self.public_identities = public_identities
         self.public: tuple[torch.Tensor, torch.Tensor] | None = None  # images, indices
+
+    @classmethod
+    def from_config(cls, params: AlgorithmConfig | None = None, *, head: str | None = None) -> Self:
+        """The run's number of public identities."""
+        del head
+        return cls() if params is None else cls(params.public_identities)
 
     def describe(self) -> str:
         """One line for logs and reports."""

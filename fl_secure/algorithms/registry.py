@@ -1,4 +1,9 @@
-"""Registry of federated strategies."""
+"""Registry of federated strategies: the names ``algorithm.name`` takes, and their classes.
+
+Callers ask the class what they need to know of a design (:meth:`Strategy.from_config`,
+:meth:`Strategy.check_config`, :attr:`Strategy.evaluates_expressions`, what it shares and
+uploads) instead of comparing names; a test keeps name comparisons out of the other packages.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from fl_secure.algorithms.fedgc import FedCos, FedGC
 from fl_secure.algorithms.fedpe import FedPE
 from fl_secure.algorithms.hfmaml import HFMAML, HFMAMLGlobal
 from fl_secure.algorithms.publicshare import PublicDataShare
-from fl_secure.config import AlgorithmConfig
+from fl_secure.config import AlgorithmConfig, Config
 from fl_secure.errors import ConfigError
 
 ALGORITHMS: dict[str, type[Strategy]] = {
@@ -31,6 +36,20 @@ ALGORITHMS: dict[str, type[Strategy]] = {
 }
 
 
+def strategy_class(name: str) -> type[Strategy]:
+    """The strategy class registered under ``name``.
+
+    Raises:
+        ConfigError: an unknown name (the message lists the allowed ones).
+    """
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown algorithm {name!r}; allowed: {', '.join(sorted(ALGORITHMS))}"
+        ) from None
+
+
 def get_strategy(
     name: str, params: AlgorithmConfig | None = None, *, head: str | None = None
 ) -> Strategy:
@@ -40,23 +59,19 @@ def get_strategy(
     embeddings (Eq. 5 verbatim) and a margin head's directions. Unknown names list the
     allowed ones.
     """
-    if name in ("hfmaml", "hfmaml-global") and params is not None:
-        cls = HFMAMLGlobal if name == "hfmaml-global" else HFMAML
-        return cls(params.alpha, params.beta, params.delta, params.embedding_reg)
-    if name in ("fedgc", "fedcos") and params is not None:
-        cls_gc = FedCos if name == "fedcos" else FedGC
-        return cls_gc(params.reg_lambda, normalize=head != "softmax")
-    if name == "adafedfr" and params is not None:
-        return AdaFedFR(params.num_negatives)
-    if name == "fedfr-public" and params is not None:
-        return PublicDataShare(params.public_identities)
-    if name == "fedfr" and params is not None:
-        return FedFR(params.dcl_lambda, params.cfinch_threshold)
-    if name == "fedaffect":
-        return FedAffect(params)
-    try:
-        return ALGORITHMS[name]()
-    except KeyError:
-        raise ConfigError(
-            f"unknown algorithm {name!r}; allowed: {', '.join(sorted(ALGORITHMS))}"
-        ) from None
+    return strategy_class(name).from_config(params, head=head)
+
+
+def check_config(config: Config) -> None:
+    """Refuse a run config that its algorithm would not run as it reads.
+
+    Loading a config checks every key and every combination that does not depend on the
+    algorithm; the algorithm's own refusals (:meth:`Strategy.check_config`) need the
+    registry, which sits above :mod:`fl_secure.config`. Every entry point that turns a loaded
+    config into a run calls this: ``fl-secure train``, ``server``, ``client --config``,
+    ``eval`` and ``experiment``, the simulation, the server's setup and a client joining a run.
+
+    Raises:
+        ConfigError: naming the setting, why the algorithm refuses it, and what to use instead.
+    """
+    strategy_class(config.algorithm.name).check_config(config)

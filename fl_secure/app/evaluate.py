@@ -23,6 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from fl_secure.algorithms.fedaffect import build_fedaffect_model
+from fl_secure.algorithms.registry import check_config, strategy_class
+from fl_secure.app.centralized import pretraining_clients
 from fl_secure.checkpoints import Checkpoint, CheckpointStore
 from fl_secure.config import Config, load_config
 from fl_secure.data.lfw import load_pair_images, read_pairs
@@ -41,6 +44,7 @@ from fl_secure.evaluation import (
 from fl_secure.models import load_pretrained
 from fl_secure.runs import RunDir
 from fl_secure.training import build_model, embed, evaluate_verification, load_checkpoint_into
+from server.setup import make_evaluator
 
 #: The model a centralized run (``fl-secure train --centralized``) saves, in its run directory.
 CENTRALIZED_BACKBONE = "backbone.safetensors"
@@ -94,9 +98,10 @@ def evaluate_run(
     if not run.config.exists():
         raise CheckpointError(f"{run_path} is not a run directory (no config.toml)")
     config = load_config(run.config)
+    check_config(config)
     centralized = run.path / CENTRALIZED_BACKBONE
     is_centralized = centralized.is_file() and not run.checkpoints.exists()
-    if config.algorithm.name == "fedaffect" and not is_centralized:
+    if strategy_class(config.algorithm.name).evaluates_expressions and not is_centralized:
         if lfw_pairs is not None:
             raise DataError(
                 f"{run_path} is a FedAffect run: its model recognises facial expressions, not "
@@ -191,9 +196,6 @@ def _checkpoint(run: RunDir, round_: int | None) -> Checkpoint:
 
 def _expression_scores(run: RunDir, config: Config, round_: int | None) -> dict[str, Any]:
     """A FedAffect checkpoint scored as its server scores each round: expression accuracy."""
-    from fl_secure.algorithms.fedaffect import build_fedaffect_model
-    from server.setup import make_evaluator
-
     checkpoint = _checkpoint(run, round_)
     source = f"the checkpoint of round {checkpoint.round} in {run.checkpoints}"
     model = build_fedaffect_model(
@@ -316,6 +318,7 @@ def _pretraining_names(
         )
     try:
         earlier = load_config(beside)
+        check_config(earlier)
         names = _trained_names(earlier, centralized=True)
     except (FlSecureError, OSError) as exc:
         return set(), (
@@ -336,8 +339,6 @@ def _trained_names(config: Config, *, centralized: bool = False) -> set[str]:
     plan = plan_federation(config)
     shares = plan.clients
     if centralized:
-        from fl_secure.app.centralized import pretraining_clients
-
         shares = pretraining_clients(config, plan)
     return {
         share.train.identity_names[int(i)] for share in shares for i in share.train.identities()

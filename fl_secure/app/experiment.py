@@ -46,7 +46,10 @@ from typing import Any
 
 import numpy as np
 
-from fl_secure.config import _PATH_KEYS, _RUN_NAME, load_config, parse_override
+from fl_secure.app.simulation import check_simulable, simulate
+from fl_secure.config import load_config, parse_override
+from fl_secure.config.loading import PATH_KEYS
+from fl_secure.config.values import RUN_NAME
 from fl_secure.errors import ConfigError, RoundAborted
 from fl_secure.runs import atomic_write_bytes
 
@@ -105,7 +108,7 @@ class Experiment:
 def _anchored(override: str, folder: Path) -> str:
     """``override`` with a relative file path of a path key made absolute from ``folder``."""
     keys, value = parse_override(override)
-    if tuple(keys) not in _PATH_KEYS or not isinstance(value, str) or not value:
+    if tuple(keys) not in PATH_KEYS or not isinstance(value, str) or not value:
         return override
     if Path(value).is_absolute():
         return override
@@ -163,7 +166,7 @@ def load_experiment(path: str | Path) -> Experiment:
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         raise ConfigError('experiment.set must be a list of "section.key=value" strings')
     name = table.get("name", p.stem)
-    if not isinstance(name, str) or not _RUN_NAME.fullmatch(name):
+    if not isinstance(name, str) or not RUN_NAME.fullmatch(name):
         raise ConfigError(
             f"experiment.name = {name!r}: expected a plain folder name of 1-100 characters, no "
             "'/', '\\' or control characters, not starting with '.' or a space (the results "
@@ -197,14 +200,14 @@ def run_experiment(
         ConfigError: a cell's config is refused, or ``out`` already holds files (earlier
             results) and ``overwrite`` is not set.
     """
-    from fl_secure.app.simulation import check_simulable, simulate
-
     configs = []
     for algorithm, partition, seed in experiment.cells():  # validate every cell first
         overrides = experiment.cell_overrides(algorithm, partition, seed)
-        try:  # the config refuses settings an algorithm would ignore (algorithm.embedding_reg)
+        try:
             config = load_config(experiment.base, overrides)
-            check_simulable(config)  # what the simulation refuses, before any cell runs
+            # what the algorithm refuses (a setting it would ignore, such as
+            # algorithm.embedding_reg) and what the simulation does, before any cell runs
+            check_simulable(config)
         except ConfigError as exc:
             raise ConfigError(
                 f"cell algorithm {algorithm!r}, partition {partition!r}, seed {seed} "

@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from client.trainer_factory import build_local_trainer
-from fl_secure.algorithms import get_strategy
+from fl_secure.algorithms import check_config, get_strategy, strategy_class
 from fl_secure.app.tuning import evaluate_after_training
 from fl_secure.config import Config
 from fl_secure.data.plan import plan_client_id, plan_federation
@@ -86,6 +86,7 @@ def check_simulable(config: Config) -> None:
     Raises:
         ConfigError: differential privacy, secure aggregation, a sampled cohort, or FedAffect.
     """
+    check_config(config)
     if config.privacy.enabled or config.secure_aggregation.enabled:
         raise ConfigError(
             "the simulation runs non-private rounds only: differential privacy and secure "
@@ -104,7 +105,7 @@ def check_simulable(config: Config) -> None:
             f"over gRPC (fl-secure train); set server.clients_per_round = 0 (or {everyone}, "
             "every client) and server.sample_rate = 0 to simulate"
         )
-    if config.algorithm.name == "fedaffect":
+    if strategy_class(config.algorithm.name).evaluates_expressions:
         raise ConfigError(
             "algorithm.name = 'fedaffect' is not simulated (its model is f + g + a private "
             "projection head, and its evaluation is expression accuracy): run it over gRPC "

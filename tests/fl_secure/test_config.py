@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from fl_secure.algorithms.registry import check_config
 from fl_secure.config import (
     Config,
     config_fingerprint,
@@ -172,9 +173,10 @@ def test_attribute_partition_needs_one_predicate_per_client() -> None:
 
 def test_embedding_reg_is_refused_where_the_algorithm_would_ignore_it() -> None:
     with pytest.raises(ConfigError, match="embedding_reg = 1 .* fedavg would ignore it"):
-        config_from_dict({"algorithm": {"name": "fedavg", "embedding_reg": 1.0}})
+        check_config(config_from_dict({"algorithm": {"name": "fedavg", "embedding_reg": 1.0}}))
     for name in ("hfmaml", "hfmaml-global"):
         reg = config_from_dict({"algorithm": {"name": name, "embedding_reg": 1.0}})
+        check_config(reg)
         assert reg.algorithm.embedding_reg == 1.0
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from client.trainer_factory import build_local_trainer
-from fl_secure.algorithms import get_strategy
+from fl_secure.algorithms import check_config, get_strategy
 from fl_secure.algorithms.fedaffect import (
     FedAffect,
     FedAffectModel,
@@ -420,7 +420,7 @@ def test_expression_evaluator_matches_a_direct_computation() -> None:
 )
 def test_fedaffect_config_is_range_checked(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        config_from_dict({"algorithm": {"name": "fedaffect"}}, overrides)
+        check_config(config_from_dict({"algorithm": {"name": "fedaffect"}}, overrides))
 
 
 def test_registry_builds_fedaffect_with_the_run_settings() -> None:

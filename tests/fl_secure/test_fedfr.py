@@ -25,7 +25,7 @@ from fl_secure.algorithms.fedfr import (
     pseudo_labels,
     without_singletons,
 )
-from fl_secure.algorithms.registry import get_strategy
+from fl_secure.algorithms.registry import check_config, get_strategy
 from fl_secure.config import AlgorithmConfig, Config, ModelConfig, PartitionConfig, config_from_dict
 from fl_secure.data.plan import load_dataset, plan_federation
 from fl_secure.data.synthetic import SyntheticFaceConfig, generate_synthetic_faces
@@ -245,10 +245,12 @@ def test_fedfr_config_checks() -> None:
         )
     # pseudo labels couple a target client's images: DP-SGD's per-example bound misses that
     fedfr = {"algorithm": {"name": "fedfr"}, "partition": {"kind": "domain"}}
+    example = {"unit": "example", "noise_multiplier": 1.0}
     with pytest.raises(ConfigError, match="'fedfr' cannot run with privacy.unit = 'example'"):
-        config_from_dict({**fedfr, "privacy": {"unit": "example", "noise_multiplier": 1.0}})
-    client = {"unit": "client", "noise_multiplier": 1.0}
-    assert config_from_dict({**fedfr, "privacy": client}).privacy.unit == "client"
+        check_config(config_from_dict({**fedfr, "privacy": example}))
+    client = config_from_dict({**fedfr, "privacy": {"unit": "client", "noise_multiplier": 1.0}})
+    check_config(client)
+    assert client.privacy.unit == "client"
 
 
 def target_update(

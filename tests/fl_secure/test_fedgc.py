@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from client.trainer import LocalTrainer
-from fl_secure.algorithms import FedCos, FedGC, FedPE, get_strategy
+from fl_secure.algorithms import FedCos, FedGC, FedPE, check_config, get_strategy
 from fl_secure.algorithms.fedgc import (
     WEIGHT,
     correct_embeddings,
@@ -192,15 +192,20 @@ def test_fedgc_is_fedpe_on_the_client_with_heads_uploaded() -> None:
 
 def test_fedgc_refuses_secure_aggregation_and_client_level_dp() -> None:
     fedgc = AlgorithmConfig(name="fedgc")
+    secagg = SecureAggregationConfig(scheme="secagg")
     with pytest.raises(ConfigError, match="secure aggregation exists to hide"):
-        Config(algorithm=fedgc, secure_aggregation=SecureAggregationConfig(scheme="secagg"))
+        check_config(Config(algorithm=fedgc, secure_aggregation=secagg))
     with pytest.raises(ConfigError, match="privacy.unit = 'client'"):
-        Config(
-            algorithm=AlgorithmConfig(name="fedcos"),
-            privacy=PrivacyConfig(unit="client", noise_placement="local", noise_multiplier=1.0),
+        check_config(
+            Config(
+                algorithm=AlgorithmConfig(name="fedcos"),
+                privacy=PrivacyConfig(unit="client", noise_placement="local", noise_multiplier=1.0),
+            )
         )
     # example-level DP composes (the heads are DP-SGD output), and lambda must be >= 0
-    Config(algorithm=fedgc, privacy=PrivacyConfig(unit="example", noise_multiplier=1.0))
+    check_config(
+        Config(algorithm=fedgc, privacy=PrivacyConfig(unit="example", noise_multiplier=1.0))
+    )
     with pytest.raises(ConfigError, match="algorithm.reg_lambda"):
         AlgorithmConfig(name="fedgc", reg_lambda=-1.0)
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from fl_secure.app.privacy_cli import add_privacy_parser
+from fl_secure.app.cli.privacy import add_parser
 from fl_secure.errors import PrivacyError
 from privacy.calibration import calibrate_noise, epsilon_for
 
@@ -75,7 +75,7 @@ def test_calibrate_impossible_targets() -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fl-secure")
-    add_privacy_parser(parser.add_subparsers(dest="command", required=True))
+    add_parser(parser.add_subparsers(dest="command", required=True))
     return parser
 
 

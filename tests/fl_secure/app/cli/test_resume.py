@@ -63,7 +63,7 @@ def test_train_refuses_an_unworkable_config_before_writing_a_run(
     override: str,
     message: str,
 ) -> None:
-    config = Path(__file__).resolve().parents[3] / "examples" / "quickstart.toml"
+    config = Path(__file__).resolve().parents[4] / "examples" / "quickstart.toml"
     monkeypatch.chdir(tmp_path)
     extra = ["--set", "data.source=folders"] if override.startswith("data.path") else []
     code = main(["train", "--config", str(config), "--set", override, *extra, "--out", "runs"])

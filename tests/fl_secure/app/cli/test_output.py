@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fl_secure.app.cli import _report
+from fl_secure.app.cli.runs import print_summary
 
 
 @pytest.mark.parametrize(
@@ -24,14 +24,14 @@ def test_round_zero_is_named_for_what_it_was(
     }
     if initial is not None:
         summary["initial_model"] = initial
-    assert _report(summary, Path("run"), as_json=False) == 0
+    assert print_summary(summary, Path("run"), as_json=False) == 0
     assert f"tar_at_far_1e-2: 0.2500   ({label}: 0.5000)" in capsys.readouterr().out
 
 
 def test_a_headline_the_run_scored_nan_prints_as_n_a(capsys: pytest.CaptureFixture[str]) -> None:
     # a NaN score is null in summary.json (strict JSON); the end-of-run lines still print
     summary = {"status": "completed", "tar_at_far_1e-2": None, "rank1": 0.5, "untrained": {}}
-    assert _report(summary, Path("run"), as_json=False) == 0
+    assert print_summary(summary, Path("run"), as_json=False) == 0
     out = capsys.readouterr().out
     assert "tar_at_far_1e-2: n/a" in out and "rank1: 0.5000" in out
 
@@ -42,7 +42,7 @@ def test_fedaffect_prints_expression_accuracy_beside_the_majority_class(
     held = {"expression_accuracy": 0.35357, "expression_majority": 0.35357}
     summary: dict[str, object] = {"status": "completed", "held_out": held}
     summary["untrained"] = {"expression_accuracy": 0.2}
-    assert _report(summary, Path("run"), as_json=False) == 0
+    assert print_summary(summary, Path("run"), as_json=False) == 0
     out = capsys.readouterr().out
     assert "expression accuracy: 0.3536   (always the most frequent expression: 0.3536)" in out
     assert "(untrained: 0.2000)" in out and "no better than always answering" in out
@@ -57,7 +57,7 @@ def _private(**extra: object) -> dict[str, object]:
 
 
 def test_the_stated_epsilon_is_rounded_up(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _report(_private(), Path("run"), as_json=False) == 0
+    assert print_summary(_private(), Path("run"), as_json=False) == 0
     out = capsys.readouterr().out
     assert "privacy: (7.9688, 1e-05)-DP at the client level" in out  # 7.96871, never 7.9687
     assert "warning: delta" not in out
@@ -72,7 +72,7 @@ def test_the_stated_epsilon_is_rounded_up(capsys: pytest.CaptureFixture[str]) ->
 def test_a_delta_not_below_one_over_n_is_warned_of(
     extra: dict[str, object], expected: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert _report(_private(**extra), Path("run"), as_json=False) == 0
+    assert print_summary(_private(**extra), Path("run"), as_json=False) == 0
     assert f"warning: {expected}" in capsys.readouterr().out
 
 
@@ -146,7 +146,7 @@ def test_the_sites_own_epsilon_against_the_server_is_printed(
         for r in range(1, rounds + 1):
             site.record(config, "run", r, bytes([r]) * 16)
     # Execute
-    assert _report(_private(), tmp_path, as_json=False) == 0
+    assert print_summary(_private(), tmp_path, as_json=False) == 0
 
     # Assert: the larger site's figure (three releases), rounded up
     def up(x: float) -> str:
@@ -165,5 +165,5 @@ def test_the_sites_own_epsilon_against_the_server_is_printed(
         {"privacy": {"unit": "client", "noise_placement": "central", "noise_multiplier": 1.0}}
     )
     SiteLedger(tmp_path / "clients" / "client-0").record(central, "run", 2, b"\x09" * 16)
-    assert _report(_private(), tmp_path, as_json=False) == 0
+    assert print_summary(_private(), tmp_path, as_json=False) == 0
     assert "epsilon <= unbounded; unbounded if the other sites collude" in (capsys.readouterr().out)

@@ -1,7 +1,6 @@
-"""``privacy`` sub-commands: ``privacy epsilon`` and ``privacy calibrate``.
+"""``privacy`` sub-commands: ``epsilon``, ``calibrate``, ``ledger`` and ``site``.
 
-Pure functions for the main command line: :func:`add_privacy_parser` adds the parser, each
-leaf sets ``func`` to a function ``(argparse.Namespace) -> int`` (exit code). With
+Each leaf sets ``func`` to a function ``(argparse.Namespace) -> int`` (exit code). With
 ``--json`` one JSON object goes to stdout with keys ``epsilon``, ``delta``,
 ``noise_multiplier``, ``accountant``, ``sample_rate``, ``steps``, ``sampling``,
 ``adjacency`` (plus ``population`` / ``target_epsilon`` where relevant).
@@ -12,16 +11,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fl_secure.app.cli.common import Subparsers, number_arg, positive_int
 from fl_secure.errors import CheckpointError, PrivacyError
-from privacy.accountants.accountant import ADJACENCY, SAMPLINGS
-from privacy.accountants.registry import ACCOUNTANTS, DEFAULT_CLIENT_LEVEL
-from privacy.calibration import calibrate_noise, epsilon_for
+from fl_secure.runs import RunDir
 from privacy.ledger import (
     Ledger,
     LedgerError,
@@ -31,35 +27,16 @@ from privacy.ledger import (
     released_model_of_run,
 )
 
+# Imports that load torch, grpc or tenseal are inside the functions: `fl-secure --help` stays
+# fast (fl_secure.app.cli.common says why). The accountants are among them (opacus, torch):
+# the parser's choices are kept here, and a test ties them to the registry's.
 
-def number_arg(flag: str, ok: Callable[[float], bool], allowed: str) -> Callable[[str], float]:
-    """An argparse ``type`` for a finite number meeting ``ok`` whose error names ``flag``."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be a number, got {text!r}") from None
-        if not (math.isfinite(value) and ok(value)):
-            raise argparse.ArgumentTypeError(f"{flag} must be {allowed}, got {text}")
-        return value
-
-    return parse
-
-
-def positive_int(flag: str) -> Callable[[str], int]:
-    """An argparse ``type`` for an integer >= 1 whose error names ``flag``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{flag} must be >= 1, got {text}")
-        return value
-
-    return parse
+#: privacy.accountants.registry.ACCOUNTANTS, sorted as the parser lists them.
+ACCOUNTANT_NAMES = ("pld", "prv", "rdp")
+#: privacy.accountants.registry.DEFAULT_CLIENT_LEVEL: calibrate's default accountant.
+DEFAULT_CLIENT_LEVEL = "pld"
+#: privacy.accountants.accountant.SAMPLINGS.
+SAMPLINGS = ("poisson", "fixed_size")
 
 
 def _common(p: argparse.ArgumentParser, default_accountant: str | None) -> None:
@@ -78,7 +55,7 @@ def _common(p: argparse.ArgumentParser, default_accountant: str | None) -> None:
     )
     p.add_argument(
         "--accountant",
-        choices=sorted(ACCOUNTANTS),
+        choices=ACCOUNTANT_NAMES,
         required=default_accountant is None,
         default=default_accountant,
         help="rdp (loose), prv (what training uses for example-level DP), pld (for client-"
@@ -100,9 +77,9 @@ def _common(p: argparse.ArgumentParser, default_accountant: str | None) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
-def add_privacy_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``privacy {epsilon,calibrate,ledger,site}`` to ``subparsers`` (``add_subparsers``)."""
-    p: argparse.ArgumentParser = subparsers.add_parser(
+def add_parser(sub: Subparsers) -> None:
+    """Add ``privacy`` and its sub-commands ``epsilon``, ``calibrate``, ``ledger``, ``site``."""
+    p = sub.add_parser(
         "privacy", help="privacy accounting: epsilon of a schedule, noise for a budget"
     )
     sub = p.add_subparsers(dest="privacy_command", required=True)
@@ -158,7 +135,6 @@ def add_privacy_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     t.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     t.set_defaults(func=cmd_site)
-    return p
 
 
 def cmd_site(args: argparse.Namespace) -> int:
@@ -261,8 +237,6 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 
 def _recorded(run: Path) -> tuple[tuple[int, str] | None, str | None]:
     """The ``(entries, head)`` summary.json recorded, or a problem if it cannot be read."""
-    from fl_secure.runs import RunDir
-
     if not RunDir(run).summary.exists():
         return None, None
     try:
@@ -280,6 +254,8 @@ def _check_population(args: argparse.Namespace) -> None:
 
 
 def _report(args: argparse.Namespace, noise_multiplier: float, epsilon: float) -> dict[str, Any]:
+    from privacy.accountants.accountant import ADJACENCY
+
     return {
         "epsilon": epsilon,
         "delta": args.delta,
@@ -314,6 +290,8 @@ def _emit(args: argparse.Namespace, report: dict[str, Any]) -> None:
 
 
 def _epsilon(args: argparse.Namespace, noise_multiplier: float) -> float:
+    from privacy.calibration import epsilon_for
+
     return epsilon_for(
         accountant=args.accountant,
         noise_multiplier=noise_multiplier,
@@ -339,6 +317,8 @@ def cmd_epsilon(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """``privacy calibrate``: print the smallest noise multiplier meeting the target."""
+    from privacy.calibration import calibrate_noise
+
     try:
         _check_population(args)
         z = calibrate_noise(

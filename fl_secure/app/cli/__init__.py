@@ -1,0 +1,10 @@
+"""Command line of fl-secure: ``fl-secure {train,server,client,certs,privacy,report,eval,...}``.
+
+It sits in the application layer (:mod:`fl_secure.app`), above ``server``, ``client`` and
+``audits``. :mod:`~fl_secure.app.cli.console` builds the parser from one module per
+sub-command family and runs the command; ``python -m fl_secure.app.cli`` runs it too.
+"""
+
+from fl_secure.app.cli.console import build_parser, main
+
+__all__ = ["build_parser", "main"]

@@ -1,0 +1,141 @@
+"""The ``[run]`` and ``[server]`` sections, and :class:`Config`: the whole run, cross-checked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fl_secure.config.data import DataConfig, PartitionConfig
+from fl_secure.config.learning import AlgorithmConfig, EvalConfig, ModelConfig, TrainConfig
+from fl_secure.config.protection import PrivacyConfig, SecureAggregationConfig
+from fl_secure.config.values import MAX_TIMEOUT, RUN_NAME, TIMEOUT_RANGE, check
+from fl_secure.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Identity and seed of a run."""
+
+    name: str = "run"  # run directory name under --out (a timestamp is appended)
+    seed: int = 0  # seeds data generation, partitions and model initialisation
+
+    def __post_init__(self) -> None:
+        check(
+            bool(RUN_NAME.fullmatch(self.name)),
+            "run.name",
+            "a plain folder name of 1-100 characters, no '/', '\\' or control characters, not "
+            "starting with '.' "
+            f"or a space (got {self.name!r}; the run directory goes under --out)",
+        )
+        check(0 <= self.seed < 2**63, "run.seed", "an integer in [0, 2**63)")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Coordinator: cohorts, deadlines, limits."""
+
+    address: str = "127.0.0.1:0"  # host:port to listen on (port 0 = any free port)
+    min_clients: int = 2  # a round completes only with at least this many updates
+    clients_per_round: int = 0  # fixed cohort size (0 = every connected client)
+    sample_rate: float = 0.0  # > 0: Poisson cohort sampling with this rate instead
+    round_timeout: float = 600.0  # seconds a round waits for its cohort
+    max_retries: int = 2  # a round with too few updates is retried this often, then aborted
+    max_concurrent_uploads: int = 2  # uploads buffered at once (bounds server memory)
+    max_upload_factor: float = 1.05  # an upload may be at most this times the model's size
+    # seconds an upload may send nothing before it is cancelled (a stalled client would
+    # otherwise hold one of the max_concurrent_uploads slots); uploads also end with the round
+    upload_idle_timeout: float = 60.0
+    # rows a client's uploaded head may have (FedGC: one per identity it trains on); 0 = the
+    # identities of the server's own data plan, right for the embedded mode; a standalone
+    # server whose sites bring their own data sets it to their largest identity count
+    max_head_rows: int = 0
+
+    def __post_init__(self) -> None:
+        """Check ranges."""
+        check(self.min_clients >= 1, "server.min_clients", "an integer >= 1")
+        check(self.max_head_rows >= 0, "server.max_head_rows", "an integer >= 0")
+        check(self.clients_per_round >= 0, "server.clients_per_round", "an integer >= 0")
+        check(0 <= self.sample_rate <= 1, "server.sample_rate", "a number in [0, 1]")
+        check(0 < self.round_timeout <= MAX_TIMEOUT, "server.round_timeout", TIMEOUT_RANGE)
+        check(self.max_retries >= 0, "server.max_retries", "an integer >= 0")
+        check(self.max_concurrent_uploads >= 1, "server.max_concurrent_uploads", "an integer >= 1")
+        check(self.max_upload_factor >= 1, "server.max_upload_factor", "a number >= 1")
+        check(
+            0 < self.upload_idle_timeout <= MAX_TIMEOUT,
+            "server.upload_idle_timeout",
+            TIMEOUT_RANGE,
+        )
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole run."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    secure_aggregation: SecureAggregationConfig = field(default_factory=SecureAggregationConfig)
+
+    def __post_init__(self) -> None:
+        """Cross-section checks that hold whatever the algorithm.
+
+        What an algorithm itself refuses (FedGC under secure aggregation, FedAffect under
+        DP-SGD, ...) is its strategy's to say, above this package:
+        :func:`fl_secure.algorithms.registry.check_config`.
+        """
+        p = self.privacy
+        if p.unit == "client" and p.noise_placement == "distributed":
+            if not self.secure_aggregation.enabled:
+                raise ConfigError(
+                    "privacy.noise_placement = 'distributed' needs secure aggregation "
+                    "(secure_aggregation.scheme = 'secagg' or 'secagg+'): each client adds only "
+                    "a share of the noise, so the server must never see an individual update"
+                )
+            if self.secure_aggregation.scheme == "ckks":
+                raise ConfigError(
+                    "privacy.noise_placement = 'distributed' uses the distributed discrete "
+                    "Gaussian on integer updates, which needs secure_aggregation.scheme = "
+                    "'secagg' or 'secagg+'; with 'ckks' use noise_placement 'local'"
+                )
+            if self.secure_aggregation.modulus_bits > 62:
+                raise ConfigError(
+                    f"secure_aggregation.modulus_bits = {self.secure_aggregation.modulus_bits}: "
+                    "privacy.noise_placement = 'distributed' does its integer arithmetic in "
+                    "62 bits at most; use secure_aggregation.modulus_bits <= 62"
+                )
+        if p.unit == "client" and p.noise_placement == "central":
+            if self.secure_aggregation.scheme == "ckks":
+                raise ConfigError(
+                    "privacy.noise_placement = 'central' with secure_aggregation.scheme = "
+                    "'ckks': the server adds the noise after the sum is decrypted, and the "
+                    "decrypting clients (trusted for nothing) would see the un-noised sum of "
+                    "the cohort, minus their own update the others' sum; use noise_placement "
+                    "'local' with 'ckks'"
+                )
+        if self.partition.kind == "domain" and self.data.source != "synthetic":
+            raise ConfigError(
+                "partition.kind = 'domain' needs data.source = 'synthetic': the target domain "
+                "is the synthetic generator's 'shifted' domain"
+            )
+        if self.server.min_clients > self.partition.num_clients:
+            raise ConfigError(
+                f"server.min_clients = {self.server.min_clients} exceeds "
+                f"partition.num_clients = {self.partition.num_clients}"
+            )
+        s = self.server
+        if s.sample_rate == 0 and 0 < s.clients_per_round < s.min_clients:
+            raise ConfigError(
+                f"server.clients_per_round = {s.clients_per_round} is below server.min_clients "
+                f"= {s.min_clients}: no round could ever complete"
+            )
+        if s.sample_rate > 0 and s.clients_per_round > 0:
+            raise ConfigError(
+                "server.sample_rate and server.clients_per_round both set: a cohort is either "
+                "Poisson-sampled (sample_rate) or of fixed size (clients_per_round); set the "
+                "other to 0"
+            )
