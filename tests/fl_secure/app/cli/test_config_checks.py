@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from client.app import Connection, FlClient
+from client.app import FlClient
+from client.transport import Connection
 from fl_secure.app.cli import main
 from fl_secure.app.simulation import simulate
 from fl_secure.config import config_from_dict, config_to_toml, load_config
