@@ -4,7 +4,7 @@ The audit runs the *mechanism as implemented*: the project's own aggregation cod
 (:func:`privacy.client_level.server_aggregator`, the server's own, with
 :func:`privacy.client_level.clip_update`,
 :func:`privacy.client_level.add_gaussian` and the clients' noise shares of
-:func:`privacy.client_level.client_noise_std`; :class:`server.aggregate.StreamingMean` for a
+:func:`privacy.client_level.client_noise_std`; :class:`fl_secure.aggregation.StreamingMean` for a
 non-private run) with the run's noise multiplier ``z``, clip norm ``C``, denominator ``W``,
 noise placement, client sampling rate and number of rounds (``summary.json``).
 
@@ -50,6 +50,7 @@ from audits.canary import (
     threshold_bound,
 )
 from audits.observations import ckks_encrypted_layers
+from fl_secure.aggregation import StreamingMean
 from fl_secure.errors import CheckpointError
 from fl_secure.messages import Tensors, TensorSpec
 from privacy.client_level import (
@@ -60,7 +61,6 @@ from privacy.client_level import (
     server_aggregator,
 )
 from privacy.noise import SeededGaussian
-from server.aggregate import StreamingMean
 
 NON_PRIVATE_DELTA = 1e-5
 """Delta the bound is stated for when the run claims no DP at all."""

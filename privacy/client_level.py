@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from fl_secure.aggregation import StreamingSum
 from fl_secure.errors import PrivacyError, ProtocolError, UpdateError
 from fl_secure.messages import Tensors, TensorSpec
 from privacy.noise import NoiseSource, gaussian_like
@@ -112,13 +113,15 @@ def effective_noise_multiplier(
     return noise_multiplier
 
 
-class NoisyClippedSum:
+class NoisyClippedSum(StreamingSum):
     """DP-FedAvg aggregation: (sum of clipped updates + central noise) / expected cohort size.
 
-    A drop-in for :class:`server.aggregate.StreamingMean` (``add``, ``mean``): weights are
-    ignored (every client counts the same, as the sensitivity analysis needs); updates are
-    re-clipped on arrival when ``reclip`` (central placement: a client that did not clip
-    cannot raise the sensitivity); ``central_std`` is the noise the server adds.
+    An :class:`~fl_secure.aggregation.Aggregator` like
+    :class:`~fl_secure.aggregation.StreamingMean` (``add``, ``mean``) over the same running
+    float64 sums: weights are ignored (every client counts the same, as the sensitivity
+    analysis needs); updates are re-clipped on arrival when ``reclip`` (central placement: a
+    client that did not clip cannot raise the sensitivity); ``central_std`` is the noise the
+    server adds.
     """
 
     def __init__(
@@ -133,30 +136,23 @@ class NoisyClippedSum:
     ) -> None:
         if not denominator > 0:
             raise PrivacyError(f"denominator must be > 0, got {denominator!r}")
-        self.specs = list(specs)
+        super().__init__(specs)
         self.clip_norm = clip_norm
         self.denominator = denominator
         self.central_std = central_std
         self.source = source
         self.reclip = reclip
-        self._sums: OrderedDict[str, np.ndarray] = OrderedDict(
-            (s.name, np.zeros(s.shape, dtype=np.float64)) for s in self.specs
-        )
-        self.count = 0
         self.clipped = 0
 
     def add(self, tensors: Mapping[str, np.ndarray], weight: float) -> None:
         """Fold one client's update in (``weight`` is ignored: uniform weighting)."""
         del weight
-        if list(tensors) != list(self._sums):
-            raise ProtocolError("update tensors do not match the shared parameters")
+        self.check(tensors)
         if self.reclip:
             clipped, norm = clip_update(tensors, self.clip_norm)
             self.clipped += int(norm > self.clip_norm)
             tensors = clipped
-        for name, total in self._sums.items():
-            total += np.asarray(tensors[name], dtype=np.float64)
-        self.count += 1
+        self.fold(tensors)
 
     def mean(self) -> Tensors:
         """``(sum + N(0, central_std^2)) / denominator`` cast back to each tensor's dtype."""
@@ -164,7 +160,7 @@ class NoisyClippedSum:
             raise ProtocolError("no update to average")
         out: Tensors = OrderedDict()
         for s in self.specs:
-            total = self._sums[s.name]
+            total = self.total(s.name)
             if self.central_std > 0:
                 total = total + gaussian_like(self.source, total, self.central_std)
             out[s.name] = (total / self.denominator).astype(s.dtype)

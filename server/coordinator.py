@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from fl_secure.aggregation import Aggregator, StreamingMean
 from fl_secure.algorithms.base import BROADCAST_PREFIX
 from fl_secure.checkpoints import CheckpointStore
 from fl_secure.errors import CheckpointError, ProtocolError, RoundAborted
@@ -37,7 +38,6 @@ from fl_secure.messages import (
 )
 from fl_secure.runs import RunDir
 from fl_secure.training import round_learning_rate
-from server.aggregate import StreamingMean
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -63,18 +63,6 @@ class HeadStep(Protocol):
     ) -> dict[str, Tensors]:
         """Client id -> head tensors in, the corrected heads out."""
         ...
-
-
-class Aggregator(Protocol):
-    """Folds a round's updates together: :class:`StreamingMean` or a DP aggregator."""
-
-    count: int
-
-    def add(self, tensors: Mapping[str, np.ndarray], weight: float) -> None:
-        """Fold one validated update in."""
-
-    def mean(self) -> Tensors:
-        """The round's aggregate update."""
 
 
 @dataclass(frozen=True)

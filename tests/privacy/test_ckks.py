@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tenseal as ts
 
+from fl_secure.aggregation import StreamingMean
 from fl_secure.errors import PrivacyError, ProtocolError
 from fl_secure.messages import Tensors, TensorSpec
 from privacy.ckks import (
@@ -25,7 +26,6 @@ from privacy.ckks import (
     make_secret_context,
     public_context,
 )
-from server.aggregate import StreamingMean
 
 SLOTS = 4096  # default poly_modulus_degree 8192
 SPECS = [

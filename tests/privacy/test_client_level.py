@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from fl_secure.aggregation import StreamingMean
 from fl_secure.errors import PrivacyError
 from fl_secure.messages import TensorSpec
 from privacy.calibration import epsilon_for
@@ -127,6 +128,28 @@ def test_central_aggregate_reclips_and_divides_by_the_expected_cohort() -> None:
     # Assert: (0.5 + 0.25) / 4 per coordinate; one update was re-clipped
     np.testing.assert_allclose(agg.mean()["w"], np.full(4, 0.75 / 4), rtol=1e-6)
     assert agg.clipped == 1
+
+
+def test_noiseless_sum_over_the_cohort_is_the_plain_mean_bit_for_bit() -> None:
+    # Prepare: three unclipped float32 updates; no noise, no re-clipping, W = 3 = the count
+    rng = np.random.default_rng(7)
+    updates = [
+        OrderedDict((s.name, rng.standard_normal(s.shape).astype(s.dtype)) for s in SPECS)
+        for _ in range(3)
+    ]
+    noisy = NoisyClippedSum(
+        SPECS, clip_norm=1.0, denominator=3.0, central_std=0.0, source=SeededGaussian(0),
+        reclip=False,
+    )  # fmt: skip
+    plain = StreamingMean(SPECS)
+    # Execute: both fold the same float64 sums (the DP one ignores the weights)
+    for update in updates:
+        noisy.add(update, weight=5.0)
+        plain.add(update, weight=1.0)
+    # Assert: the same bits, tensor by tensor
+    for name, expected in plain.mean().items():
+        got = noisy.mean()[name]
+        assert got.dtype == expected.dtype and got.tobytes() == expected.tobytes()
 
 
 def test_plan_calibrates_noise_to_the_budget_over_the_rounds() -> None:
