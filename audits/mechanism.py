@@ -1,10 +1,10 @@
 """Empirical epsilon of a run's client-level aggregation, measured with worst-case canaries.
 
 The audit runs the *mechanism as implemented*: the project's own aggregation code
-(:func:`privacy.client_level.server_aggregator`, the server's own, with
-:func:`privacy.client_level.clip_update`,
-:func:`privacy.client_level.add_gaussian` and the clients' noise shares of
-:func:`privacy.client_level.client_noise_std`; :class:`fl_secure.aggregation.StreamingMean` for a
+(:func:`privacy.dp.client_level.server_aggregator`, the server's own, with
+:func:`privacy.dp.client_level.clip_update`,
+:func:`privacy.dp.client_level.add_gaussian` and the clients' noise shares of
+:func:`privacy.dp.client_level.client_noise_std`; :class:`fl_secure.aggregation.StreamingMean` for a
 non-private run) with the run's noise multiplier ``z``, clip norm ``C``, denominator ``W``,
 noise placement, client sampling rate and number of rounds (``summary.json``).
 
@@ -53,14 +53,14 @@ from audits.observations import ckks_encrypted_layers
 from fl_secure.aggregation import StreamingMean
 from fl_secure.errors import CheckpointError
 from fl_secure.messages import Tensors, TensorSpec
-from privacy.client_level import (
+from privacy.dp.client_level import (
     NoisyClippedSum,
     add_gaussian,
     client_noise_std,
     clip_update,
     server_aggregator,
 )
-from privacy.noise import SeededGaussian
+from privacy.dp.noise import SeededGaussian
 
 NON_PRIVATE_DELTA = 1e-5
 """Delta the bound is stated for when the run claims no DP at all."""
@@ -404,7 +404,7 @@ def audit_mechanism(
         accountant, mech.delta, alpha / 2
     )  # fmt: skip
     return {
-        "what": "the client-level aggregation as implemented (privacy.client_level: clipping, "
+        "what": "the client-level aggregation as implemented (privacy.dp.client_level: clipping, "
         "noise shares / central noise, denominator), run with the run's z, C, W, placement, "
         "sampling rate and rounds, on worst-case canary clients: an update of norm 2C on a "
         "coordinate no other client touches; the fewest honest clients a released round "

@@ -78,8 +78,8 @@ from fl_secure.data.types import FaceDataset
 from fl_secure.errors import CheckpointError, ConfigError
 from fl_secure.runs import RunDir, atomic_write_json
 from fl_secure.training import FaceModel, set_tensors
-from privacy.client_level import add_gaussian, client_noise_std
-from privacy.noise import SeededGaussian
+from privacy.dp.client_level import add_gaussian, client_noise_std
+from privacy.dp.noise import SeededGaussian
 
 ATTACKS = ("inversion", "templates", "leakage", "canary")
 

@@ -27,7 +27,7 @@ from fl_secure.errors import ConfigError
 from fl_secure.messages import JoinReply
 from fl_secure.training import FaceModel, build_model
 from privacy.client_side import ClientPrivacy
-from privacy.noise import seeded_source
+from privacy.dp.noise import seeded_source
 
 
 @dataclass(frozen=True)

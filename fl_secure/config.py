@@ -40,7 +40,7 @@ Optimizer = Literal["sgd", "adam"]
 LrSchedule = Literal["constant", "cosine"]
 PrivacyUnit = Literal["none", "client", "example"]
 NoisePlacement = Literal["local", "distributed", "central"]
-#: smallest privacy.noise_multiplier: privacy.accountants.accountant.MIN_ACCOUNTED_NOISE, kept
+#: smallest privacy.noise_multiplier: privacy.dp.accountants.accountant.MIN_ACCOUNTED_NOISE, kept
 #: here so that reading a config does not import the accountants (a test ties the two)
 MIN_NOISE_MULTIPLIER = 0.05
 #: The longest timeout a config may set (a week): larger ones overflow the waits' timers
@@ -353,7 +353,7 @@ class PrivacyConfig:
     DP-SGD with Opacus inside each client (one face image is the protected record).
 
     ``clipping`` (example unit) chooses how the per-example clipped gradient sum is computed:
-    ``book-keeping`` (:mod:`privacy.bookkeeping`: ghost norms and one clipped weight gradient
+    ``book-keeping`` (:mod:`privacy.dp.bookkeeping`: ghost norms and one clipped weight gradient
     per layer, no per-example gradients stored) or ``opacus`` (Opacus' hooks materialise
     every per-example gradient). Both give the same update up to float rounding; ``auto``
     takes book-keeping when every trainable layer is supported, else Opacus.

@@ -33,7 +33,7 @@ Trust model
   so for sums of order 1 about 1% of the float32 outputs still differ from the float32 of the
   exact sum, but for sums of order 1e-3 (typical updates) about 85% do, and for 1e-5 all of
   them (measured with 10-50 clients). The rounding is therefore no protection for small
-  updates: add noise (the ``local`` DP placement of :mod:`privacy.client_level`) before a
+  updates: add noise (the ``local`` DP placement of :mod:`privacy.dp.client_level`) before a
   decrypted aggregate is released.
 
 Packing

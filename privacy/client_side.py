@@ -2,10 +2,10 @@
 
 * Client level (``privacy.unit = "client"``): every update of the shared parameters is clipped
   to ``C`` and, with ``local`` (or ``distributed``) placement, noised before it leaves the
-  client (:mod:`privacy.client_level`). Training metrics, which depend on the data, are not
+  client (:mod:`privacy.dp.client_level`). Training metrics, which depend on the data, are not
   sent, and the example count is hidden (the aggregate does not use it).
 * Example level (``privacy.unit = "example"``): local training is DP-SGD
-  (:mod:`privacy.dpsgd`). The client keeps its own accountant for the run, persisted in its
+  (:mod:`privacy.dp.dpsgd`). The client keeps its own accountant for the run, persisted in its
   state folder under a name derived from the run id (a restarted client resumes the run's
   spending; another run starts afresh, its site's total being the site ledger's), calibrates
   its noise to the target over the planned rounds, reports its cumulative (epsilon, delta)
@@ -26,10 +26,10 @@ from fl_secure.errors import PrivacyError
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import atomic_write_json, run_keyed_path
 from fl_secure.training import FaceModel, LocalData, local_training
-from privacy.accountants import create_accountant
-from privacy.calibration import calibrate_noise
-from privacy.client_level import add_gaussian, client_noise_std, clip_update
-from privacy.noise import NoiseSource, SecureGaussian
+from privacy.dp.accountants import create_accountant
+from privacy.dp.calibration import calibrate_noise
+from privacy.dp.client_level import add_gaussian, client_noise_std, clip_update
+from privacy.dp.noise import NoiseSource, SecureGaussian
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class ClientPrivacy:
 
     # ------------------------------------------------------------ example level
     def _plan_example_level(self, config: Config, n: int) -> None:
-        from privacy.dpsgd import dpsgd_steps
+        from privacy.dp.dpsgd import dpsgd_steps
 
         if n < 1:
             raise PrivacyError("a client without training images cannot run DP-SGD")
@@ -226,7 +226,7 @@ class ClientPrivacy:
         """DP-SGD for example-level runs (``None``: the strategy's own training)."""
         if self.cfg.unit != "example":
             return None
-        from privacy.dpsgd import DPSGDSettings, train_local_dpsgd
+        from privacy.dp.dpsgd import DPSGDSettings, train_local_dpsgd
 
         settings = DPSGDSettings(
             noise_multiplier=self.noise_multiplier,
@@ -253,7 +253,7 @@ class ClientPrivacy:
             return True
         steps = self.steps_per_round
         if training is not None:
-            from privacy.dpsgd import dpsgd_steps
+            from privacy.dp.dpsgd import dpsgd_steps
 
             steps = dpsgd_steps(self.num_examples, training, self.sample_rate)
         from privacy.session import MAX_DP_STEPS_PER_ROUND
@@ -283,7 +283,7 @@ class ClientPrivacy:
         """Example level: the ``(z, q, steps)`` DP-SGD would run for ``training`` (else None)."""
         if self.cfg.unit != "example":
             return None
-        from privacy.dpsgd import dpsgd_steps
+        from privacy.dp.dpsgd import dpsgd_steps
 
         steps = dpsgd_steps(self.num_examples, training, self.sample_rate)
         return self.noise_multiplier, self.sample_rate, steps

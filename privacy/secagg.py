@@ -541,7 +541,7 @@ class SecureUniform:
 
     The key is drawn from ``os.urandom`` when the source is made and the counter starts at 0;
     CTR mode's 128-bit counter cannot wrap within any realistic use of one source. AES-CTR
-    rather than :class:`privacy.noise.SecureGaussian`'s ChaCha20 because AES-NI makes it
+    rather than :class:`privacy.dp.noise.SecureGaussian`'s ChaCha20 because AES-NI makes it
     about 5x faster here. 32 bits because stochastic rounding compares a uniform with the
     fractional part: with ``k / 2^32`` the rounding is unbiased to within ``2^-32`` of one
     quantization step, and an update of 10^6 parameters needs 4 MB of keystream, not 8.

@@ -346,7 +346,7 @@ def check_ddg(
     is accounted with (KLS21's ``tau`` term negligible), and the cohort's noisy sum must not
     wrap mod ``2^bits`` (10 standard deviations of headroom).
     """
-    from privacy.discrete_gaussian import (
+    from privacy.dp.discrete_gaussian import (
         ddg_client_sigma,
         ddg_noise_multiplier,
         integer_l2_bound,
@@ -616,7 +616,7 @@ class ServerSecureRound(StagedRound):
         setup, m = self.setup, len(self.server.survivors)
         if setup.encoding != "ddg":
             return setup.config().decode(total, m)
-        from privacy.discrete_gaussian import ddg_decode
+        from privacy.dp.discrete_gaussian import ddg_decode
 
         peak = ddg_peak(m, setup.clip_norm * setup.scale, setup.ddg_sigma)
         return ddg_decode(
@@ -661,8 +661,8 @@ def client_secure_update(
         )
     encoded = None
     if setup.encoding == "ddg":  # integer noise: round, add N_Z(0, sigma^2), reduce mod 2^k
-        from privacy.discrete_gaussian import ddg_encode
-        from privacy.noise import SecureGaussian
+        from privacy.dp.discrete_gaussian import ddg_encode
+        from privacy.dp.noise import SecureGaussian
 
         norm = float(np.linalg.norm(vector))
         if not math.isfinite(norm):  # NaN would pass the clip below and wrap to garbage

@@ -26,17 +26,17 @@ from typing import Any
 from fl_secure.config import PrivacyConfig
 from fl_secure.errors import PrivacyError, ProtocolError
 from fl_secure.messages import LocalTraining, Tensors, TensorSpec
-from privacy.accountants import create_accountant
-from privacy.accountants.accountant import ADJACENCY, MIN_ACCOUNTED_NOISE, client_adjacency
-from privacy.client_level import (
+from privacy.dp.accountants import create_accountant
+from privacy.dp.accountants.accountant import ADJACENCY, MIN_ACCOUNTED_NOISE, client_adjacency
+from privacy.dp.client_level import (
     ClientLevelPlan,
     NoisyClippedSum,
     effective_noise_multiplier,
     plan_client_level,
     server_aggregator,
 )
+from privacy.dp.noise import NoiseSource, SecureGaussian
 from privacy.ledger import CLIENT_KINDS, Entry, Ledger, check_payload
-from privacy.noise import NoiseSource, SecureGaussian
 
 log = logging.getLogger(__name__)
 
@@ -378,7 +378,7 @@ class ServerPrivacy:
             )
         if v["dp_epsilon"] < 0:
             raise ProtocolError(f"client {party}: dp_epsilon = {v['dp_epsilon']:g} < 0")
-        from privacy.dpsgd import dpsgd_steps
+        from privacy.dp.dpsgd import dpsgd_steps
 
         most = min(dpsgd_steps(1, training, q), MAX_DP_STEPS_PER_ROUND)
         if steps != int(steps) or not 0 <= steps <= most:

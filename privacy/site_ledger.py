@@ -43,7 +43,7 @@ image) instead of the whole site, over every release the ledger holds:
 * a release with neither makes it unbounded.
 
 They compose in dp_accounting's PLD accountant (the accountant of
-:mod:`privacy.accountants.pld`, same grid). A site can hold a budget on it
+:mod:`privacy.dp.accountants.pld`, same grid). A site can hold a budget on it
 (``max_example_epsilon``): an example-level run is then joined, and a round declined before
 it trains when its planned steps would pass the budget.
 
@@ -73,6 +73,7 @@ from typing import Any
 from fl_secure.config import Config
 from fl_secure.errors import PrivacyError
 from fl_secure.runs import atomic_write_json
+from privacy.dp.gdp import composed_mu, example_epsilon, gaussian_epsilon
 
 log = logging.getLogger(__name__)
 
@@ -81,47 +82,6 @@ VERSION = 2
 READABLE_VERSIONS = (1, 2)
 """Version 1 rows lack the DP-SGD fields: an example-level one counts as unbounded."""
 FILE_NAME = "site_ledger.json"
-
-
-def gaussian_epsilon(mu: float, delta: float) -> float:
-    """Exact epsilon at ``delta`` of a ``mu``-GDP mechanism (one Gaussian, ``mu = 1 / z``).
-
-    ``mu = 0`` releases nothing (epsilon 0); ``mu = inf`` is a release without noise.
-    """
-    if not 0 < delta < 1:
-        raise PrivacyError(f"delta must be in (0, 1), not {delta!r}")
-    if not mu >= 0:
-        raise PrivacyError(f"mu must be >= 0, not {mu!r}")
-    if mu == 0:
-        return 0.0
-    if math.isinf(mu):
-        return math.inf
-    from scipy.optimize import brentq
-    from scipy.special import log_ndtr
-
-    def excess(eps: float) -> float:  # delta(eps) - delta, decreasing in eps
-        first = math.exp(log_ndtr(-eps / mu + mu / 2))
-        second = math.exp(eps + log_ndtr(-eps / mu - mu / 2))
-        return first - second - delta
-
-    if excess(0.0) <= 0:
-        return 0.0
-    hi = 1.0
-    while excess(hi) > 0:
-        hi *= 2
-        if hi > 1e6:  # pragma: no cover - mu would be astronomically large
-            return math.inf
-    return float(brentq(excess, 0.0, hi, xtol=1e-12, rtol=1e-12))
-
-
-def composed_mu(noise_multipliers: Iterable[float]) -> float:
-    """``mu`` of the composition of Gaussian releases with these multipliers (``inf``: none)."""
-    total = 0.0
-    for z in noise_multipliers:
-        if not z > 0:
-            return math.inf
-        total += 1.0 / (z * z)
-    return math.sqrt(total)
 
 
 @dataclass(frozen=True)
@@ -229,43 +189,6 @@ def pinned_digest(config: Config) -> str:
     doc = tomllib.loads(config_to_toml(config))
     doc.get("privacy", {}).pop("noise_multiplier", None)
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode("utf-8")).hexdigest()
-
-
-def example_epsilon(releases: Iterable[Release], delta: float, *, own: bool = False) -> float:
-    """One image's epsilon at ``delta`` over ``releases`` (see the module docstring).
-
-    The Gaussian releases compose exactly into one Gaussian (``mu = sqrt(sum mu_i^2)``);
-    DP-SGD releases with the same ``(z, q)`` into one self-composition; the pieces compose
-    in dp_accounting's PLD accountant (add/remove one image).
-    """
-    if not 0 < delta < 1:
-        raise PrivacyError(f"delta must be in (0, 1), not {delta!r}")
-    mu2 = 0.0
-    steps: dict[tuple[float, float], int] = {}
-    for row in releases:
-        mu, dpsgd = row.example_events(own=own)
-        if math.isinf(mu):
-            return math.inf
-        mu2 += mu * mu
-        if dpsgd is not None:
-            z, q, n = dpsgd
-            steps[(z, q)] = steps.get((z, q), 0) + n
-    if not steps:
-        return gaussian_epsilon(math.sqrt(mu2), delta)
-    import dp_accounting
-    from dp_accounting.pld import pld_privacy_accountant
-
-    from privacy.accountants.pld import VALUE_DISCRETIZATION_INTERVAL
-
-    acc = pld_privacy_accountant.PLDAccountant(
-        value_discretization_interval=VALUE_DISCRETIZATION_INTERVAL
-    )
-    if mu2 > 0:
-        acc.compose(dp_accounting.GaussianDpEvent(1.0 / math.sqrt(mu2)))
-    for (z, q), n in sorted(steps.items()):
-        sampled = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
-        acc.compose(dp_accounting.SelfComposedDpEvent(sampled, n))
-    return float(acc.get_epsilon(delta))
 
 
 def release_for(
@@ -710,8 +633,5 @@ __all__ = [
     "FILE_NAME",
     "Release",
     "SiteLedger",
-    "composed_mu",
-    "example_epsilon",
-    "gaussian_epsilon",
     "release_for",
 ]

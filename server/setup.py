@@ -35,8 +35,8 @@ from fl_secure.training import (
     local_training,
     set_tensors,
 )
-from privacy.client_level import ClientLevelPlan, client_noise_std
-from privacy.noise import NoiseSource, seeded_source
+from privacy.dp.client_level import ClientLevelPlan, client_noise_std
+from privacy.dp.noise import NoiseSource, seeded_source
 from privacy.session import ServerPrivacy, client_level_plan, open_server_privacy
 from server.coordinator import Coordinator, CoordinatorSettings
 
@@ -166,7 +166,7 @@ def build_server(
         for name, array in get_tensors(model, strategy.head_names(model)).items()
     )
     if config.privacy.unit == "example":  # refuse before any client trains, not in round 1
-        from privacy.dpsgd import validate_model
+        from privacy.dp.dpsgd import validate_model
 
         try:
             validate_model(model)
@@ -254,7 +254,7 @@ def preflight(config: Config, population: int) -> None:
         raise ConfigError(f"data.path {config.data.path} does not exist")
     _check_secagg_cohort(config, population)
     if config.privacy.unit == "example":
-        from privacy.dpsgd import validate_model
+        from privacy.dp.dpsgd import validate_model
 
         try:
             validate_model(model)

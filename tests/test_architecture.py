@@ -60,7 +60,7 @@ def test_base_layer_names_every_module_of_fl_secure_but_the_app_layer() -> None:
     ("module", "wrong"),
     [
         ("fl_secure/data/types.py", "import server.summary"),  # base -> server
-        ("privacy/noise.py", "import client.trainer"),  # privacy -> client
+        ("privacy/dp/noise.py", "import client.trainer"),  # privacy -> client
         ("server/summary.py", "import client.trainer"),  # server <-> client
         ("audits/grids.py", "import fl_secure.app.cli"),  # audits -> app
     ],

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from fl_secure.errors import CheckpointError, PrivacyError
-from privacy.accountants.accountant import ADJACENCY, SAMPLINGS
-from privacy.accountants.registry import ACCOUNTANTS, DEFAULT_CLIENT_LEVEL
-from privacy.calibration import calibrate_noise, epsilon_for
+from privacy.dp.accountants.accountant import ADJACENCY, SAMPLINGS
+from privacy.dp.accountants.registry import ACCOUNTANTS, DEFAULT_CLIENT_LEVEL
+from privacy.dp.calibration import calibrate_noise, epsilon_for
 from privacy.ledger import (
     Ledger,
     LedgerError,

@@ -36,7 +36,7 @@ from fl_secure.checkpoints import CheckpointStore
 from fl_secure.config import config_from_dict
 from fl_secure.errors import CheckpointError, ConfigError
 from fl_secure.runs import RunDir
-from privacy.calibration import calibrate_noise
+from privacy.dp.calibration import calibrate_noise
 
 TINY = """
 [run]
@@ -398,7 +398,7 @@ def test_under_client_sampling_the_one_run_audit_ranks_by_the_likelihood_ratio(
 @pytest.mark.parametrize("placement", ["central", "distributed", "local"])
 def test_canaries_built_one_at_a_time_release_exactly_the_dense_batch(placement: str) -> None:
     from audits.mechanism import OneHotCanaries, release_round
-    from privacy.noise import SeededGaussian
+    from privacy.dp.noise import SeededGaussian
 
     # Prepare: 40 of 300 coordinates carry a canary of norm 2C
     mech = Mechanism(1.3, 1.0, 5.0, placement, 1, 1.0, 3, 3, 1e-5, 3.0)
@@ -414,7 +414,7 @@ def test_canaries_built_one_at_a_time_release_exactly_the_dense_batch(placement:
 
 def test_a_central_noise_round_without_a_sampled_canary_still_releases() -> None:
     from audits.mechanism import release_round
-    from privacy.noise import SeededGaussian
+    from privacy.dp.noise import SeededGaussian
 
     # central noise: no honest noise shares (honest_clients 0), and no canary this round
     mech = Mechanism(1.0, 1.0, 5.0, "central", 1, 0.005, 0, 3, 1e-5, 3.0)

@@ -11,10 +11,10 @@ import pytest
 
 from fl_secure.config import config_from_dict
 from fl_secure.errors import PrivacyError
-from privacy.calibration import epsilon_for
-from privacy.client_level import update_norm
 from privacy.client_side import ClientPrivacy
-from privacy.noise import SeededGaussian
+from privacy.dp.calibration import epsilon_for
+from privacy.dp.client_level import update_norm
+from privacy.dp.noise import SeededGaussian
 
 
 def test_client_level_release_clips_noises_and_keeps_metrics_home() -> None:
@@ -177,7 +177,7 @@ def test_dp_keeps_the_example_count_home(unit: str) -> None:
 def test_the_budget_check_charges_the_steps_the_task_asks_for() -> None:
     # Prepare: planned 20 steps per round (1 epoch of 640 at q = 0.05) fit a 2.2 budget
     from fl_secure.messages import LocalTraining
-    from privacy.dpsgd import dpsgd_steps
+    from privacy.dp.dpsgd import dpsgd_steps
 
     table = {
         "train": {"rounds": 10, "local_epochs": 1, "batch_size": 32},

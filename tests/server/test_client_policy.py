@@ -327,7 +327,8 @@ def test_an_example_budget_declines_a_round_before_it_trains(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from privacy.client_side import ClientPrivacy
-    from privacy.site_ledger import SiteLedger, example_epsilon, release_for
+    from privacy.dp.gdp import example_epsilon
+    from privacy.site_ledger import SiteLedger, release_for
 
     # Prepare: example-level DP-SGD, z = 1.1, q = 0.05, 60 steps a round; a site budget
     # between the epsilon of one round and that of two

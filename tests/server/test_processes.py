@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fl_secure.tls import init_certificates
-from privacy.calibration import epsilon_for
+from privacy.dp.calibration import epsilon_for
 from privacy.ledger import Ledger
 
 pytestmark = pytest.mark.slow

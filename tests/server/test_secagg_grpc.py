@@ -379,7 +379,7 @@ def test_a_site_that_declines_a_round_withdraws_before_the_key_stages(tmp_path: 
 def test_distributed_discrete_gaussian_noise_on_the_secure_sum(tmp_path: Path) -> None:
     # Prepare: client-level DP, distributed placement: every client clips to C = 1 and adds
     # discrete Gaussian noise to its integer vector; any t = 3 shares carry z C
-    from privacy.discrete_gaussian import ddg_client_sigma, integer_l2_bound
+    from privacy.dp.discrete_gaussian import ddg_client_sigma, integer_l2_bound
 
     z, d = 0.05, 50 * 40 + 7
     privacy = _distributed_dp(tmp_path, population=4, min_survivors=3, z=z)

@@ -12,8 +12,8 @@ from scipy import stats
 from fl_secure.aggregation import StreamingMean
 from fl_secure.errors import PrivacyError
 from fl_secure.messages import TensorSpec
-from privacy.calibration import epsilon_for
-from privacy.client_level import (
+from privacy.dp.calibration import epsilon_for
+from privacy.dp.client_level import (
     NoisyClippedSum,
     add_gaussian,
     client_noise_std,
@@ -22,7 +22,7 @@ from privacy.client_level import (
     plan_client_level,
     update_norm,
 )
-from privacy.noise import SecureGaussian, SeededGaussian
+from privacy.dp.noise import SecureGaussian, SeededGaussian
 
 SPECS = [
     TensorSpec("w", np.dtype(np.float32), (500, 400)),

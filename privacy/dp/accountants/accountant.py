@@ -9,7 +9,7 @@ Adjacency (neighbouring relation). Poisson-subsampled events are analysed under
 single record (a single *client* for client-level DP, a single *example* for example-level
 DP). Fixed-size cohorts drawn without replacement are only analysed by dp_accounting under
 **replace-one** adjacency (the data-set size is public and one record is swapped for
-another); see :mod:`privacy.accountants.pld`.
+another); see :mod:`privacy.dp.accountants.pld`.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from fl_secure.errors import PrivacyError
-from privacy.accountants.accountant import Accountant, PrivacyEvent
+from privacy.dp.accountants.accountant import Accountant, PrivacyEvent
 
 VALUE_DISCRETIZATION_INTERVAL = 1e-4
 """PLD grid step (dp_accounting's default; accurate to ~1e-3 in epsilon)."""

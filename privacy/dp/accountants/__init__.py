@@ -1,15 +1,15 @@
 """Privacy accountants for DP-SGD / DP-FedAvg (RDP, PRV, PLD) and their registry."""
 
-from privacy.accountants.accountant import (
+from privacy.dp.accountants.accountant import (
     ADJACENCY,
     Accountant,
     PrivacyEvent,
     Sampling,
 )
-from privacy.accountants.pld import PLDAccountant
-from privacy.accountants.prv import PRVAccountant
-from privacy.accountants.rdp import RDPAccountant
-from privacy.accountants.registry import (
+from privacy.dp.accountants.pld import PLDAccountant
+from privacy.dp.accountants.prv import PRVAccountant
+from privacy.dp.accountants.rdp import RDPAccountant
+from privacy.dp.accountants.registry import (
     ACCOUNTANTS,
     DEFAULT_CLIENT_LEVEL,
     DEFAULT_EXAMPLE_LEVEL,

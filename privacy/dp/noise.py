@@ -20,6 +20,7 @@ Tests inject :class:`SeededGaussian` (numpy PCG64) to be reproducible; it report
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import TYPE_CHECKING, Protocol
 
@@ -139,7 +140,7 @@ def gaussian_tensor_like(source: NoiseSource, tensor: torch.Tensor, std: float) 
     """N(0, std^2) noise as a tensor of ``tensor``'s shape, dtype and device."""
     if not (np.isfinite(std) and std >= 0):
         raise ValueError(f"noise std = {std!r}: expected a finite number >= 0")
-    import torch
+    import torch  # deferred: torch takes seconds to import, and secure aggregation needs none
 
     noise = source.standard_normal(tensor.numel()) * std
     return torch.from_numpy(noise).reshape(tensor.shape).to(tensor.dtype).to(tensor.device)
@@ -147,7 +148,5 @@ def gaussian_tensor_like(source: NoiseSource, tensor: torch.Tensor, std: float) 
 
 def seeded_source(seed: int, party: str) -> SeededGaussian:
     """A reproducible source for one party of a run (``privacy.secure_rng = false``)."""
-    import hashlib
-
     digest = hashlib.sha256(f"{seed}:{party}:dp-noise".encode()).digest()
     return SeededGaussian(int.from_bytes(digest[:8], "little"))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-import privacy.noise as noise
-from privacy.noise import SecureGaussian
+import privacy.dp.noise as noise
+from privacy.dp.noise import SecureGaussian
 
 
 def test_a_nonce_whose_random_bytes_are_all_ones_still_gives_megabytes(monkeypatch) -> None:

@@ -12,7 +12,7 @@ Algorithm 1, on top of Opacus (Yousefpour et al., 2021):
    norm ``C`` (``max_grad_norm``) and the clipped gradients are summed, by one of two
    engines (``DPSGDSettings.clipping``) that give the same sum up to float rounding:
 
-   - ``book-keeping`` (:mod:`privacy.bookkeeping`, the default whenever every trainable
+   - ``book-keeping`` (:mod:`privacy.dp.bookkeeping`, the default whenever every trainable
      layer is supported): per-example norms from the layers' inputs and output gradients
      (ghost norms where cheaper), then the clipped sum as one weight gradient per layer;
      nothing of size batch x parameters is ever stored. About 2.3x faster than the hooks on
@@ -34,11 +34,11 @@ Algorithm 1, on top of Opacus (Yousefpour et al., 2021):
    gradients are accumulated before the one noisy step.
 
 The noise does not come from ``torch.normal`` (a Mersenne Twister) but from a
-:class:`privacy.noise.NoiseSource`, in production :class:`privacy.noise.SecureGaussian`, a
+:class:`privacy.dp.noise.NoiseSource`, in production :class:`privacy.dp.noise.SecureGaussian`, a
 ChaCha20 CSPRNG with the Box-Muller transform. Caveat: like every floating-point Gaussian
 sampler it is in principle subject to the floating-point attacks of Mironov (CCS 2012); the
 rigorous fix is integer noise (the distributed discrete Gaussian of Kairouz, Liu & Steinke,
-ICML 2021). See :mod:`privacy.noise`.
+ICML 2021). See :mod:`privacy.dp.noise`.
 
 The guarantee covers the model parameters only. ``train_loss`` and ``train_accuracy``
 returned by :func:`train_local_dpsgd` are computed from the sampled examples without noise;
@@ -72,8 +72,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from fl_secure.errors import PrivacyError
 from fl_secure.messages import LocalTraining
 from fl_secure.training import AbsentRows, FaceModel, LocalData, make_optimizer
-from privacy.bookkeeping import BookKeepingClipper, require_supported, unsupported_modules
-from privacy.noise import NoiseSource, gaussian_tensor_like
+from privacy.dp.bookkeeping import BookKeepingClipper, require_supported, unsupported_modules
+from privacy.dp.noise import NoiseSource, gaussian_tensor_like
 
 logger = logging.getLogger(__name__)
 

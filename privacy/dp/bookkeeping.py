@@ -28,7 +28,7 @@ The backward pass itself asks autograd only for the gradients with respect to th
 outputs, so the weight gradients are computed once, already clipped.
 
 Supported layers (every trainable module must be one of them; :func:`unsupported_modules`
-names the others, and :mod:`privacy.dpsgd` then falls back to Opacus' hooks):
+names the others, and :mod:`privacy.dp.dpsgd` then falls back to Opacus' hooks):
 ``nn.Conv2d`` (zero padding, ``groups = 1``), ``nn.Linear``, ``nn.GroupNorm`` and the margin
 heads' :class:`~fl_secure.models.heads.CosineClassifier` (per-example gradient of the row-
 normalised class embeddings: row ``j`` of example ``i`` is

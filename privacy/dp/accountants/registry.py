@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Final
 
 from fl_secure.errors import PrivacyError
-from privacy.accountants.accountant import Accountant
-from privacy.accountants.pld import PLDAccountant
-from privacy.accountants.prv import PRVAccountant
-from privacy.accountants.rdp import RDPAccountant
+from privacy.dp.accountants.accountant import Accountant
+from privacy.dp.accountants.pld import PLDAccountant
+from privacy.dp.accountants.prv import PRVAccountant
+from privacy.dp.accountants.rdp import RDPAccountant
 
 ACCOUNTANTS: Final[dict[str, type[Accountant]]] = {
     "rdp": RDPAccountant,

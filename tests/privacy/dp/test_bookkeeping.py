@@ -17,9 +17,9 @@ from fl_secure.errors import PrivacyError
 from fl_secure.messages import LocalTraining
 from fl_secure.models.heads import make_head
 from fl_secure.training import FaceModel, LocalData, build_model
-from privacy.bookkeeping import BookKeepingClipper, _conv_weight_norms2, unsupported_modules
-from privacy.dpsgd import DPSGDSettings, resolve_clipping, train_local_dpsgd
-from privacy.noise import SeededGaussian
+from privacy.dp.bookkeeping import BookKeepingClipper, _conv_weight_norms2, unsupported_modules
+from privacy.dp.dpsgd import DPSGDSettings, resolve_clipping, train_local_dpsgd
+from privacy.dp.noise import SeededGaussian
 
 torch.set_num_threads(1)
 

@@ -24,7 +24,7 @@ The rigorous form is integer noise:
 
 The rejection steps compare floating-point uniforms with ``exp(.)``, so this is the
 "approximately exact" float version of the samplers (the exact one uses rational
-arithmetic); uniforms come from the CSPRNG of :mod:`privacy.noise` (or a seeded source in
+arithmetic); uniforms come from the CSPRNG of :mod:`privacy.dp.noise` (or a seeded source in
 tests).
 """
 
@@ -35,7 +35,7 @@ import math
 import numpy as np
 
 from fl_secure.errors import PrivacyError, ProtocolError
-from privacy.noise import NoiseSource
+from privacy.dp.noise import NoiseSource
 
 
 def _bernoulli_exp(source: NoiseSource, gamma: np.ndarray) -> np.ndarray:

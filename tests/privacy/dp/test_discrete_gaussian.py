@@ -9,7 +9,7 @@ import pytest
 from scipy import stats
 
 from fl_secure.errors import PrivacyError
-from privacy.discrete_gaussian import (
+from privacy.dp.discrete_gaussian import (
     ddg_client_sigma,
     ddg_decode,
     ddg_encode,
@@ -20,7 +20,7 @@ from privacy.discrete_gaussian import (
     sample_discrete_gaussian,
     sample_discrete_laplace,
 )
-from privacy.noise import SecureGaussian, SeededGaussian
+from privacy.dp.noise import SecureGaussian, SeededGaussian
 
 
 def _pmf(values: np.ndarray, log_weight) -> np.ndarray:

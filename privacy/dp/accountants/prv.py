@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from opacus.accountants import PRVAccountant as _OpacusPRV
 
-from privacy.accountants.accountant import Accountant
+from privacy.dp.accountants.accountant import Accountant
 
 
 class PRVAccountant(Accountant):

@@ -15,7 +15,7 @@ from typing import ClassVar
 from opacus.accountants import RDPAccountant as _OpacusRDP
 from opacus.accountants.analysis import rdp as _rdp_analysis
 
-from privacy.accountants.accountant import Accountant
+from privacy.dp.accountants.accountant import Accountant
 
 DEFAULT_ORDERS: tuple[float, ...] = tuple(float(a) for a in _OpacusRDP.DEFAULT_ALPHAS)
 """RDP orders searched for the best conversion (Opacus' defaults: 1.1..10.9, 12..63)."""

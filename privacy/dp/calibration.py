@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 
 from fl_secure.errors import PrivacyError
-from privacy.accountants.accountant import MIN_ACCOUNTED_NOISE, Sampling, check_delta
-from privacy.accountants.registry import create_accountant
+from privacy.dp.accountants.accountant import MIN_ACCOUNTED_NOISE, Sampling, check_delta
+from privacy.dp.accountants.registry import create_accountant
 
 MIN_NOISE_MULTIPLIER = MIN_ACCOUNTED_NOISE
 """Calibration never goes below this (smaller values make epsilon meaningless anyway)."""

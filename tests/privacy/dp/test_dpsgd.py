@@ -15,7 +15,7 @@ from fl_secure.data.types import FaceDataset
 from fl_secure.errors import PrivacyError
 from fl_secure.messages import LocalTraining
 from fl_secure.training import FaceModel, LocalData, build_model, train_local
-from privacy.dpsgd import (
+from privacy.dp.dpsgd import (
     Clipping,
     DPSGDSettings,
     PoissonBatchSampler,
@@ -23,7 +23,7 @@ from privacy.dpsgd import (
     train_local_dpsgd,
     validate_model,
 )
-from privacy.noise import SecureGaussian, SeededGaussian, gaussian_tensor_like
+from privacy.dp.noise import SecureGaussian, SeededGaussian, gaussian_tensor_like
 
 torch.set_num_threads(1)
 

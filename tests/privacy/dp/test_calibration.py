@@ -9,7 +9,7 @@ import pytest
 
 from fl_secure.app.privacy_cli import add_privacy_parser
 from fl_secure.errors import PrivacyError
-from privacy.calibration import calibrate_noise, epsilon_for
+from privacy.dp.calibration import calibrate_noise, epsilon_for
 
 DELTA = 1e-5
 

@@ -17,7 +17,7 @@ whoever participates. Where the noise is added (``noise_placement``):
   survivors. It is accounted as ``z`` (conservative by ``sqrt(m)``) under zero-out
   adjacency with Poisson cohorts: a client's own noise share goes with it, so add/remove
   would compare sums of different variances
-  (:func:`privacy.accountants.accountant.client_adjacency`); the same holds for
+  (:func:`privacy.dp.accountants.accountant.client_adjacency`); the same holds for
   ``distributed``.
 * ``distributed``: each of the cohort adds ``N(0, (z C)^2 / t)`` where ``t`` is the smallest
   number of survivors the round accepts, so the sum over ``m >= t`` survivors carries variance
@@ -41,7 +41,8 @@ import numpy as np
 from fl_secure.aggregation import StreamingSum
 from fl_secure.errors import PrivacyError, ProtocolError, UpdateError
 from fl_secure.messages import Tensors, TensorSpec
-from privacy.noise import NoiseSource, gaussian_like
+from privacy.dp.calibration import calibrate_noise
+from privacy.dp.noise import NoiseSource, gaussian_like
 
 
 def update_norm(update: Mapping[str, np.ndarray]) -> float:
@@ -209,8 +210,6 @@ def plan_client_level(
     sample_rate: float,
 ) -> ClientLevelPlan:
     """Sampling, denominator and (if ``noise_multiplier`` is 0) the calibrated noise."""
-    from privacy.calibration import calibrate_noise
-
     if population < 1:
         raise PrivacyError("client-level DP needs at least one enrolled client")
     if sample_rate > 0:
