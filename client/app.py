@@ -249,7 +249,7 @@ class FlClient:
         """Keep the run config and id of the first join; refuse others on a later join.
 
         Each round's secure-aggregation setup is then checked against it
-        (:func:`privacy.secagg_session.check_setup`), so a later message cannot weaken the
+        (:func:`privacy.secagg.round_setup.check_setup`), so a later message cannot weaken the
         protection this client joined under (drop the masking or the noise, lower the
         threshold).
 
@@ -410,14 +410,9 @@ class FlClient:
             is_ckks_setup,
             load_secret_context,
         )
-        from privacy.secagg_session import (
-            MASKED,
-            MASKED_TENSOR,
-            RoundSetup,
-            check_setup,
-            client_secure_update,
-            wire_dtype,
-        )
+        from privacy.secagg.client_round import client_secure_update
+        from privacy.secagg.round_setup import RoundSetup, check_setup
+        from privacy.secagg.stages import MASKED, MASKED_TENSOR, wire_dtype
 
         trainer = self.trainer
         run_config = self._run_config

@@ -50,14 +50,8 @@ from privacy.ckks import (
     make_secret_context,
     public_context,
 )
-from privacy.secagg_session import (
-    MASKED,
-    STAGE_NAMES,
-    UNMASK,
-    Exchange,
-    StagedRound,
-    flatten,
-)
+from privacy.secagg.stages import MASKED, STAGE_NAMES, UNMASK, Exchange, StagedRound
+from privacy.secagg.vectors import flatten
 
 #: Name of the single tensor a CKKS upload carries (the serialized encrypted update).
 CKKS_TENSOR = "ckks.update"

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     from fl_secure.config import SecureAggregationConfig
     from privacy.ckks_session import ServerCkksRound
-    from privacy.secagg_session import ServerSecureRound
+    from privacy.secagg.server_round import ServerSecureRound
     from privacy.session import ServerPrivacy
 
 log = logging.getLogger(__name__)
@@ -461,10 +461,10 @@ class Coordinator:
     ) -> bytes:
         """One secure-aggregation stage message; waits until the stage has closed.
 
-        ``stage`` is the internal stage number of :mod:`privacy.secagg_session` (advertise,
+        ``stage`` is the internal stage number of :mod:`privacy.secagg.stages` (advertise,
         share: submit then wait; masked: wait for the unmask request; unmask: submit).
         """
-        from privacy.secagg_session import ADVERTISE, SHARE, UNMASK
+        from privacy.secagg.stages import ADVERTISE, SHARE, UNMASK
 
         with self._cv:
             rnd, sec = self._secure_member(client_id, round_, nonce)
@@ -498,7 +498,7 @@ class Coordinator:
         of at a deadline (:meth:`_client_gone`). The wait is on ``wake``, not on the round's
         condition, so the round's every step does not wake every attendance handler.
         """
-        from privacy.secagg_session import STAGE_NAMES
+        from privacy.secagg.stages import STAGE_NAMES
 
         with self._cv:
             rnd, sec = self._secure_member(client_id, round_, nonce)
@@ -529,7 +529,7 @@ class Coordinator:
         waiting for it. Either way a client that declined is left out of the round's later
         attempts.
         """
-        from privacy.secagg_session import DECLINED, STAGE_NAMES, WITHDRAW_REASONS
+        from privacy.secagg.stages import DECLINED, STAGE_NAMES, WITHDRAW_REASONS
 
         why = WITHDRAW_REASONS.get(reason, "")
         with self._cv:
@@ -858,7 +858,8 @@ class Coordinator:
         self, number: int, attempt: int, cohort: list[str]
     ) -> ServerSecureRound | ServerCkksRound:
         from fl_secure.errors import PrivacyError
-        from privacy.secagg_session import ServerSecureRound, make_setup
+        from privacy.secagg.round_setup import make_setup
+        from privacy.secagg.server_round import ServerSecureRound
 
         cfg = self.settings.secure_aggregation
         assert cfg is not None
@@ -945,7 +946,7 @@ class Coordinator:
             if rnd.aggregator is None:  # pragma: no cover - TRAIN rounds always aggregate
                 raise RoundAborted("no aggregator")
             return rnd.aggregator.mean()
-        from privacy.secagg_session import unflatten
+        from privacy.secagg.vectors import unflatten
 
         total = unflatten(rnd.secure.decoded_sum(), self.specs)
         count = len(rnd.secure.survivors())

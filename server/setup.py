@@ -286,8 +286,8 @@ def _check_secagg_cohort(config: Config, population: int) -> None:
     if sa.scheme not in ("secagg", "secagg+"):
         return
     n = largest_cohort(config, population)
-    from privacy.secagg import check_modulus
-    from privacy.secagg_session import neighbourhood
+    from privacy.secagg.encoding import check_modulus
+    from privacy.secagg.round_setup import neighbourhood
 
     try:
         neighbourhood(sa, n)
@@ -309,7 +309,7 @@ def _check_encoding_range(
         return
     p, sa = privacy.plan, config.secure_aggregation
     if p.placement == "distributed" and sa.scheme in ("secagg", "secagg+"):
-        from privacy.secagg_session import check_ddg
+        from privacy.secagg.round_setup import check_ddg
 
         n = largest_cohort(config, population)
         ddg = (p.noise_multiplier, p.clip_norm, config.server.min_clients)

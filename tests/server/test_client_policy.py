@@ -441,7 +441,7 @@ def test_two_clients_cannot_share_a_state_folder(tmp_path: Path) -> None:
 
 
 def test_a_secure_round_id_seen_before_is_refused_also_after_a_restart(tmp_path: Path) -> None:
-    from privacy.secagg_session import make_setup
+    from privacy.secagg.round_setup import make_setup
     from privacy.site_ledger import SiteLedger
 
     # Prepare: a CKKS run; this site took part in round id r...r before its restart

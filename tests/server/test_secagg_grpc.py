@@ -52,13 +52,14 @@ class _Killed(BaseException):
 
 def _die_after_masked_input(monkeypatch, dying: set[str]) -> None:
     """Clients in ``dying`` vanish right after uploading their masked input."""
-    import privacy.secagg_session as session
+    import privacy.secagg.client_round as session
+    from privacy.secagg.stages import MASKED
 
     real = session.client_secure_update
 
     def wrapped(setup, client_id, identity, registry, exchange, compute, upload):
         def exchange_or_die(stage: int, payload: bytes) -> bytes:
-            if client_id in dying and stage == session.MASKED:
+            if client_id in dying and stage == MASKED:
                 raise _Killed(client_id)
             return exchange(stage, payload)
 
@@ -235,7 +236,7 @@ def test_secure_sum_equals_the_plain_mean(tmp_path: Path) -> None:
 
 def first_setup_fails(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The first secure-aggregation setup of the run fails; the attempts asked are listed."""
-    import privacy.secagg_session as session
+    import privacy.secagg.round_setup as session
 
     real, calls = session.make_setup, []
 
@@ -419,7 +420,7 @@ def test_a_masked_input_that_is_not_an_encoding_aborts_the_attempt(
 ) -> None:
     # Prepare: client-2 uploads random words instead of its masked input: well-formed, so
     # the protocol unmasks it, but the sum is no sum of clipped (noised) inputs
-    import privacy.secagg_session as session
+    import privacy.secagg.client_round as session
 
     real = session.client_secure_update
 
@@ -662,7 +663,7 @@ def test_withdraw_reasons_match_the_wire_enum_and_classify_local_failures() -> N
     from client.app import withdraw_reason
     from fl_secure.errors import PrivacyError, ProtocolError, RoundAborted, UpdateError
     from fl_secure.v1 import transport_pb2 as pb
-    from privacy.secagg_session import WITHDRAW_REASONS
+    from privacy.secagg.stages import WITHDRAW_REASONS
 
     # the server's wording covers exactly the proto's numbers, and only "none" is empty
     assert sorted(WITHDRAW_REASONS) == sorted(pb.WithdrawReason.values())

@@ -121,7 +121,7 @@ def test_a_discrete_gaussian_too_narrow_for_its_z_is_refused() -> None:
     # Prepare: no fractional bits (gamma = 1), d = 1000, z = 0.01: sigma = z D2 / sqrt(3) is
     # about 0.19, where tau makes the sum far less private than the Gaussian accounted
     from fl_secure.config import SecureAggregationConfig
-    from privacy.secagg_session import check_ddg
+    from privacy.secagg.round_setup import check_ddg
 
     cfg = SecureAggregationConfig(scheme="secagg", scale_bits=0, clip_range=8.0)
     with pytest.raises(PrivacyError, match="not as private as z = 0.01 .*KLS21 tau"):

@@ -1,42 +1,31 @@
-"""SecAgg / SecAgg+: exact sums under dropouts, aborts, uniform masks, Shamir, attacks, encoding."""
+"""SecAgg / SecAgg+: exact sums under dropouts, aborts, uniform masks, attacks, messages, graphs."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import random
 from collections.abc import Mapping
 
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
 from fl_secure.errors import PrivacyError, ProtocolError, RoundAborted
-from privacy.secagg import (
-    PRIME,
+from privacy.secagg.client import SecAggClient
+from privacy.secagg.config import SecAggConfig
+from privacy.secagg.graph import neighbour_graph, survivor_groups
+from privacy.secagg.messages import (
     AdvertiseKeys,
     EncryptedShare,
     MaskedInput,
     RevealedShare,
-    SecAggClient,
-    SecAggConfig,
-    SecAggServer,
-    SecureUniform,
     UnmaskRequest,
     UnmaskResponse,
-    check_modulus,
-    decode,
-    encode,
-    neighbour_graph,
-    prg_mask,
-    shamir_interpolate,
-    shamir_split,
-    survivor_groups,
 )
+from privacy.secagg.server import SecAggServer
+from privacy.secagg.shamir import PRIME
 
 ROUND = b"round-0007"
 # A client with drop stage s completes the stages before s and sends nothing from s on:
@@ -390,60 +379,6 @@ def test_masked_vector_is_uniform_and_the_encoded_one_is_not(bits: int) -> None:
     assert control[1:255].sum() == 0  # only "just above 0" and "just below 2^bits"
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    secret=st.integers(0, 2**256 - 1),
-    other=st.integers(0, 2**256 - 1),
-    t=st.integers(1, 8),
-    extra=st.integers(0, 5),
-    order=st.randoms(use_true_random=False),
-)
-def test_shamir_t_minus_one_shares_fit_every_secret_and_t_reconstruct(
-    secret: int, other: int, t: int, extra: int, order: random.Random
-) -> None:
-    # Prepare
-    xs = list(range(3, 3 + t + extra))
-    ys = shamir_split(secret, xs, t)
-    points = list(zip(xs, ys, strict=True))
-    order.shuffle(points)
-    # Execute / Assert: any t shares give the secret exactly
-    assert shamir_interpolate(points[:t]) == secret
-    assert all(0 <= y < PRIME for y in ys)
-    if t == 1:
-        return
-    # t - 1 shares plus the point (0, other) define a polynomial of degree t - 1 ...
-    seen = points[: t - 1]
-    fake = [(0, other), *seen]
-    completed = [*seen, (1, shamir_interpolate(fake, 1))]  # x = 1 is never a real abscissa
-    # ... which is a complete, consistent sharing of `other`: the t - 1 shares cannot tell
-    assert shamir_interpolate(completed) == other
-    for x, y in seen:
-        assert shamir_interpolate(completed, x) == y
-    assert shamir_interpolate(completed, 2) == shamir_interpolate(fake, 2)  # same polynomial
-
-
-@pytest.mark.parametrize("secret", [0, 5])
-def test_shamir_t_minus_one_shares_are_uniform_whatever_the_secret(secret: int) -> None:
-    # Prepare: GF(7), t = 3: two shares; 49 possible share pairs
-    prime, samples = 7, 9800
-    # Execute
-    pairs = [shamir_split(secret, [1, 2, 3], 3, prime=prime)[:2] for _ in range(samples)]
-    # Assert: the pair (f(1), f(2)) is uniform over GF(7)^2 for either secret
-    counts = np.zeros(49)
-    for a, b in pairs:
-        counts[a * prime + b] += 1
-    assert stats.chisquare(counts).pvalue > 1e-4
-
-
-def test_shamir_rejects_bad_arguments() -> None:
-    with pytest.raises(PrivacyError, match="distinct"):
-        shamir_split(1, [1, 1], 2)
-    with pytest.raises(PrivacyError, match="threshold 3"):
-        shamir_split(1, [1, 2], 3)
-    with pytest.raises(PrivacyError, match="element"):
-        shamir_split(PRIME, [1, 2], 2)
-
-
 @pytest.mark.parametrize("attack", ["bit_flip", "readdressed", "reflected"])
 def test_tampered_share_is_detected_and_names_the_sender(attack: str) -> None:
     # Prepare: the server tampers with the share client-002 -> client-001 before relaying it
@@ -497,13 +432,13 @@ def test_substituted_advertised_key_is_detected_by_server_and_clients(attack: st
 def test_a_signed_low_order_key_leaves_only_its_client_out(field: str) -> None:
     # Prepare: client-002 signs a valid advertisement of the all-zero X25519 point (low
     # order: cryptography refuses any exchange with it); n = 5, t = 3
-    from privacy.secagg import _advert_payload
+    from privacy.secagg.messages import advert_payload
 
     config = _config(5, 3)
     rnd = Round.start(config, d=3)
     genuine = rnd.clients["client-002"].advertise_keys()
     keys = {"c_pk": genuine.c_pk, "s_pk": genuine.s_pk, field: bytes(32)}
-    payload = _advert_payload("client-002", config.round_id, keys["c_pk"], keys["s_pk"])
+    payload = advert_payload("client-002", config.round_id, keys["c_pk"], keys["s_pk"])
     bad = AdvertiseKeys("client-002", config.round_id, keys["c_pk"], keys["s_pk"],
                         rnd.keys["client-002"].sign(payload))  # fmt: skip
     # Execute / Assert: refused at the advertisement, naming the client and the key ...
@@ -600,125 +535,6 @@ def test_messages_round_trip_and_parsing_is_strict() -> None:
         UnmaskResponse.from_bytes(bytes(out_of_field))
 
 
-@settings(max_examples=50, deadline=None)
-@given(
-    bits=st.integers(16, 64),
-    log_scale=st.integers(0, 12),
-    values=st.lists(st.floats(-3.0, 3.0), min_size=1, max_size=50),
-    seed=st.integers(0, 1000),
-)
-def test_encode_decode_round_trip_within_one_unit(
-    bits: int, log_scale: int, values: list[float], seed: int
-) -> None:
-    # Prepare
-    scale, clip = 2.0**log_scale, 2.0
-    x = np.array(values)
-    # Execute
-    enc = encode(x, clip, scale, bits, rounding=SeededUniform(seed))
-    dec = decode(enc, 1, clip, scale, bits)
-    # Assert: clipped, then within one fixed-point unit; values below 2^bits
-    assert enc.dtype == np.uint64 and int(enc.max()) < 1 << bits
-    assert np.all(np.abs(dec - np.clip(x, -clip, clip)) < 1.0 / scale)
-    assert np.all(np.abs(dec) <= clip)
-
-
-@pytest.mark.parametrize(("value", "scale"), [(0.37, 1.0), (-1.3, 2.0)])
-def test_stochastic_rounding_is_unbiased(value: float, scale: float) -> None:
-    # Prepare: the real CSPRNG; 200 000 copies of a value between two grid points
-    n = 200_000
-    # Execute
-    dec = decode(encode(np.full(n, value), 2.0, scale, 32), 1, 2.0, scale, 32)
-    # Assert: only the two neighbouring grid points; mean within 5 standard errors
-    lo, hi = math.floor(value * scale) / scale, math.ceil(value * scale) / scale
-    assert set(np.unique(dec).tolist()) == {lo, hi}
-    p = (value - lo) / (hi - lo)
-    assert abs(dec.mean() - value) < 5 * (hi - lo) * math.sqrt(p * (1 - p) / n)
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_encode_is_clip_scale_and_round_up_below_the_fraction(dtype: type) -> None:
-    # Prepare: values inside and beyond the clip range, at a scale that leaves fractions,
-    # longer than one encoding chunk (65 536 values)
-    rng = np.random.default_rng(4)
-    x = (rng.standard_normal(70_000) * 1.5).astype(dtype)
-    clip, scale, bits = 2.0, 2.0**20 / 3, 32
-    # Execute
-    enc = encode(x, clip, scale, bits, rounding=SeededUniform(9))
-    # Assert: bit-exact against the definition, with the same uniforms
-    scaled = np.clip(x.astype(np.float64), -clip, clip) * scale
-    low = np.floor(scaled)
-    want = (low + (SeededUniform(9).uniform(x.size) < scaled - low)).astype(np.int64)
-    np.testing.assert_array_equal(enc, want.view(np.uint64) & np.uint64(2**bits - 1))
-
-
-def test_encode_refuses_non_finite_values_and_clips_huge_finite_ones() -> None:
-    for bad in (np.nan, np.inf, -np.inf):
-        for dtype in (np.float32, np.float64):
-            x = np.zeros(100, dtype=dtype)
-            x[57] = bad
-            with pytest.raises(PrivacyError, match="NaN or infinity"):
-                encode(x, 2.0, 4.0, 32)
-    # finite float64 values whose sum overflows are clipped like any other value
-    huge = np.array([1e308, 1e308, -1e308, 0.5])
-    dec = decode(encode(huge, 2.0, 4.0, 32), 1, 2.0, 4.0, 32)
-    np.testing.assert_array_equal(dec, [2.0, 2.0, -2.0, 0.5])
-
-
-@pytest.mark.parametrize("bits", [8, 31, 32, 33, 63, 64])
-def test_decode_is_the_centred_lift(bits: int) -> None:
-    # Prepare: the largest bound n B the modulus allows (B <= 2^52), residues at 0, +/-1 and
-    # +/- n B, and one just beyond
-    n = 1 if bits <= 53 else 1 << (bits - 55)
-    b = min((1 << (bits - 1)) - 1, 1 << 52)
-    top, nb = 1 << bits, n * b
-    residues = [0, 1, nb, top - 1, top - nb]
-    want = [0, 1, nb, -1, -nb]
-    for dtype in (np.uint32, np.uint64) if bits <= 32 else (np.uint64,):
-        # Execute
-        got = decode(np.array(residues, dtype=dtype), n, float(b), 1.0, bits)
-        # Assert: exact, in float64; one unit more than n B is refused
-        np.testing.assert_array_equal(got, np.array(want, dtype=np.float64))
-        with pytest.raises(ProtocolError, match=f"magnitude {nb + 1} > {nb}"):
-            decode(np.array([top - nb - 1], dtype=dtype), n, float(b), 1.0, bits)
-
-
-def test_check_modulus_refuses_a_wrapping_configuration() -> None:
-    # Prepare / Execute / Assert: 2 n B < 2^bits exactly at the boundary
-    assert check_modulus(1, 2.0**31 - 1, 1.0, 32) == 2**31 - 1
-    with pytest.raises(PrivacyError, match=r"spans \+/-2147483648 .*use modulus_bits >= 33"):
-        check_modulus(1, 2.0**31, 1.0, 32)
-    with pytest.raises(PrivacyError, match=r"100 inputs.*2\^32"):
-        check_modulus(100, 1.0, 2.0**25, 32)
-    with pytest.raises(PrivacyError, match="64 bits are too few"):
-        check_modulus(2**20, 1.0, 2.0**50, 64)
-    with pytest.raises(PrivacyError, match="100 inputs"):
-        _config(100, 51, bits=32, scale=2.0**25)
-    # a sum outside +/- n B cannot come from n clipped inputs
-    with pytest.raises(ProtocolError, match="corrupted"):
-        decode(np.array([2**20], dtype=np.uint64), 2, 1.0, 2.0**10, 32)
-
-
-def test_masks_are_the_aes_ctr_keystream() -> None:
-    # Prepare: an independent AES-256-CTR keystream, IV 0, over a chunk boundary
-    seed, other = bytes(range(32)), bytes(range(1, 33))
-    n = (1 << 20) + 5
-    stream = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor().update(bytes(8 * n))
-    # Execute
-    mask = prg_mask(seed, n, 64)
-    # Assert: same seed, same mask; little-endian words; reduced mod 2^bits; other seed differs
-    assert mask[:3].tolist() == [
-        int.from_bytes(stream[8 * i : 8 * i + 8], "little") for i in range(3)
-    ]
-    np.testing.assert_array_equal(mask, np.frombuffer(stream, dtype="<u8"))
-    np.testing.assert_array_equal(prg_mask(seed, 1000, 64), mask[:1000])
-    # moduli up to 2^32: the same keystream read as little-endian u32 words (word_dtype)
-    words32 = np.frombuffer(stream[: 4 * n], dtype="<u4").astype(np.uint64)
-    np.testing.assert_array_equal(prg_mask(seed, n, 32), words32)
-    np.testing.assert_array_equal(prg_mask(seed, 1000, 20), words32[:1000] & np.uint64(2**20 - 1))
-    assert prg_mask(seed, 10, 33).tolist() == (mask[:10] & np.uint64(2**33 - 1)).tolist()
-    assert np.mean(prg_mask(other, 1000, 64) == mask[:1000]) == 0.0
-
-
 @pytest.mark.parametrize(("n", "k"), [(10, 4), (10, 3), (11, 6), (7, 0), (7, 6)])
 def test_neighbour_graph_is_k_regular_symmetric_and_seeded(n: int, k: int) -> None:
     # Prepare
@@ -744,211 +560,3 @@ def test_config_refuses_bad_graphs_and_thresholds() -> None:
         _config(10, 7, 12)
     with pytest.raises(PrivacyError, match="more than once"):
         SecAggConfig(ROUND, ("a", "a", "b"), 1, 1.0, 1.0)
-
-
-def test_secure_uniform_is_uniform() -> None:
-    u = SecureUniform().uniform(100_000)
-    assert 0.0 <= u.min() and u.max() < 1.0
-    assert stats.kstest(u, "uniform").pvalue > 1e-4
-
-
-def test_a_client_seen_to_go_is_not_waited_for_and_counts_as_dropped() -> None:
-    # Prepare: the server's session of a 4-client SecAgg round (t = 2) on a clock that never
-    # moves, so no deadline can close a stage; client-003 never advertises
-    from fl_secure.config import SecureAggregationConfig
-    from privacy.secagg_session import ADVERTISE, SHARE, ServerSecureRound, make_setup
-
-    ids = _ids(4)
-    setup = make_setup(
-        SecureAggregationConfig(scheme="secagg"), run_id="gone", round_=1, attempt=0,
-        cohort=ids, vector_length=8,
-    )  # fmt: skip
-    keys = {u: Ed25519PrivateKey.generate() for u in ids}
-    registry = {u: k.public_key() for u, k in keys.items()}
-    session = ServerSecureRound(setup, registry, stage_timeout=60.0, clock=lambda: 0.0)
-    for u in ids[:3]:
-        client = SecAggClient(u, keys[u], setup.config(), registry, setup.vector_length)
-        session.submit(ADVERTISE, u, client.advertise_keys().to_bytes())
-    waiting = session.ready()
-    # Execute: its connection is seen to close
-    session.mark_gone(ids[3])
-    # Assert: the stage closes now, without a deadline, with client-003 dropped at that stage
-    assert not waiting and session.ready()
-    session.close_stage()
-    assert session.stage == SHARE and session.dropped == {ids[3]: "advertise keys"}
-    assert set(session.expected()) == set(ids[:3])  # the next stage asks only the others
-
-
-@pytest.mark.parametrize("encoding", ["fixed_point", "ddg"])
-@pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_a_client_refuses_to_mask_an_update_that_is_not_finite(encoding: str, bad: float) -> None:
-    # Prepare: a 3-client round driven in-process; client-000's update has one bad value.
-    # With the distributed discrete Gaussian ("ddg") a NaN norm would pass the clip and wrap
-    # to garbage integers in the sum, so the session must check it itself.
-    from collections import OrderedDict
-
-    from fl_secure.config import SecureAggregationConfig
-    from fl_secure.errors import UpdateError
-    from privacy.secagg_session import (
-        ADVERTISE,
-        SHARE,
-        ServerSecureRound,
-        client_secure_update,
-        make_setup,
-        pack,
-        unpack,
-    )
-
-    ids = _ids(3)
-    setup = make_setup(
-        SecureAggregationConfig(scheme="secagg"), run_id="nan", round_=1, attempt=0,
-        cohort=ids, vector_length=8, ddg=(1.0, 1.0, 2) if encoding == "ddg" else None,
-    )  # fmt: skip
-    assert setup.encoding == encoding
-    keys = {u: Ed25519PrivateKey.generate() for u in ids}
-    registry = {u: k.public_key() for u, k in keys.items()}
-    session = ServerSecureRound(setup, registry, stage_timeout=60.0, clock=lambda: 0.0)
-    others = {
-        u: SecAggClient(u, keys[u], setup.config(), registry, setup.vector_length) for u in ids[1:]
-    }
-
-    def exchange(stage: int, payload: bytes) -> bytes:  # the other two answer in step
-        session.submit(stage, ids[0], payload)
-        for u, c in others.items():
-            if stage == ADVERTISE:
-                session.submit(stage, u, c.advertise_keys().to_bytes())
-            else:
-                adverts = [
-                    AdvertiseKeys.from_bytes(b)
-                    for b in unpack(session.reply(ADVERTISE, u), "adverts")
-                ]
-                session.submit(stage, u, pack([s.to_bytes() for s in c.share_keys(adverts)]))
-        session.close_stage()
-        return session.reply(stage, ids[0])
-
-    update = np.zeros(8, np.float32)
-    update[3] = bad
-    uploaded: list[np.ndarray] = []
-    # Execute / Assert: refused after the key stages, before anything is uploaded
-    with pytest.raises(UpdateError, match="NaN or infinity"):
-        client_secure_update(
-            setup, ids[0], keys[ids[0]], registry, exchange,
-            lambda: OrderedDict([("w", update)]), uploaded.append,
-        )  # fmt: skip
-    assert session.stage == SHARE + 1 and uploaded == []
-
-
-def test_round_setups_round_trip_and_malformed_ones_are_protocol_errors() -> None:
-    from fl_secure.config import SecureAggregationConfig
-    from privacy.ckks_session import CkksSetup, is_ckks_setup
-    from privacy.secagg_session import RoundSetup, make_setup
-
-    setup = make_setup(
-        SecureAggregationConfig(scheme="secagg"), run_id="rt", round_=1, attempt=0,
-        cohort=_ids(5), vector_length=8, min_inputs=4,
-    )  # fmt: skip
-    assert RoundSetup.from_bytes(setup.to_bytes()) == setup
-    assert setup.config().min_inputs == 4
-    raw = setup.to_bytes()
-    malformed = [
-        raw.replace(b'"threshold":3', b'"threshold":Infinity'),  # int(inf): OverflowError
-        raw.replace(b'"min_inputs":4', b'"min_inputs":1e999'),
-        raw.replace(b'"version":2', b'"version":1'),  # an older release's setup
-        b"[" * 100_000,  # nesting beyond the parser's recursion limit
-    ]
-    assert all(m != raw for m in malformed[:3])
-    for data in malformed:
-        with pytest.raises(ProtocolError, match="invalid secure-aggregation setup"):
-            RoundSetup.from_bytes(data)
-    ckks = CkksSetup(ROUND, tuple(_ids(3)), None, min_count=2, decryptors=1)
-    assert CkksSetup.from_bytes(ckks.to_bytes()) == ckks
-    for data in (ckks.to_bytes().replace(b'"min_count":2', b'"min_count":1e999'), b"[" * 100_000):
-        assert data != ckks.to_bytes()
-        with pytest.raises(ProtocolError, match="invalid CKKS round setup"):
-            CkksSetup.from_bytes(data)
-    assert not is_ckks_setup(b"[" * 100_000)
-
-
-# ------------------------------------------- a client holds each setup to its joined config
-
-
-def _joined(placement: str = "distributed") -> object:
-    from fl_secure.config import config_from_dict
-
-    return config_from_dict(
-        {
-            "partition": {"num_clients": 5},
-            "server": {"min_clients": 3},
-            "privacy": {"unit": "client", "noise_placement": placement,
-                        "noise_multiplier": 1.2, "clip_norm": 1.0},
-            "secure_aggregation": {"scheme": "secagg+", "neighbours": 4, "clip_range": 8.0},
-        }
-    )  # fmt: skip
-
-
-def test_a_client_accepts_the_setup_its_config_gives_and_refuses_a_weaker_one() -> None:
-    from privacy.secagg_session import check_setup, make_setup
-
-    config = _joined()
-    cohort = [f"client-{i}" for i in range(5)]
-    honest = make_setup(
-        config.secure_aggregation, run_id="run", round_=4, attempt=1, cohort=cohort,
-        vector_length=1000, ddg=(1.2, 1.0, 3), min_inputs=3,
-    )  # fmt: skip
-    check_setup(honest, config)  # what the coordinator sends: accepted
-    assert honest.encoding == "ddg" and honest.ddg_sigma > 0
-    weaker = {
-        "encoding": dataclasses.replace(honest, encoding="fixed_point", ddg_sigma=0.0),
-        "noise sigma": dataclasses.replace(honest, ddg_sigma=honest.ddg_sigma / 2),
-        "threshold": dataclasses.replace(honest, threshold=1),
-        "min_inputs": dataclasses.replace(honest, min_inputs=0),
-        "clip_norm": dataclasses.replace(honest, clip_norm=100.0),
-    }
-    for name, setup in weaker.items():
-        with pytest.raises(
-            ProtocolError, match=f"weaker than the run this client joined: .*{name}"
-        ):
-            check_setup(setup, config)
-    # more noise or a larger floor is not weaker
-    check_setup(dataclasses.replace(honest, ddg_sigma=2 * honest.ddg_sigma, min_inputs=5), config)
-
-
-def test_a_client_refuses_a_cohort_without_it_or_with_clients_not_enrolled() -> None:
-    from privacy.secagg_session import check_setup, make_setup
-
-    config = _joined()
-    enrolled = [f"client-{i}" for i in range(5)]
-
-    def setup(cohort: list[str]):  # noqa: ANN202
-        return make_setup(
-            config.secure_aggregation, run_id="run", round_=1, attempt=0, cohort=cohort,
-            vector_length=100, ddg=(1.2, 1.0, 3), min_inputs=3,
-        )  # fmt: skip
-
-    check_setup(setup(enrolled), config, "client-2", enrolled)  # accepted
-    with pytest.raises(ProtocolError, match=r"does not list this client \(client-9\)"):
-        check_setup(setup(enrolled), config, "client-9", enrolled)
-    # made-up members (each would cost this client memory; none can sign an advert)
-    made_up = [*enrolled, *(f"ghost-{i}" for i in range(5))]
-    with pytest.raises(ProtocolError, match="lists 5 client\\(s\\) not in the CA-signed registry"):
-        check_setup(setup(made_up), config, "client-2", enrolled)
-    twice = dataclasses.replace(setup(enrolled), cohort=(*enrolled, "client-0"))
-    with pytest.raises(ProtocolError, match="lists a client twice"):
-        check_setup(twice, config, "client-2", enrolled)
-
-
-def test_a_ckks_client_refuses_a_setup_that_leaves_layers_in_the_clear() -> None:
-    from fl_secure.config import config_from_dict
-    from privacy.ckks_session import CkksSetup, check_ckks_setup
-
-    config = config_from_dict(
-        {"partition": {"num_clients": 4}, "server": {"min_clients": 3},
-         "secure_aggregation": {"scheme": "ckks"}}
-    )  # fmt: skip
-    names = ["w", "b"]
-    honest = CkksSetup(round_id=b"r" * 16, cohort=("a", "b", "c"), layers=None, min_count=3)
-    check_ckks_setup(honest, config, names)
-    with pytest.raises(ProtocolError, match=r"encrypted layers \['b'\] \(the run config gives all"):
-        check_ckks_setup(dataclasses.replace(honest, layers=("b",)), config, names)
-    with pytest.raises(ProtocolError, match="min_count 1 < server.min_clients 3"):
-        check_ckks_setup(dataclasses.replace(honest, min_count=1), config, names)
