@@ -28,7 +28,7 @@ time (collecting the revealed shares, reconstruction, mask removal; the summing 
 inputs is ``server_collect_s``), bytes a surviving client sends (our messages' ``to_bytes``
 lengths; for Flower the PEM public keys, node ids as 8 bytes, Fernet ciphertexts of the
 shares, the ``np.save`` bytes of the masked arrays and the revealed shares). For n = 10, our
-CKKS aggregation (``privacy/ckks.py``) is a third column: encryption per client, server
+CKKS aggregation (``privacy/ckks/``) is a third column: encryption per client, server
 parse + add per update, decryption, bytes per client.
 
 Usage: python benchmarks/secagg.py [--quick] [--flower-python PATH] [--repeats 7]
@@ -56,14 +56,10 @@ sys.path.insert(0, str(ROOT))
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
 
 from fl_secure.messages import TensorSpec  # noqa: E402
-from privacy.ckks import (  # noqa: E402
-    CkksAggregator,
-    EncryptedUpdate,
-    decrypt_sum,
-    encrypt_update,
-    make_secret_context,
-    public_context,
-)
+from privacy.ckks.aggregator import CkksAggregator  # noqa: E402
+from privacy.ckks.context import make_secret_context, public_context  # noqa: E402
+from privacy.ckks.encryption import decrypt_sum, encrypt_update  # noqa: E402
+from privacy.ckks.update import EncryptedUpdate  # noqa: E402
 from privacy.secagg.client import SecAggClient  # noqa: E402
 from privacy.secagg.config import SecAggConfig  # noqa: E402
 from privacy.secagg.encoding import encode  # noqa: E402

@@ -402,14 +402,9 @@ class FlClient:
         started: float,
     ) -> None:
         """A TRAIN round under secure aggregation: the server only learns the cohort's sum."""
-        from privacy.ckks_session import (
-            CKKS_TENSOR,
-            CkksSetup,
-            check_ckks_setup,
-            client_ckks_update,
-            is_ckks_setup,
-            load_secret_context,
-        )
+        from privacy.ckks.client_round import client_ckks_update
+        from privacy.ckks.keys import load_secret_context
+        from privacy.ckks.round_setup import CKKS_TENSOR, CkksSetup, check_ckks_setup, is_ckks_setup
         from privacy.secagg.client_round import client_secure_update
         from privacy.secagg.round_setup import RoundSetup, check_setup
         from privacy.secagg.stages import MASKED, MASKED_TENSOR, wire_dtype

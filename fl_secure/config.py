@@ -422,7 +422,7 @@ class SecureAggregationConfig:
     ``scale_bits`` fractional bits and summed mod ``2^modulus_bits`` (a configuration whose sum
     could wrap is refused when the round starts). ``ckks`` encrypts each update with CKKS
     (TenSEAL) under a secret key all clients share (``CERTS/ckks/clients.secret``); the server
-    adds ciphertexts and one or two clients decrypt the sum (:mod:`privacy.ckks_session`).
+    adds ciphertexts and one or two clients decrypt the sum (:mod:`privacy.ckks.server_round`).
     """
 
     scheme: SecAggScheme = "none"

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
     from fl_secure.config import SecureAggregationConfig
-    from privacy.ckks_session import ServerCkksRound
+    from privacy.ckks.server_round import ServerCkksRound
     from privacy.secagg.server_round import ServerSecureRound
     from privacy.session import ServerPrivacy
 
@@ -883,7 +883,8 @@ class Coordinator:
 
     def _ckks_round(self, number: int, attempt: int, cohort: list[str]) -> ServerCkksRound:
         """A CKKS round: encrypted uploads summed here, decrypted by one or two clients."""
-        from privacy.ckks_session import CkksSetup, ServerCkksRound, shared_layers
+        from privacy.ckks.round_setup import CkksSetup, shared_layers
+        from privacy.ckks.server_round import ServerCkksRound
 
         cfg = self.settings.secure_aggregation
         assert cfg is not None

@@ -362,7 +362,7 @@ def _ckks_public_context(config: Config, cert_dir: Path | None) -> bytes:
         return b""
     if cert_dir is None:
         raise ConfigError("secure_aggregation.scheme = 'ckks' cannot run with --insecure")
-    from privacy.ckks_session import load_public_context
+    from privacy.ckks.keys import load_public_context
 
     try:
         return load_public_context(cert_dir)

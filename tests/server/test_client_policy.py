@@ -190,7 +190,7 @@ def _ckks_round(client: FlClient) -> list[tuple[int, int]]:
 
     The stub fails the test if a stage is started: the round must be refused before.
     """
-    from privacy.ckks_session import CkksSetup
+    from privacy.ckks.round_setup import CkksSetup
 
     client.trainer = object()  # type: ignore[assignment]  # never asked to train
     setup = CkksSetup(round_id=b"r" * 16, cohort=("client-0", "client-1"), layers=None,

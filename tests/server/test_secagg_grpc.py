@@ -24,7 +24,7 @@ from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import RunDir
 from fl_secure.tls import init_certificates
 from fl_secure.tls.identity import load_signing_registry
-from privacy.ckks_session import load_public_context, write_ckks_keys
+from privacy.ckks.keys import load_public_context, write_ckks_keys
 from privacy.site_ledger import SiteLedger
 from server.app import load_enrollment, start_server
 from server.coordinator import Coordinator, CoordinatorSettings
@@ -558,7 +558,7 @@ def test_ckks_encrypts_the_configured_layers_only(tmp_path: Path) -> None:
 
 def test_ckks_decryptors_that_disagree_abort_the_round(tmp_path: Path, monkeypatch) -> None:
     # Prepare: every client adds its own offset to the sum it decrypts (a lying decryptor)
-    import privacy.ckks_session as cs
+    import privacy.ckks.client_round as cs
 
     real = cs.decrypt_sum
 

@@ -106,7 +106,7 @@ def test_a_client_refuses_to_mask_an_update_that_is_not_finite(encoding: str, ba
 
 def test_round_setups_round_trip_and_malformed_ones_are_protocol_errors() -> None:
     from fl_secure.config import SecureAggregationConfig
-    from privacy.ckks_session import CkksSetup, is_ckks_setup
+    from privacy.ckks.round_setup import CkksSetup, is_ckks_setup
     from privacy.secagg.round_setup import RoundSetup, make_setup
 
     setup = make_setup(
@@ -201,20 +201,3 @@ def test_a_client_refuses_a_cohort_without_it_or_with_clients_not_enrolled() -> 
     twice = dataclasses.replace(setup(enrolled), cohort=(*enrolled, "client-0"))
     with pytest.raises(ProtocolError, match="lists a client twice"):
         check_setup(twice, config, "client-2", enrolled)
-
-
-def test_a_ckks_client_refuses_a_setup_that_leaves_layers_in_the_clear() -> None:
-    from fl_secure.config import config_from_dict
-    from privacy.ckks_session import CkksSetup, check_ckks_setup
-
-    config = config_from_dict(
-        {"partition": {"num_clients": 4}, "server": {"min_clients": 3},
-         "secure_aggregation": {"scheme": "ckks"}}
-    )  # fmt: skip
-    names = ["w", "b"]
-    honest = CkksSetup(round_id=b"r" * 16, cohort=("a", "b", "c"), layers=None, min_count=3)
-    check_ckks_setup(honest, config, names)
-    with pytest.raises(ProtocolError, match=r"encrypted layers \['b'\] \(the run config gives all"):
-        check_ckks_setup(dataclasses.replace(honest, layers=("b",)), config, names)
-    with pytest.raises(ProtocolError, match="min_count 1 < server.min_clients 3"):
-        check_ckks_setup(dataclasses.replace(honest, min_count=1), config, names)

@@ -16,16 +16,11 @@ import tenseal as ts
 from fl_secure.aggregation import StreamingMean
 from fl_secure.errors import PrivacyError, ProtocolError
 from fl_secure.messages import Tensors, TensorSpec
-from privacy.ckks import (
-    CkksAggregator,
-    CkksLayout,
-    CkksParams,
-    EncryptedUpdate,
-    decrypt_sum,
-    encrypt_update,
-    make_secret_context,
-    public_context,
-)
+from privacy.ckks.aggregator import CkksAggregator
+from privacy.ckks.context import CkksParams, make_secret_context, public_context
+from privacy.ckks.encryption import decrypt_sum, encrypt_update
+from privacy.ckks.layout import CkksLayout
+from privacy.ckks.update import EncryptedUpdate
 
 SLOTS = 4096  # default poly_modulus_degree 8192
 SPECS = [
@@ -401,31 +396,3 @@ def test_a_header_nested_beyond_the_parsers_limit_is_a_protocol_error() -> None:
     # deep nesting makes json raise RecursionError, which must not escape as a crash
     with pytest.raises(ProtocolError, match="header is not valid JSON"):
         EncryptedUpdate._from_parts(b"[" * 100_000, [])
-
-
-def test_writing_ckks_keys_replaces_both_files_or_neither(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import privacy.ckks_session as session
-
-    # Prepare: a certificate folder with its CKKS pair
-    secret_path, public_path = session.write_ckks_keys(tmp_path)
-    before = secret_path.read_bytes(), public_path.read_bytes()
-
-    def fail(secret: bytes) -> bytes:
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(session, "public_context", fail)
-    # Execute: an overwrite that fails after the new secret context was made
-    with pytest.raises(OSError, match="No space left"):
-        session.write_ckks_keys(tmp_path, overwrite=True)
-    # Assert: the old pair is intact (a new secret beside the old public context would not
-    # match it), and no temporary file is left over
-    assert (secret_path.read_bytes(), public_path.read_bytes()) == before
-    assert sorted(p.name for p in secret_path.parent.iterdir()) == sorted(
-        [secret_path.name, public_path.name]
-    )
-    monkeypatch.undo()
-    session.write_ckks_keys(tmp_path, overwrite=True)
-    assert secret_path.read_bytes() != before[0]  # a successful overwrite does replace it
-    session.load_public_context(tmp_path)
