@@ -39,7 +39,7 @@ from fl_secure.tls import channel_credentials, warn_insecure
 from fl_secure.tls.identity import load_signing_identity
 from fl_secure.v1 import transport_pb2 as pb
 from fl_secure.v1 import transport_pb2_grpc as pb_grpc
-from privacy.site_ledger import SiteLedger
+from privacy.ledger.site_ledger import SiteLedger
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ class FlClient:
         Each update this client releases spends privacy; the server's ledger counts one
         release per round. So a task already answered, an older round, or more attempts of a
         round than the run's ``server.max_retries`` allows are refused, and so is an update
-        past the site's own epsilon budget (:class:`privacy.site_ledger.SiteLedger`, which
+        past the site's own epsilon budget (:class:`privacy.ledger.site_ledger.SiteLedger`, which
         keeps the releases across restarts). (The local settings' ranges are checked when the
         task is read: :func:`fl_secure.serde.check_training`.)
         """

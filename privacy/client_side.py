@@ -348,6 +348,6 @@ def accountant_state_path(state_dir: Path, run_id: str) -> Path:
     never used as a path itself): a client restarted into the same run resumes its spending,
     while a new run in the same state folder starts its own accountant instead of inheriting
     the last run's history (each run's budget is its own; the site's total over runs is the
-    site ledger's, :mod:`privacy.site_ledger`).
+    site ledger's, :mod:`privacy.ledger.site_ledger`).
     """
     return run_keyed_path(state_dir, "privacy_accountant", ".json", run_id)

@@ -36,7 +36,8 @@ from privacy.dp.client_level import (
     server_aggregator,
 )
 from privacy.dp.noise import NoiseSource, SecureGaussian
-from privacy.ledger import CLIENT_KINDS, Entry, Ledger, check_payload
+from privacy.ledger.entries import CLIENT_KINDS, Entry, check_payload
+from privacy.ledger.run_ledger import Ledger
 
 log = logging.getLogger(__name__)
 

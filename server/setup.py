@@ -415,7 +415,8 @@ def recorded_run_id(run_dir: RunDir) -> str | None:
     # id is the run's (a folder renamed before round 1 would otherwise refuse its own ledger)
     ledger = run_dir.path / "ledger.sqlite"
     if state is None and ledger.is_file():
-        from privacy.ledger import Ledger, LedgerError
+        from privacy.ledger.entries import LedgerError
+        from privacy.ledger.run_ledger import Ledger
 
         try:
             with Ledger.read(ledger) as held:

@@ -360,7 +360,7 @@ def cmd_client(args: argparse.Namespace) -> int:
 
     if args.config is not None and args.plan_index is None:
         raise FlSecureError("--config needs --plan-index N (which share of the plan is mine)")
-    from privacy.site_ledger import SiteLedger
+    from privacy.ledger.site_ledger import SiteLedger
 
     # the site ledger first: a budget without a folder to keep it in is refused at once
     site = SiteLedger(

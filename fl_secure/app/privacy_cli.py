@@ -22,14 +22,11 @@ from fl_secure.errors import CheckpointError, PrivacyError
 from privacy.dp.accountants.accountant import ADJACENCY, SAMPLINGS
 from privacy.dp.accountants.registry import ACCOUNTANTS, DEFAULT_CLIENT_LEVEL
 from privacy.dp.calibration import calibrate_noise, epsilon_for
-from privacy.ledger import (
-    Ledger,
-    LedgerError,
-    format_ledger,
-    ledger_json,
-    recorded_head,
-    released_model_of_run,
-)
+from privacy.ledger.entries import LedgerError
+from privacy.ledger.formatting import format_ledger, ledger_json
+from privacy.ledger.guarantee import released_model_of_run
+from privacy.ledger.run_ledger import Ledger
+from privacy.ledger.verification import recorded_head
 
 
 def number_arg(flag: str, ok: Callable[[float], bool], allowed: str) -> Callable[[str], float]:
@@ -163,7 +160,7 @@ def add_privacy_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def cmd_site(args: argparse.Namespace) -> int:
     """``privacy site``: the site ledger's summary."""
-    from privacy.site_ledger import FILE_NAME, SiteLedger
+    from privacy.ledger.site_ledger import FILE_NAME, SiteLedger
 
     if not (args.state_dir / FILE_NAME).is_file():
         sys.stderr.write(f"error: {args.state_dir / FILE_NAME} does not exist\n")

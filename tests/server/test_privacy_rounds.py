@@ -18,7 +18,7 @@ from fl_secure.messages import TaskKind, UpdateHeader
 from fl_secure.runs import RunDir
 from privacy.dp.calibration import epsilon_for
 from privacy.dp.noise import SeededGaussian
-from privacy.ledger import Ledger
+from privacy.ledger.run_ledger import Ledger
 from privacy.session import open_server_privacy
 from server.coordinator import Coordinator, CoordinatorSettings
 
@@ -720,7 +720,7 @@ def test_example_level_epsilon_is_composed_by_the_server_not_taken_from_the_clie
 ) -> None:
     # Prepare: a client whose accountant restarts every round (no --state-dir) reports one
     # round's epsilon each time: 100 steps at z = 1, q = 0.1
-    from privacy.ledger import ledger_guarantee
+    from privacy.ledger.guarantee import ledger_guarantee
 
     one = epsilon_for(
         accountant="prv", noise_multiplier=1.0, sample_rate=0.1, steps=100, delta=1e-5

@@ -15,7 +15,7 @@ import pytest
 
 from fl_secure.tls import init_certificates
 from privacy.dp.calibration import epsilon_for
-from privacy.ledger import Ledger
+from privacy.ledger.run_ledger import Ledger
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,7 @@ from fl_secure.runs import RunDir
 from fl_secure.tls import init_certificates
 from fl_secure.tls.identity import load_signing_registry
 from privacy.ckks.keys import load_public_context, write_ckks_keys
-from privacy.site_ledger import SiteLedger
+from privacy.ledger.site_ledger import SiteLedger
 from server.app import load_enrollment, start_server
 from server.coordinator import Coordinator, CoordinatorSettings
 

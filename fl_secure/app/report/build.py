@@ -23,7 +23,7 @@ from fl_secure.errors import CheckpointError, FlSecureError
 from fl_secure.runs import RunDir, read_json_object
 
 if TYPE_CHECKING:
-    from privacy.ledger import Entry
+    from privacy.ledger.entries import Entry
 
 #: Version of the report JSON (``schema/report-v{major}.schema.json``).
 REPORT_VERSION = "1.4"  # 1.2: run.failed_attempts, sites; 1.3: sites' example_epsilon
@@ -212,11 +212,11 @@ def site_figures(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
     """Each site's own epsilon against the server, from the site ledgers in the run folder.
 
     Embedded runs keep each client's state folder under ``clients/<id>/``, with its
-    ``site_ledger.json`` (:mod:`privacy.site_ledger`). A standalone server's sites keep
+    ``site_ledger.json`` (:mod:`privacy.ledger.site_ledger`). A standalone server's sites keep
     theirs at the sites; the section then lists none.
     """
     from fl_secure.errors import PrivacyError
-    from privacy.site_ledger import FILE_NAME, SiteLedger
+    from privacy.ledger.site_ledger import FILE_NAME, SiteLedger
 
     delta = summary.get("delta")
     delta = float(delta) if isinstance(delta, (int, float)) and 0 < delta < 1 else 1e-5
@@ -264,7 +264,7 @@ def site_figures(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
 
 def _model(run: RunDir, entries: list[Entry]) -> dict[str, Any]:
     """The released model's file and SHA-256, checked against what the ledger names."""
-    from privacy.ledger import released_model_of_run
+    from privacy.ledger.guarantee import released_model_of_run
 
     source = (
         "checkpoints/latest.json and the parameters file it names; ledger.sqlite "
@@ -288,7 +288,9 @@ def _model(run: RunDir, entries: list[Entry]) -> dict[str, Any]:
 
 def _ledger(path: Path, summary: dict[str, Any]) -> tuple[dict[str, Any], list[Entry]]:
     """The report's ledger section, and the ledger's entries (none without a ledger)."""
-    from privacy.ledger import Ledger, ledger_guarantee, recorded_head
+    from privacy.ledger.guarantee import ledger_guarantee
+    from privacy.ledger.run_ledger import Ledger
+    from privacy.ledger.verification import recorded_head
 
     recorded = recorded_head(summary)
     if not path.exists():
@@ -356,7 +358,7 @@ def _epsilon_by_round(entries: list[Entry]) -> list[dict[str, Any]]:
     every client so far (a client without a row in that round keeps its latest), so the
     series never goes down.
     """
-    from privacy.ledger import CLIENT_KINDS
+    from privacy.ledger.entries import CLIENT_KINDS
 
     rows = [
         {"round": e.round, "epsilon": e.payload.get("epsilon"), "at": e.created_at}
@@ -902,7 +904,7 @@ def _site_warnings(report: dict[str, Any], run_dir: Path) -> list[dict[str, str]
     from collections import Counter
 
     from fl_secure.errors import PrivacyError
-    from privacy.site_ledger import SiteLedger
+    from privacy.ledger.site_ledger import SiteLedger
 
     w: list[dict[str, str]] = []
     sites = report["sites"]["sites"]

@@ -137,7 +137,7 @@ def test_the_sites_own_epsilon_against_the_server_is_printed(
 ) -> None:
     from fl_secure.config import config_from_dict
     from privacy.dp.gdp import composed_mu, gaussian_epsilon
-    from privacy.site_ledger import SiteLedger
+    from privacy.ledger.site_ledger import SiteLedger
 
     # Prepare: two embedded sites' ledgers; client-1 released 3 updates at z = 1.1 (local
     # noise), client-0 one

@@ -16,7 +16,7 @@ from fl_secure.app.report.build import build_report
 from fl_secure.app.report.render import CHROMIUM_FLAGS, find_chromium, print_pdf
 from fl_secure.data.manifest import SYNTHETIC_KIND
 from fl_secure.errors import FlSecureError
-from privacy.ledger import Ledger
+from privacy.ledger.run_ledger import Ledger
 
 pytestmark = pytest.mark.slow
 
@@ -261,7 +261,7 @@ def test_the_ledger_names_the_released_model_file_and_a_swapped_file_is_caught(
 
     from fl_secure.app.cli import main
     from fl_secure.checkpoints import CheckpointStore
-    from privacy.ledger import Ledger
+    from privacy.ledger.run_ledger import Ledger
 
     # Prepare: a copy of a finished DP run (3 rounds); its last parameters file
     copy = tmp_path / "run"
@@ -861,7 +861,7 @@ def test_the_ledgers_notes_are_in_the_report(tmp_path: Path) -> None:
     # a discarded sum the server had seen (or a budget stop) is a ledger note: the report
     # lists each, with its round, beside the verified chain
     from fl_secure.app.report.build import _ledger
-    from privacy.ledger import Ledger
+    from privacy.ledger.run_ledger import Ledger
 
     path = tmp_path / "ledger.sqlite"
     with Ledger.open(path, "run-1") as ledger:
@@ -896,7 +896,7 @@ def test_an_out_folder_without_a_record_keeps_the_users_own_report_files(
 
 def test_example_level_epsilon_by_round_carries_each_clients_total_forward() -> None:
     from fl_secure.app.report.build import _epsilon_by_round
-    from privacy.ledger import Entry
+    from privacy.ledger.entries import Entry
 
     def row(seq: int, round_: int, party: str, eps: float) -> Entry:
         return Entry(seq, "example_level", round_, party, {"epsilon": eps}, f"t{seq}", "", "")

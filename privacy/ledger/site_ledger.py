@@ -1,22 +1,15 @@
 """A site's own record of the updates it released, and its epsilon against the server.
 
-The server's ledger (:mod:`privacy.ledger`) states the run's guarantee as the server computes
-it: with amplification by the cohort sampling the server itself performs, and from a run
-config the server wrote. A site that does not want to take the server's word keeps this
+The server's ledger (:mod:`privacy.ledger.run_ledger`) states the run's guarantee as the
+server computes it: with amplification by the cohort sampling the server itself performs, and
+from a run config the server wrote. A site that does not want to take the server's word keeps this
 ledger in its state folder (``fl-secure client --state-dir``): one row per update that left
 the site, counted before the upload starts (an update that may have left is counted).
 
 From it the site computes its client-level epsilon **against the server**, which knows who
 it sampled: no amplification, each release a Gaussian mechanism of sensitivity ``C``
-(zero-out adjacency, as the server's accountant) and noise ``z C``. A composition of
-Gaussian mechanisms with multipliers ``z_i`` is exactly one Gaussian mechanism with
-``mu = sqrt(sum_i 1 / z_i^2)`` (Dong, Roth & Su, "Gaussian Differential Privacy", JRSS-B
-2022, Corollary 3.3), whose (epsilon, delta) curve is exact (Balle & Wang, ICML 2018,
-Theorem 8; Dong et al. Corollary 2.13):
-
-    delta(epsilon) = Phi(-epsilon / mu + mu / 2) - e^epsilon Phi(-epsilon / mu - mu / 2).
-
-No accountant's discretisation enters: this is the tight curve of the releases.
+(zero-out adjacency, as the server's accountant) and noise ``z C``, composed exactly in
+Gaussian DP (:mod:`privacy.dp.gdp`): no accountant's discretisation enters.
 
 Two figures, by what the site trusts:
 
@@ -42,12 +35,12 @@ image) instead of the whole site, over every release the ledger holds:
   collude): one image more or less moves the clipped update by up to ``2 C``;
 * a release with neither makes it unbounded.
 
-They compose in dp_accounting's PLD accountant (the accountant of
-:mod:`privacy.dp.accountants.pld`, same grid). A site can hold a budget on it
-(``max_example_epsilon``): an example-level run is then joined, and a round declined before
-it trains when its planned steps would pass the budget.
+They compose in dp_accounting's PLD accountant (:func:`privacy.dp.gdp.example_epsilon`). A
+site can hold a budget on it (``max_example_epsilon``): an example-level run is then joined,
+and a round declined before it trains when its planned steps would pass the budget.
 
-The same file also lets a restarted client keep refusing tasks it already answered
+The same file (:mod:`privacy.ledger.site_file`; its rows :mod:`privacy.ledger.site_release`)
+also lets a restarted client keep refusing tasks it already answered
 (:meth:`SiteLedger.refusal`): a replayed task, an older round, a round past ``train.rounds``,
 more attempts of a round than ``server.max_retries`` allows, and evaluation tasks other than
 the run's two (round 0 and the final one). It records the SHA-256 of each run's config (its
@@ -64,170 +57,27 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
+import tomllib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from fl_secure.config import Config
+from fl_secure.config import Config, config_to_toml
 from fl_secure.errors import PrivacyError
-from fl_secure.runs import atomic_write_json
 from privacy.dp.gdp import composed_mu, example_epsilon, gaussian_epsilon
+from privacy.ledger.site_file import SiteRecords, read_site_records, write_site_records
+from privacy.ledger.site_release import Release, release_for
 
 log = logging.getLogger(__name__)
 
-FORMAT = "fl-secure site ledger"
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
-"""Version 1 rows lack the DP-SGD fields: an example-level one counts as unbounded."""
 FILE_NAME = "site_ledger.json"
-
-
-@dataclass(frozen=True)
-class Release:
-    """One update that left the site.
-
-    Attributes:
-        run_id: The run (the server's id for it, from the join).
-        round: The round.
-        nonce: The task's nonce (hex): one attempt of the round.
-        unit: The run's ``privacy.unit`` ("none", "client", "example").
-        placement: ``privacy.noise_placement``.
-        scheme: ``secure_aggregation.scheme``.
-        noise_multiplier: Client level: ``z`` of the released sum with honest peers; 0 when
-            the release carries no client-level noise against the server.
-        own_noise_multiplier: Client level: ``z`` of this site's own noise alone (0: none).
-        time: When it was recorded (UTC, ISO 8601).
-        dpsgd_noise_multiplier: Example level: the DP-SGD noise multiplier (0 otherwise).
-        dpsgd_sample_rate: Example level: the Poisson sampling rate ``q`` (0 otherwise).
-        dpsgd_steps: Example level: DP-SGD steps of the release (0: the unchanged
-            parameters, or not example level; -1: not recorded, as in a version 1 row).
-    """
-
-    run_id: str
-    round: int
-    nonce: str
-    unit: str
-    placement: str
-    scheme: str
-    noise_multiplier: float
-    own_noise_multiplier: float
-    time: str
-    dpsgd_noise_multiplier: float = 0.0
-    dpsgd_sample_rate: float = 0.0
-    dpsgd_steps: int = 0
-
-    @classmethod
-    def from_dict(cls, row: Mapping[str, Any], where: str) -> Release:
-        """A row read back from the file; PrivacyError names a damaged one."""
-        types = {
-            "run_id": str,
-            "round": int,
-            "nonce": str,
-            "unit": str,
-            "placement": str,
-            "scheme": str,
-            "noise_multiplier": (int, float),
-            "own_noise_multiplier": (int, float),
-            "time": str,
-        }
-        dpsgd = {
-            "dpsgd_noise_multiplier": (int, float),
-            "dpsgd_sample_rate": (int, float),
-            "dpsgd_steps": int,
-        }
-        if isinstance(row, Mapping) and set(row) == set(types):  # a version 1 row
-            row = {**row, "dpsgd_noise_multiplier": 0, "dpsgd_sample_rate": 0}
-            row["dpsgd_steps"] = -1 if row["unit"] == "example" else 0
-        types |= dpsgd
-        if not isinstance(row, Mapping) or set(row) != set(types):
-            raise PrivacyError(f"{where}: a release row must have exactly the keys {sorted(types)}")
-        for key, kind in types.items():
-            value = row[key]
-            if isinstance(value, bool) or not isinstance(value, kind):  # type: ignore[arg-type]
-                raise PrivacyError(f"{where}: release field {key!r} has the wrong type")
-        for key in ("noise_multiplier", "own_noise_multiplier", "dpsgd_noise_multiplier"):
-            try:
-                value = float(row[key])
-            except OverflowError:
-                value = math.inf
-            if not (math.isfinite(value) and value >= 0):
-                raise PrivacyError(f"{where}: release field {key!r} is not a finite number >= 0")
-        if not 0 <= row["dpsgd_sample_rate"] <= 1 or row["dpsgd_steps"] < -1:
-            raise PrivacyError(
-                f"{where}: release fields dpsgd_sample_rate/dpsgd_steps out of range"
-            )
-        return cls(**{k: row[k] for k in types})
-
-    def example_events(self, *, own: bool) -> tuple[float, tuple[float, float, int] | None]:
-        """This release for one image: (Gaussian ``mu`` at sensitivity 1, DP-SGD steps).
-
-        ``mu``: a client-level release, ``2 / z`` (one image moves the clipped update by up
-        to ``2 C``); ``inf`` for a release without noise of either kind. The DP-SGD part is
-        ``(z, q, steps)`` of an example-level release that trained, else None.
-        """
-        if self.unit == "example":
-            if self.dpsgd_steps < 0:
-                return math.inf, None  # a version 1 row: its steps were not recorded
-            if self.dpsgd_steps == 0:
-                return 0.0, None  # the unchanged parameters: data-independent
-            z, q = self.dpsgd_noise_multiplier, self.dpsgd_sample_rate
-            if not (z > 0 and q > 0):
-                return math.inf, None
-            return 0.0, (z, q, self.dpsgd_steps)
-        z = self.own_noise_multiplier if own else self.noise_multiplier
-        return (2.0 / z if z > 0 else math.inf), None
 
 
 def pinned_digest(config: Config) -> str:
     """SHA-256 of a run config as a site pins it: all of it but the noise multiplier."""
-    import tomllib
-
-    from fl_secure.config import config_to_toml
-
     doc = tomllib.loads(config_to_toml(config))
     doc.get("privacy", {}).pop("noise_multiplier", None)
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode("utf-8")).hexdigest()
-
-
-def release_for(
-    config: Config,
-    run_id: str,
-    round_: int,
-    nonce: bytes,
-    dpsgd: tuple[float, float, int] | None = None,
-) -> Release:
-    """The row of a release under ``config`` (the run config this site joined under).
-
-    ``dpsgd``: example level, the release's DP-SGD ``(z, q, steps)`` as the site ran (or
-    plans) it; ``steps`` 0 for the unchanged parameters. An example-level row without it
-    records its steps as unknown (-1), which counts as unbounded, never as free.
-    """
-    p, s = config.privacy, config.secure_aggregation
-    steps = 0
-    if p.unit == "example":
-        steps = int(dpsgd[2]) if dpsgd is not None else -1
-    z = own = 0.0
-    if p.unit == "client" and p.noise_placement in ("local", "distributed"):
-        z = p.noise_multiplier
-        own = z
-        if p.noise_placement == "distributed":
-            own = z / math.sqrt(config.server.min_clients)
-    return Release(
-        run_id=run_id,
-        round=round_,
-        nonce=nonce.hex(),
-        unit=p.unit,
-        placement=p.noise_placement,
-        scheme=s.scheme,
-        noise_multiplier=float(z),
-        own_noise_multiplier=float(own),
-        time=datetime.now(UTC).isoformat(timespec="seconds"),
-        dpsgd_noise_multiplier=float(dpsgd[0]) if dpsgd and p.unit == "example" else 0.0,
-        dpsgd_sample_rate=float(dpsgd[1]) if dpsgd and p.unit == "example" else 0.0,
-        dpsgd_steps=steps,
-    )
 
 
 class SiteLedger:
@@ -289,7 +139,7 @@ class SiteLedger:
         self._load()
 
     def _hold(self, state_dir: Path) -> None:
-        import fcntl
+        import fcntl  # POSIX only: imported where a client locks its folder, as in fl_secure.runs
 
         state_dir.mkdir(parents=True, exist_ok=True)
         handle = open(state_dir / ".site_ledger.lock", "a+", encoding="utf-8")  # noqa: SIM115
@@ -314,56 +164,17 @@ class SiteLedger:
     def _load(self) -> None:
         if self.path is None or not self.path.exists():
             return
-        where = str(self.path)
-        try:
-            doc = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-            raise PrivacyError(
-                f"the site ledger {where} cannot be read ({exc}); it is left as it is: restore "
-                "it from a backup (starting a new one forgets what this site has released)"
-            ) from exc
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise PrivacyError(f"{where} is not a site ledger (format {FORMAT!r} expected)")
-        version = doc.get("version")
-        if type(version) is not int or version not in READABLE_VERSIONS:
-            raise PrivacyError(f"{where}: site ledger version {version!r} is unknown")
-        rows = doc.get("releases")
-        if not isinstance(rows, list):
-            raise PrivacyError(f"{where}: 'releases' must be a list")
-        self.releases = [Release.from_dict(row, where) for row in rows]
-        ids = doc.get("secure_round_ids", [])
-        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-            raise PrivacyError(f"{where}: 'secure_round_ids' must be a list of strings")
-        self.secure_rounds = ids
-        runs = doc.get("run_configs", {})
-        if not isinstance(runs, dict) or not all(isinstance(v, str) for v in runs.values()):
-            raise PrivacyError(f"{where}: 'run_configs' must map run ids to SHA-256 strings")
-        self.run_configs = runs
-        evaluations = doc.get("evaluations", [])
-        ok = isinstance(evaluations, list) and all(
-            isinstance(e, list) and len(e) == 3 and isinstance(e[0], str)
-            and type(e[1]) is int and isinstance(e[2], str)
-            for e in evaluations
-        )  # fmt: skip
-        if not ok:
-            raise PrivacyError(f"{where}: 'evaluations' must be a list of [run, round, nonce]")
-        self.evaluations = [(e[0], e[1], e[2]) for e in evaluations]
+        found = read_site_records(self.path)
+        self.releases = found.releases
+        self.secure_rounds = found.secure_rounds
+        self.run_configs = found.run_configs
+        self.evaluations = found.evaluations
 
     def _save(self) -> None:
         if self.path is None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(
-            self.path,
-            {
-                "format": FORMAT,
-                "version": VERSION,
-                "releases": [asdict(r) for r in self.releases],
-                "secure_round_ids": self.secure_rounds,
-                "run_configs": self.run_configs,
-                "evaluations": [list(e) for e in self.evaluations],
-            },
-        )
+        records = SiteRecords(self.releases, self.secure_rounds, self.run_configs, self.evaluations)
+        write_site_records(self.path, records)
 
     # ------------------------------------------------------------ figures
     @staticmethod
@@ -629,9 +440,4 @@ class SiteLedger:
         return True
 
 
-__all__ = [
-    "FILE_NAME",
-    "Release",
-    "SiteLedger",
-    "release_for",
-]
+__all__ = ["FILE_NAME", "SiteLedger", "pinned_digest"]

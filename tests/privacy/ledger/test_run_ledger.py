@@ -14,19 +14,12 @@ from typing import Any
 import pytest
 
 from fl_secure.errors import CheckpointError
-from privacy.ledger import (
-    Entry,
-    Ledger,
-    LedgerError,
-    canonical_json,
-    chain_hash,
-    format_ledger,
-    genesis_hash,
-    ledger_json,
-    recorded_head,
-)
+from privacy.ledger.entries import Entry, LedgerError, canonical_json, chain_hash, genesis_hash
+from privacy.ledger.formatting import format_ledger, ledger_json
+from privacy.ledger.run_ledger import Ledger
+from privacy.ledger.verification import recorded_head
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 RUN = "run-0001"
 
 
@@ -312,7 +305,7 @@ def test_read_only_view_refuses_append(ledger_path: Path, tmp_path: Path) -> Non
 CHILD = """
 import sys
 from pathlib import Path
-from privacy.ledger import Ledger
+from privacy.ledger.run_ledger import Ledger
 
 with Ledger.open(Path(sys.argv[1]), "run-crash") as ledger:
     for r in range(1, 5001):
@@ -378,7 +371,7 @@ def test_format_and_json(ledger_path: Path) -> None:
 def test_released_model_is_checked_against_the_rows_of_its_round(tmp_path: Path) -> None:
     import hashlib
 
-    from privacy.ledger import released_model
+    from privacy.ledger.guarantee import released_model
 
     # Prepare: two rounds' files and a ledger whose rows name them
     files = {r: tmp_path / f"round-{r:06d}.safetensors" for r in (1, 2)}
