@@ -373,7 +373,7 @@ class FlClient:
         """
         if self._run_config is None:  # pragma: no cover - _session holds it before any task
             raise RuntimeError("a release before the run config was held")
-        from privacy.client_side import ClientPrivacy
+        from privacy.client_round import ClientPrivacy
 
         dpsgd = ClientPrivacy.released_dpsgd(metrics or {})
         row = self.site.record(self._run_config, self._run_id, task.round, task.nonce, dpsgd)

@@ -26,7 +26,7 @@ from fl_secure.data.types import FaceDataset
 from fl_secure.errors import ConfigError
 from fl_secure.messages import JoinReply
 from fl_secure.training import FaceModel, build_model
-from privacy.client_side import ClientPrivacy
+from privacy.client_round import ClientPrivacy
 from privacy.dp.noise import seeded_source
 
 

@@ -29,7 +29,7 @@ from fl_secure.errors import CheckpointError, ProtocolError
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import atomic_write_bytes, run_keyed_path
 from fl_secure.training import FaceModel, LocalData, set_tensors
-from privacy.client_side import ClientPrivacy
+from privacy.client_round import ClientPrivacy
 
 log = logging.getLogger(__name__)
 

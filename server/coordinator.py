@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from fl_secure.config import SecureAggregationConfig
     from privacy.ckks.server_round import ServerCkksRound
     from privacy.secagg.server_round import ServerSecureRound
-    from privacy.session import ServerPrivacy
+    from privacy.server_round import ServerPrivacy
 
 log = logging.getLogger(__name__)
 
@@ -838,7 +838,7 @@ class Coordinator:
         noise the guarantee covers that view, so an attempt that then fails (too few
         updates) has released them all the same, and the retry releases them again. Each
         such attempt is composed like a round (``discarded_sum``); see
-        :meth:`privacy.session.ServerPrivacy.discard_sum` for the placements it counts.
+        :meth:`privacy.server_round.ServerPrivacy.discard_sum` for the placements it counts.
         """
         if not rnd.received or len(rnd.received) >= needed or self.privacy is None:
             return

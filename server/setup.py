@@ -35,9 +35,9 @@ from fl_secure.training import (
     local_training,
     set_tensors,
 )
-from privacy.dp.client_level import ClientLevelPlan, client_noise_std
+from privacy.dp.client_level import ClientLevelPlan, client_level_plan, client_noise_std
 from privacy.dp.noise import NoiseSource, seeded_source
-from privacy.session import ServerPrivacy, client_level_plan, open_server_privacy
+from privacy.server_round import ServerPrivacy, open_server_privacy
 from server.coordinator import Coordinator, CoordinatorSettings
 
 log = logging.getLogger(__name__)

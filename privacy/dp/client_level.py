@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from fl_secure.aggregation import StreamingSum
+from fl_secure.config import PrivacyConfig
 from fl_secure.errors import PrivacyError, ProtocolError, UpdateError
 from fl_secure.messages import Tensors, TensorSpec
 from privacy.dp.calibration import calibrate_noise
@@ -249,6 +250,27 @@ def plan_client_level(
         rounds=rounds,
         calibrated=calibrated,
     )
+
+
+def client_level_plan(
+    cfg: PrivacyConfig, *, rounds: int, population: int, clients_per_round: int, sample_rate: float
+) -> ClientLevelPlan:
+    """The client-level mechanism a ``[privacy]`` section and the cohort settings define."""
+    plan = plan_client_level(
+        noise_multiplier=cfg.noise_multiplier,
+        clip_norm=cfg.clip_norm,
+        target_epsilon=cfg.target_epsilon,
+        delta=cfg.delta,
+        accountant=cfg.accountant_name(),
+        placement=cfg.noise_placement,
+        rounds=rounds,
+        population=population,
+        clients_per_round=clients_per_round,
+        sample_rate=sample_rate,
+    )
+    if not math.isfinite(plan.noise_multiplier):  # pragma: no cover - calibration guards
+        raise PrivacyError("calibration returned a non-finite noise multiplier")
+    return plan
 
 
 def server_aggregator(

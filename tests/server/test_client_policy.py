@@ -326,7 +326,7 @@ def test_a_site_budget_stops_releases_and_withdraws_from_a_secure_round(
 def test_an_example_budget_declines_a_round_before_it_trains(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from privacy.client_side import ClientPrivacy
+    from privacy.client_round import ClientPrivacy
     from privacy.dp.gdp import example_epsilon
     from privacy.ledger.site_ledger import SiteLedger
     from privacy.ledger.site_release import release_for

@@ -19,7 +19,7 @@ from fl_secure.runs import RunDir
 from privacy.dp.calibration import epsilon_for
 from privacy.dp.noise import SeededGaussian
 from privacy.ledger.run_ledger import Ledger
-from privacy.session import open_server_privacy
+from privacy.server_round import open_server_privacy
 from server.coordinator import Coordinator, CoordinatorSettings
 
 CLIENTS = ("c0", "c1", "c2")
@@ -150,7 +150,7 @@ def test_small_budget_stops_early_within_the_target(tmp_path: Path) -> None:
     # the epsilon spent is stated rounded up (4 decimals), never to the nearest
     import math
 
-    from privacy.session import _up4
+    from privacy.server_round import _up4
 
     assert coord.stop_reason.endswith(f"with epsilon {math.ceil(eps2 * 1e4) / 1e4:.4f}")
     assert (_up4(2.75334), _up4(2.7533), _up4(0.0)) == ("2.7534", "2.7533", "0.0000")

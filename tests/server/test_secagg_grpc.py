@@ -193,7 +193,7 @@ def _run_config(n: int, min_clients: int, secure: SecureAggregationConfig, priva
 def _distributed_dp(tmp_path: Path, *, population: int, min_survivors: int, z: float = 0.05):
     """Client-level DP with distributed noise for a one-round run: any ``min_survivors``
     clients' discrete Gaussian shares carry ``z C``."""
-    from privacy.session import open_server_privacy
+    from privacy.server_round import open_server_privacy
 
     cfg = PrivacyConfig(unit="client", noise_placement="distributed", noise_multiplier=z)
     return open_server_privacy(
@@ -348,7 +348,7 @@ def test_a_site_that_declines_a_round_withdraws_before_the_key_stages(tmp_path: 
     import tomllib
 
     from fl_secure.config import config_from_dict
-    from privacy.session import open_server_privacy
+    from privacy.server_round import open_server_privacy
 
     # Prepare: local client-level noise; client-3's site ledger (kept across a restart)
     # already holds three updates for round 1 of this run, as many as the run config's

@@ -12,7 +12,7 @@ from dp_accounting.pld import pld_privacy_accountant
 
 from fl_secure.config import Config, config_from_dict
 from fl_secure.errors import PrivacyError
-from privacy.client_side import ClientPrivacy
+from privacy.client_round import ClientPrivacy
 from privacy.ledger.site_ledger import FILE_NAME, SiteLedger
 
 

@@ -1,4 +1,9 @@
-"""A client's side of the run's differential privacy.
+"""A client's side of a run's differential privacy, round by round: :class:`ClientPrivacy`.
+
+The client's trainer holds one :class:`ClientPrivacy` per private run and passes each round's
+update through it before the update may leave (its server-side counterpart is
+:class:`privacy.server_round.ServerPrivacy`); the site's own record of what left is its site
+ledger (:mod:`privacy.ledger.site_ledger`), which the client keeps beside it.
 
 * Client level (``privacy.unit = "client"``): every update of the shared parameters is clipped
   to ``C`` and, with ``local`` (or ``distributed``) placement, noised before it leaves the
@@ -29,6 +34,8 @@ from fl_secure.training import FaceModel, LocalData, local_training
 from privacy.dp.accountants import create_accountant
 from privacy.dp.calibration import calibrate_noise
 from privacy.dp.client_level import add_gaussian, client_noise_std, clip_update
+from privacy.dp.dpsgd import DPSGDSettings, dpsgd_steps, train_local_dpsgd
+from privacy.dp.example_level import MAX_DP_STEPS_PER_ROUND, MIN_DP_SAMPLE_RATE
 from privacy.dp.noise import NoiseSource, SecureGaussian
 
 log = logging.getLogger(__name__)
@@ -79,12 +86,8 @@ class ClientPrivacy:
 
     # ------------------------------------------------------------ example level
     def _plan_example_level(self, config: Config, n: int) -> None:
-        from privacy.dp.dpsgd import dpsgd_steps
-
         if n < 1:
             raise PrivacyError("a client without training images cannot run DP-SGD")
-        from privacy.session import MAX_DP_STEPS_PER_ROUND, MIN_DP_SAMPLE_RATE
-
         q = self.cfg.sample_rate or min(1.0, config.train.batch_size / n)
         if q < MIN_DP_SAMPLE_RATE:  # the server refuses such updates: say so before training
             raise PrivacyError(
@@ -226,8 +229,6 @@ class ClientPrivacy:
         """DP-SGD for example-level runs (``None``: the strategy's own training)."""
         if self.cfg.unit != "example":
             return None
-        from privacy.dp.dpsgd import DPSGDSettings, train_local_dpsgd
-
         settings = DPSGDSettings(
             noise_multiplier=self.noise_multiplier,
             max_grad_norm=self.cfg.clip_norm,
@@ -253,11 +254,7 @@ class ClientPrivacy:
             return True
         steps = self.steps_per_round
         if training is not None:
-            from privacy.dp.dpsgd import dpsgd_steps
-
             steps = dpsgd_steps(self.num_examples, training, self.sample_rate)
-        from privacy.session import MAX_DP_STEPS_PER_ROUND
-
         if steps > MAX_DP_STEPS_PER_ROUND:  # the server would refuse the update it gives
             log.warning(
                 "the task asks for %d DP-SGD steps, more than the %d the server accounts; "
@@ -283,8 +280,6 @@ class ClientPrivacy:
         """Example level: the ``(z, q, steps)`` DP-SGD would run for ``training`` (else None)."""
         if self.cfg.unit != "example":
             return None
-        from privacy.dp.dpsgd import dpsgd_steps
-
         steps = dpsgd_steps(self.num_examples, training, self.sample_rate)
         return self.noise_multiplier, self.sample_rate, steps
 

@@ -11,7 +11,7 @@ import pytest
 
 from fl_secure.config import config_from_dict
 from fl_secure.errors import PrivacyError
-from privacy.client_side import ClientPrivacy
+from privacy.client_round import ClientPrivacy
 from privacy.dp.calibration import epsilon_for
 from privacy.dp.client_level import update_norm
 from privacy.dp.noise import SeededGaussian

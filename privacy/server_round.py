@@ -1,4 +1,10 @@
-"""The server's privacy bookkeeping of a run: mechanism, accountant, ledger and budget.
+"""The server's side of a run's privacy, round by round: mechanism, accountant, ledger, budget.
+
+:class:`ServerPrivacy` is the one object the coordinator calls for privacy, once per round
+(its client-side counterpart is :class:`privacy.client_round.ClientPrivacy`). It stays one
+class a little over 500 lines because its methods share the running accountant state; its
+stateless parts live in :mod:`privacy.dp.example_level`, :mod:`privacy.ledger.resume` and
+:mod:`privacy.ledger.inflight`.
 
 Order of a round's release (what makes the ledger the source of truth):
 
@@ -16,7 +22,6 @@ leaves neither, and the round is run again. Either way nothing is counted twice 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Mapping
@@ -24,32 +29,26 @@ from pathlib import Path
 from typing import Any
 
 from fl_secure.config import PrivacyConfig
-from fl_secure.errors import PrivacyError, ProtocolError
+from fl_secure.errors import PrivacyError
 from fl_secure.messages import LocalTraining, Tensors, TensorSpec
 from privacy.dp.accountants import create_accountant
-from privacy.dp.accountants.accountant import ADJACENCY, MIN_ACCOUNTED_NOISE, client_adjacency
+from privacy.dp.accountants.accountant import ADJACENCY, client_adjacency
 from privacy.dp.client_level import (
     ClientLevelPlan,
     NoisyClippedSum,
+    client_level_plan,
     effective_noise_multiplier,
-    plan_client_level,
     server_aggregator,
 )
+from privacy.dp.example_level import check_example_metrics, example_event, example_payload
 from privacy.dp.noise import NoiseSource, SecureGaussian
 from privacy.ledger.entries import CLIENT_KINDS, Entry, check_payload
+from privacy.ledger.inflight import inflight_path, read_inflight, write_inflight
+from privacy.ledger.resume import check_same_sampling, resumable_entries
 from privacy.ledger.run_ledger import Ledger
 
 log = logging.getLogger(__name__)
 
-#: Metrics an example-level client reports with each update (data-independent figures).
-EXAMPLE_KEYS = ("dp_epsilon", "dp_steps", "dp_noise_multiplier", "dp_sample_rate")
-#: Example level: the smallest per-step sample rate a client may state (a batch of one in a
-#: million images). Below it the task's step count ``epochs / q`` grows without bound.
-MIN_DP_SAMPLE_RATE = 1e-6
-#: Example level: the most DP-SGD steps one client's round may claim. The server's
-#: accountant composes them; at 1e5 steps per round over 20 rounds the PRV accountant takes
-#: about 3 s and 1.3 GB, and far more steps could exhaust the server's memory.
-MAX_DP_STEPS_PER_ROUND = 100_000
 #: Budget comparisons allow this relative slack (the accountants' own numerical error).
 _BUDGET_SLACK = 1e-9
 
@@ -104,15 +103,7 @@ class ServerPrivacy:
         """Client level: the clipped noisy sum; example level: ``None`` (plain weighted mean)."""
         if self.plan is None:
             return None
-        p = self.plan
-        return server_aggregator(
-            specs,
-            placement=p.placement,
-            noise_multiplier=p.noise_multiplier,
-            clip_norm=p.clip_norm,
-            denominator=p.denominator,
-            source=self.source,
-        )
+        return self._aggregator(specs, sees_updates=True)
 
     def finish_sum(self, total: Mapping[str, Any], specs: list[TensorSpec]) -> Tensors:
         """A securely aggregated sum of clipped updates: ``(sum + central noise) / W``."""
@@ -120,18 +111,23 @@ class ServerPrivacy:
             raise PrivacyError(
                 "example-level DP with secure aggregation: average on the clients' side"
             )
+        agg = self._aggregator(specs, sees_updates=False)  # it never sees a single update
+        agg.add(total, 1.0)
+        return agg.mean()
+
+    def _aggregator(self, specs: list[TensorSpec], *, sees_updates: bool) -> NoisyClippedSum:
+        """The plan's DP-FedAvg aggregator (:func:`~privacy.dp.client_level.server_aggregator`)."""
         p = self.plan
-        agg = server_aggregator(
+        assert p is not None
+        return server_aggregator(
             specs,
             placement=p.placement,
             noise_multiplier=p.noise_multiplier,
             clip_norm=p.clip_norm,
             denominator=p.denominator,
             source=self.source,
-            sees_updates=False,  # the server never sees an individual update
+            sees_updates=sees_updates,
         )
-        agg.add(total, 1.0)
-        return agg.mean()
 
     # ------------------------------------------------------------ accounting
     def _epsilon_of(self, history: list[dict[str, Any]]) -> float:
@@ -221,7 +217,7 @@ class ServerPrivacy:
     @property
     def inflight_path(self) -> Path:
         """The marker of an attempt whose release is not yet in the ledger (beside it)."""
-        return Path(self.ledger.path).with_suffix(".inflight.json")
+        return inflight_path(self.ledger.path)
 
     def _counts_server_view(self) -> bool:
         """Whether what the server sees of an attempt is a release the ledger must count."""
@@ -239,10 +235,7 @@ class ServerPrivacy:
         """
         if not self._counts_server_view():
             return
-        from fl_secure.runs import atomic_write_json
-
-        marker = {"round": round_, "attempt": attempt, "cohort_size": cohort_size}
-        atomic_write_json(self.inflight_path, marker)
+        write_inflight(self.inflight_path, round_, attempt, cohort_size)
 
     def end_release(self) -> None:
         """Remove the in-flight marker: what the server saw is accounted (or was nothing)."""
@@ -250,20 +243,10 @@ class ServerPrivacy:
 
     def _account_inflight(self, completed_round: int) -> None:
         """Resume: count an attempt the last server process left in flight (see above)."""
-        path = self.inflight_path
-        if not path.exists():
+        marker = read_inflight(self.inflight_path)
+        if marker is None:
             return
-        try:
-            marker = json.loads(path.read_text(encoding="utf-8"))
-            round_, attempt = int(marker["round"]), int(marker["attempt"])
-            cohort = int(marker["cohort_size"])
-        except (OSError, ValueError, TypeError, KeyError) as exc:
-            raise PrivacyError(
-                f"the in-flight marker {path} is damaged ({exc}): the last server process "
-                "ended during a round whose release the ledger may not count; refusing to "
-                "resume until it is restored (or, if that round's updates never left the "
-                "clients, removed)"
-            ) from exc
+        round_, attempt, cohort = marker
         if round_ > completed_round and self._counts_server_view():
             reason = (
                 f"round {round_} attempt {attempt}: the server process ended before the "
@@ -315,28 +298,17 @@ class ServerPrivacy:
             return [{"kind": "client_level", "party": "server", "payload": row}]
         rows: list[LedgerRow] = []
         for party, metrics in sorted(client_metrics.items()):
-            missing = [k for k in EXAMPLE_KEYS if k not in metrics]
-            if missing:
-                raise PrivacyError(
-                    f"client {party} sent no example-level accounting ({', '.join(missing)}); "
-                    "its update cannot be released under example-level DP"
-                )
-            reported = float(metrics["dp_epsilon"])
-            payload: dict[str, Any] = {
-                "client_reported_epsilon": reported,
-                "delta": self.cfg.delta,
-                "accountant": self.accountant_name,
-                "steps": int(metrics["dp_steps"]),
-                "noise_multiplier": float(metrics["dp_noise_multiplier"]),
-                "sample_rate": float(metrics["dp_sample_rate"]),
-                "clip_norm": self.cfg.clip_norm,
-                "adjacency": ADJACENCY["poisson"],
-                "privacy_unit": "example",
-                "noise_secure": bool(metrics.get("dp_noise_secure", 0.0) > 0),
-            }
+            payload = example_payload(
+                party,
+                metrics,
+                delta=self.cfg.delta,
+                accountant=self.accountant_name,
+                clip_norm=self.cfg.clip_norm,
+            )
+            reported = payload["client_reported_epsilon"]
             # The server composes the party's rows itself: a client whose accountant was
             # reset (restarted without its --state-dir) reports one round's epsilon only.
-            history = [*self._example_history.get(party, []), *_example_event(payload)]
+            history = [*self._example_history.get(party, []), *example_event(payload)]
             composed = self._epsilon_of(history) if history else 0.0
             payload["epsilon"] = max(composed, reported)  # an upper bound whichever is larger
             check_payload("example_level", payload)  # never checkpoint a row the ledger refuses
@@ -357,36 +329,7 @@ class ServerPrivacy:
         """
         if self.unit != "example":
             return
-        missing = [k for k in EXAMPLE_KEYS if k not in metrics]
-        if missing:
-            raise ProtocolError(
-                f"client {party} sent no example-level accounting ({', '.join(missing)}); its "
-                "update cannot be released under example-level DP"
-            )
-        v = {k: float(metrics[k]) for k in EXAMPLE_KEYS}
-        bad = [k for k, x in v.items() if not math.isfinite(x)]
-        if bad:
-            raise ProtocolError(f"client {party}: {', '.join(bad)} not finite")
-        q, z, steps = v["dp_sample_rate"], v["dp_noise_multiplier"], v["dp_steps"]
-        if not MIN_DP_SAMPLE_RATE <= q <= 1:
-            raise ProtocolError(
-                f"client {party}: dp_sample_rate = {q:g}, expected [{MIN_DP_SAMPLE_RATE:g}, 1]"
-            )
-        if z < MIN_ACCOUNTED_NOISE:
-            raise ProtocolError(
-                f"client {party}: dp_noise_multiplier = {z:g}, below the {MIN_ACCOUNTED_NOISE:g} "
-                "the accountants take"
-            )
-        if v["dp_epsilon"] < 0:
-            raise ProtocolError(f"client {party}: dp_epsilon = {v['dp_epsilon']:g} < 0")
-        from privacy.dp.dpsgd import dpsgd_steps
-
-        most = min(dpsgd_steps(1, training, q), MAX_DP_STEPS_PER_ROUND)
-        if steps != int(steps) or not 0 <= steps <= most:
-            raise ProtocolError(
-                f"client {party}: dp_steps = {steps:g}, expected an integer in 0..{most} (the "
-                f"round's task at q = {q:g}, at most {MAX_DP_STEPS_PER_ROUND} per round)"
-            )
+        check_example_metrics(party, metrics, training)
 
     def commit(self, round_: int, rows: list[LedgerRow]) -> dict[str, Any]:
         """Append and sync the round's rows, update the running epsilon; metrics to record."""
@@ -418,7 +361,7 @@ class ServerPrivacy:
             )
             self.epsilon = float(payload["epsilon"])  # type: ignore[arg-type]
         elif entry.kind == "example_level":
-            self._example_history.setdefault(entry.party, []).extend(_example_event(payload))
+            self._example_history.setdefault(entry.party, []).extend(example_event(payload))
             eps = float(payload["epsilon"])  # type: ignore[arg-type]
             self.epsilon = max(self.epsilon, eps)
 
@@ -483,41 +426,6 @@ class ServerPrivacy:
         return out
 
     # ------------------------------------------------------------ resume
-    def _check_same_sampling(self, entries: list[Entry]) -> None:
-        """Refuse to resume under a cohort sampling the ledger's rounds cannot compose with.
-
-        The population is the enrolled set, read when the server starts: a site enrolled
-        since (or one removed) changes it. Rounds at another population compose exactly (each
-        ledger row keeps its own sample rate and population), but with a fixed
-        ``server.clients_per_round`` the change can turn full-participation (Poisson, add/remove
-        adjacency) cohorts into fixed-size ones (replace-one), or back, which no accountant
-        composes; the round would train and then fail to be accounted.
-        """
-        rows = [e.payload for e in entries if e.kind in CLIENT_KINDS]
-        if self.plan is None or not rows:
-            return
-        last = rows[-1]
-        was, now = str(last.get("sampling", "poisson")), self.plan.sampling
-        before = last.get("population")
-        if was != now:
-            kind = {"poisson": "Poisson-sampled", "fixed_size": "fixed-size"}
-            raise PrivacyError(
-                f"the ledger accounts its rounds with {kind.get(was, was)} cohorts of "
-                f"{before} enrolled clients; with the {self.plan.population} enrolled now, "
-                f"server.clients_per_round makes them {kind.get(now, now)}, which no "
-                f"accountant composes with those ({ADJACENCY.get(was, was)} vs "
-                f"{ADJACENCY[now]} adjacency): resume with the clients the run started with, "
-                "or start a new run"
-            )
-        if before != self.plan.population:
-            log.warning(
-                "the enrolled population changed from %s to %d since the last round: the "
-                "next rounds are accounted at sample rate %.4g, composed with the ledger's",
-                before,
-                self.plan.population,
-                self.plan.sample_rate,
-            )
-
     def resume(self, completed_round: int, pending: list[LedgerRow]) -> None:
         """Rebuild the accountant from the ledger; append a checkpointed round's lost rows.
 
@@ -525,39 +433,9 @@ class ServerPrivacy:
             PrivacyError: The ledger's chain is broken, or it records rounds after the last
                 checkpoint (it does not belong to this run's checkpoints).
         """
-        if completed_round > 0 and self.ledger.created:
-            self.ledger.close()  # the empty ledger made just now is not the run's record
-            self.ledger.path.unlink(missing_ok=True)
-            raise PrivacyError(
-                f"the run completed {completed_round} rounds but its privacy ledger "
-                f"{self.ledger.path} does not exist (deleted or moved?); refusing to resume "
-                "without it: restore it, or start a new run"
-            )
-        check = self.ledger.verify()
-        if not check.ok:
-            raise PrivacyError(
-                f"the privacy ledger {self.ledger.path} fails verification; refusing to resume "
-                f"on it: {'; '.join(check.problems[:3])}"
-            )
-        entries = self.ledger.entries()
-        # a note (a budget stop) names the round that did not run: not a release
-        # nor does a discarded sum of the round that aborted (it runs again on resume)
-        later = sorted(
-            {
-                e.round
-                for e in entries
-                if e.round > completed_round
-                and e.kind != "note"
-                and not (e.kind == "discarded_sum" and e.round == completed_round + 1)
-            }
-        )
-        if later:
-            raise PrivacyError(
-                f"the ledger records rounds {later} after the last checkpoint (round "
-                f"{completed_round}); it does not match this run's checkpoints"
-            )
+        entries = resumable_entries(self.ledger, completed_round)
         recorded = {(e.kind, e.round, e.party) for e in entries}
-        self._check_same_sampling(entries)
+        check_same_sampling(entries, self.plan)
         for entry in entries:
             self._absorb(entry)
         missing = [r for r in pending if (r["kind"], completed_round, r["party"]) not in recorded]
@@ -601,43 +479,6 @@ class ServerPrivacy:
 def _up4(value: float) -> str:
     """``value`` to 4 decimals, rounded up: a spent epsilon is never stated lower."""
     return f"{math.ceil(value * 1e4 - 1e-6) / 1e4:.4f}"
-
-
-def _example_event(payload: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """An example-level row's accountant event (none when the client took no step)."""
-    steps = payload["steps"]
-    if not isinstance(steps, int):  # pragma: no cover - validated by the ledger
-        raise PrivacyError(f"example-level row with steps {steps!r}")
-    if steps <= 0:
-        return []
-    return [
-        {
-            "noise_multiplier": payload["noise_multiplier"],
-            "sample_rate": payload["sample_rate"],
-            "num_steps": steps,
-        }
-    ]
-
-
-def client_level_plan(
-    cfg: PrivacyConfig, *, rounds: int, population: int, clients_per_round: int, sample_rate: float
-) -> ClientLevelPlan:
-    """The client-level mechanism a ``[privacy]`` section and the cohort settings define."""
-    plan = plan_client_level(
-        noise_multiplier=cfg.noise_multiplier,
-        clip_norm=cfg.clip_norm,
-        target_epsilon=cfg.target_epsilon,
-        delta=cfg.delta,
-        accountant=cfg.accountant_name(),
-        placement=cfg.noise_placement,
-        rounds=rounds,
-        population=population,
-        clients_per_round=clients_per_round,
-        sample_rate=sample_rate,
-    )
-    if not math.isfinite(plan.noise_multiplier):  # pragma: no cover - calibration guards
-        raise PrivacyError("calibration returned a non-finite noise multiplier")
-    return plan
 
 
 def open_server_privacy(
