@@ -9,11 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from client.setup import build_local_trainer
 from fl_secure.config import config_from_dict
+from fl_secure.data.plan import plan_federation
 from fl_secure.errors import PrivacyError
+from fl_secure.messages import LocalTraining
 from privacy.client_round import ClientPrivacy
 from privacy.dp.calibration import epsilon_for
 from privacy.dp.client_level import update_norm
+from privacy.dp.dpsgd import dpsgd_steps
 from privacy.dp.noise import SeededGaussian
 
 
@@ -145,9 +149,6 @@ def test_example_level_calibrates_to_the_target_over_the_planned_rounds() -> Non
 @pytest.mark.parametrize("unit", ["client", "example", "none"])
 def test_dp_keeps_the_example_count_home(unit: str) -> None:
     # Prepare: one client of a tiny synthetic federation (16 of its images are for training)
-    from client.setup import build_local_trainer
-    from fl_secure.data.plan import plan_federation
-    from fl_secure.messages import LocalTraining
 
     table: dict[str, object] = {
         "data": {"image_size": 32, "num_identities": 8, "images_per_identity": 6,
@@ -176,8 +177,6 @@ def test_dp_keeps_the_example_count_home(unit: str) -> None:
 
 def test_the_budget_check_charges_the_steps_the_task_asks_for() -> None:
     # Prepare: planned 20 steps per round (1 epoch of 640 at q = 0.05) fit a 2.2 budget
-    from fl_secure.messages import LocalTraining
-    from privacy.dp.dpsgd import dpsgd_steps
 
     table = {
         "train": {"rounds": 10, "local_epochs": 1, "batch_size": 32},
@@ -196,8 +195,6 @@ def test_the_budget_check_charges_the_steps_the_task_asks_for() -> None:
 
 
 def test_example_level_plans_the_server_would_refuse_are_refused_before_training() -> None:
-    from fl_secure.errors import PrivacyError
-
     # 100 000 images, batch 32 (q = 3.2e-4), 40 epochs: 125 000 steps a round (server: 1e5)
     long = config_from_dict(
         {"privacy": {"unit": "example", "noise_multiplier": 1.0},
@@ -213,7 +210,6 @@ def test_example_level_plans_the_server_would_refuse_are_refused_before_training
     with pytest.raises(PrivacyError, match="q = 5e-07 .* below the 1e-06"):
         ClientPrivacy(tiny, num_examples=2_000_000)
     # a task asking for more steps than that is not trained (the unchanged update goes out)
-    from fl_secure.messages import LocalTraining
 
     ok = ClientPrivacy(tiny, num_examples=1000)
     assert ok.may_train(LocalTraining(local_steps=10)) is True

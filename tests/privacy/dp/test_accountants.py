@@ -12,8 +12,10 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from opacus.accountants import PRVAccountant as OpacusPRV
 from opacus.accountants import RDPAccountant as OpacusRDP
 
+from fl_secure.config import MIN_NOISE_MULTIPLIER
 from fl_secure.errors import PrivacyError
 from privacy.dp.accountants import ACCOUNTANTS, Accountant, create_accountant
+from privacy.dp.accountants.accountant import MIN_ACCOUNTED_NOISE, client_adjacency
 
 DELTA = 1e-5
 
@@ -199,8 +201,6 @@ def test_registry_names_and_adjacency() -> None:
 
 @pytest.mark.parametrize("name", sorted(ACCOUNTANTS))
 def test_noise_too_small_to_account_is_refused_before_any_grid_is_built(name: str) -> None:
-    from fl_secure.config import MIN_NOISE_MULTIPLIER
-    from privacy.dp.accountants.accountant import MIN_ACCOUNTED_NOISE
 
     assert MIN_NOISE_MULTIPLIER == MIN_ACCOUNTED_NOISE  # the config refuses what is not accounted
 
@@ -246,7 +246,6 @@ def _epsilon_of_two_gaussians(
 
 def test_local_noise_is_accounted_under_zero_out_not_add_remove() -> None:
     # Prepare: one round, every client (q = 1), z = 2, C = 1, five clients, local shares
-    from privacy.dp.accountants.accountant import client_adjacency
 
     z, m, delta = 2.0, 5, 1e-5
     accounted = create_accountant("pld")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from fl_secure.config import SecureAggregationConfig
 from fl_secure.errors import PrivacyError
 from privacy.dp.discrete_gaussian import (
     ddg_client_sigma,
@@ -21,6 +22,7 @@ from privacy.dp.discrete_gaussian import (
     sample_discrete_laplace,
 )
 from privacy.dp.noise import SecureGaussian, SeededGaussian
+from privacy.secagg.round_setup import check_ddg
 
 
 def _pmf(values: np.ndarray, log_weight) -> np.ndarray:
@@ -120,8 +122,6 @@ def test_integer_l2_bound_is_the_clip_in_units_plus_the_rounding() -> None:
 def test_a_discrete_gaussian_too_narrow_for_its_z_is_refused() -> None:
     # Prepare: no fractional bits (gamma = 1), d = 1000, z = 0.01: sigma = z D2 / sqrt(3) is
     # about 0.19, where tau makes the sum far less private than the Gaussian accounted
-    from fl_secure.config import SecureAggregationConfig
-    from privacy.secagg.round_setup import check_ddg
 
     cfg = SecureAggregationConfig(scheme="secagg", scale_bits=0, clip_range=8.0)
     with pytest.raises(PrivacyError, match="not as private as z = 0.01 .*KLS21 tau"):

@@ -16,6 +16,7 @@ import pytest
 from fl_secure.errors import CheckpointError
 from privacy.ledger.entries import Entry, LedgerError, canonical_json, chain_hash, genesis_hash
 from privacy.ledger.formatting import format_ledger, ledger_json
+from privacy.ledger.guarantee import released_model
 from privacy.ledger.run_ledger import Ledger
 from privacy.ledger.verification import recorded_head
 
@@ -369,10 +370,6 @@ def test_format_and_json(ledger_path: Path) -> None:
 
 
 def test_released_model_is_checked_against_the_rows_of_its_round(tmp_path: Path) -> None:
-    import hashlib
-
-    from privacy.ledger.guarantee import released_model
-
     # Prepare: two rounds' files and a ledger whose rows name them
     files = {r: tmp_path / f"round-{r:06d}.safetensors" for r in (1, 2)}
     for r, f in files.items():

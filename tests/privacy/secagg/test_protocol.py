@@ -23,6 +23,7 @@ from privacy.secagg.messages import (
     RevealedShare,
     UnmaskRequest,
     UnmaskResponse,
+    advert_payload,
 )
 from privacy.secagg.server import SecAggServer
 from privacy.secagg.shamir import PRIME
@@ -432,7 +433,6 @@ def test_substituted_advertised_key_is_detected_by_server_and_clients(attack: st
 def test_a_signed_low_order_key_leaves_only_its_client_out(field: str) -> None:
     # Prepare: client-002 signs a valid advertisement of the all-zero X25519 point (low
     # order: cryptography refuses any exchange with it); n = 5, t = 3
-    from privacy.secagg.messages import advert_payload
 
     config = _config(5, 3)
     rnd = Round.start(config, d=3)

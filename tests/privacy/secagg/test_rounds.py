@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from fl_secure.errors import ProtocolError
+from fl_secure.config import SecureAggregationConfig, config_from_dict
+from fl_secure.errors import ProtocolError, UpdateError
+from privacy.ckks.round_setup import CkksSetup, is_ckks_setup
 from privacy.secagg.client import SecAggClient
+from privacy.secagg.client_round import client_secure_update
 from privacy.secagg.messages import (
     AdvertiseKeys,
 )
+from privacy.secagg.round_setup import RoundSetup, check_setup, make_setup
+from privacy.secagg.server_round import ServerSecureRound
+from privacy.secagg.stages import ADVERTISE, SHARE, pack, unpack
 
 ROUND = b"round-0007"
 
@@ -24,10 +31,6 @@ def _ids(n: int) -> list[str]:
 def test_a_client_seen_to_go_is_not_waited_for_and_counts_as_dropped() -> None:
     # Prepare: the server's session of a 4-client SecAgg round (t = 2) on a clock that never
     # moves, so no deadline can close a stage; client-003 never advertises
-    from fl_secure.config import SecureAggregationConfig
-    from privacy.secagg.round_setup import make_setup
-    from privacy.secagg.server_round import ServerSecureRound
-    from privacy.secagg.stages import ADVERTISE, SHARE
 
     ids = _ids(4)
     setup = make_setup(
@@ -56,14 +59,6 @@ def test_a_client_refuses_to_mask_an_update_that_is_not_finite(encoding: str, ba
     # Prepare: a 3-client round driven in-process; client-000's update has one bad value.
     # With the distributed discrete Gaussian ("ddg") a NaN norm would pass the clip and wrap
     # to garbage integers in the sum, so the session must check it itself.
-    from collections import OrderedDict
-
-    from fl_secure.config import SecureAggregationConfig
-    from fl_secure.errors import UpdateError
-    from privacy.secagg.client_round import client_secure_update
-    from privacy.secagg.round_setup import make_setup
-    from privacy.secagg.server_round import ServerSecureRound
-    from privacy.secagg.stages import ADVERTISE, SHARE, pack, unpack
 
     ids = _ids(3)
     setup = make_setup(
@@ -105,10 +100,6 @@ def test_a_client_refuses_to_mask_an_update_that_is_not_finite(encoding: str, ba
 
 
 def test_round_setups_round_trip_and_malformed_ones_are_protocol_errors() -> None:
-    from fl_secure.config import SecureAggregationConfig
-    from privacy.ckks.round_setup import CkksSetup, is_ckks_setup
-    from privacy.secagg.round_setup import RoundSetup, make_setup
-
     setup = make_setup(
         SecureAggregationConfig(scheme="secagg"), run_id="rt", round_=1, attempt=0,
         cohort=_ids(5), vector_length=8, min_inputs=4,
@@ -139,8 +130,6 @@ def test_round_setups_round_trip_and_malformed_ones_are_protocol_errors() -> Non
 
 
 def _joined(placement: str = "distributed") -> object:
-    from fl_secure.config import config_from_dict
-
     return config_from_dict(
         {
             "partition": {"num_clients": 5},
@@ -153,7 +142,6 @@ def _joined(placement: str = "distributed") -> object:
 
 
 def test_a_client_accepts_the_setup_its_config_gives_and_refuses_a_weaker_one() -> None:
-    from privacy.secagg.round_setup import check_setup, make_setup
 
     config = _joined()
     cohort = [f"client-{i}" for i in range(5)]
@@ -180,7 +168,6 @@ def test_a_client_accepts_the_setup_its_config_gives_and_refuses_a_weaker_one() 
 
 
 def test_a_client_refuses_a_cohort_without_it_or_with_clients_not_enrolled() -> None:
-    from privacy.secagg.round_setup import check_setup, make_setup
 
     config = _joined()
     enrolled = [f"client-{i}" for i in range(5)]
