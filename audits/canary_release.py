@@ -1,10 +1,10 @@
 """A run's client-level aggregation released on worst-case canaries, and the canaries' scores.
 
 The audit runs the *mechanism as implemented*: the project's own aggregation code
-(:func:`privacy.client_level.server_aggregator`, the server's own, with
-:func:`privacy.client_level.clip_update`,
-:func:`privacy.client_level.add_gaussian` and the clients' noise shares of
-:func:`privacy.client_level.client_noise_std`; :class:`server.aggregate.StreamingMean` for a
+(:func:`privacy.dp.client_level.server_aggregator`, the server's own, with
+:func:`privacy.dp.client_level.clip_update`,
+:func:`privacy.dp.client_level.add_gaussian` and the clients' noise shares of
+:func:`privacy.dp.client_level.client_noise_std`; :class:`fl_secure.aggregation.StreamingMean` for a
 non-private run) with the run's :class:`~audits.mechanism.Mechanism`.
 
 A canary is a client whose update is chosen by the auditor in the worst case: a vector of
@@ -30,16 +30,16 @@ from collections.abc import Iterator
 import numpy as np
 
 from audits.mechanism import Mechanism
+from fl_secure.aggregation import StreamingMean
 from fl_secure.messages import Tensors, TensorSpec
-from privacy.client_level import (
+from privacy.dp.client_level import (
     NoisyClippedSum,
     add_gaussian,
     client_noise_std,
     clip_update,
     server_aggregator,
 )
-from privacy.noise import SeededGaussian
-from server.aggregate import StreamingMean
+from privacy.dp.noise import SeededGaussian
 
 #: Coordinates (canaries) per aggregation in :func:`canary_scores`.
 CANARY_BLOCK = 2048

@@ -93,7 +93,7 @@ def audit_mechanism(
         accountant, mech.delta, alpha / 2
     )  # fmt: skip
     return {
-        "what": "the client-level aggregation as implemented (privacy.client_level: clipping, "
+        "what": "the client-level aggregation as implemented (privacy.dp.client_level: clipping, "
         "noise shares / central noise, denominator), run with the run's z, C, W, placement, "
         "sampling rate and rounds, on worst-case canary clients: an update of norm 2C on a "
         "coordinate no other client touches; the fewest honest clients a released round "

@@ -4,7 +4,7 @@ Part ``throughput`` (default): local training of the default ``cnn`` backbone (C
 on 64x64 synthetic faces (40 identities x 20 images), plain ``train_local`` (batch 32) vs
 ``train_local_dpsgd`` (Opacus, Poisson sampling with expected batch 32, ChaCha20 noise), the
 same number of steps on every side. DP-SGD runs twice: with the default clipping engine
-(``book-keeping``, :mod:`privacy.bookkeeping`) and with Opacus' per-example-gradient hooks
+(``book-keeping``, :mod:`privacy.dp.bookkeeping`) and with Opacus' per-example-gradient hooks
 (``clipping = "opacus"``). Every measurement runs in a fresh child process
 (multiprocessing "spawn", one torch thread), the sides alternating, so each side's peak
 memory is its own process's max RSS (``ru_maxrss``) and all sides see the same machine
@@ -122,8 +122,8 @@ def measure_training(side: str, setup: ThroughputSetup, directory: Path) -> dict
     from fl_secure.data.types import FaceDataset
     from fl_secure.messages import LocalTraining
     from fl_secure.training import LocalData, build_model, train_local
-    from privacy.dpsgd import DPSGDSettings, train_local_dpsgd
-    from privacy.noise import SecureGaussian
+    from privacy.dp.dpsgd import DPSGDSettings, train_local_dpsgd
+    from privacy.dp.noise import SecureGaussian
 
     labels = torch.from_numpy(np.load(directory / "labels.npy"))
     names = tuple(f"synthetic-{k:06d}" for k in range(setup.identities))

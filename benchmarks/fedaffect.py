@@ -50,6 +50,7 @@ from torch.nn import functional as F  # noqa: N812
 
 from client.trainer import LocalTrainer
 from client.trainer_factory import build_local_trainer
+from fl_secure.aggregation import StreamingMean
 from fl_secure.algorithms.fedaffect import (
     NUM_EXPRESSIONS,
     HeldOut,
@@ -65,7 +66,6 @@ from fl_secure.data.synthetic import SyntheticFaceConfig, generate_synthetic_fac
 from fl_secure.messages import TensorSpec
 from fl_secure.models.factory import get_backbone
 from fl_secure.training import get_tensors, local_training
-from server.aggregate import StreamingMean
 
 C = NUM_EXPRESSIONS
 

@@ -54,6 +54,7 @@ import torch
 from sklearn.cluster import KMeans
 
 from client.trainer import LocalTrainer
+from fl_secure.aggregation import StreamingMean
 from fl_secure.algorithms.cfinch import c_finch, pairwise_f_score
 from fl_secure.algorithms.fedfr import FedFR, resized_head
 from fl_secure.config import ModelConfig
@@ -70,7 +71,6 @@ from fl_secure.training import (
     set_tensors,
     train_local,
 )
-from server.aggregate import StreamingMean
 
 METRICS = ("tar_at_far_1e-1", "tar_at_far_1e-2", "tar_at_far_1e-3", "roc_auc", "rank1")
 

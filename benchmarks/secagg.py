@@ -1,8 +1,8 @@
 """Secure-aggregation benchmark: our SecAgg+ vs Flower's SecAgg+, and our CKKS; prints JSON.
 
-Our side (``privacy/secagg.py``) runs in this process: one full round per repeat, driven
-through the serialised messages like ``tests/privacy/test_secagg.py`` does. Flower's side runs
-``benchmarks/secagg_flower_driver.py`` under a separate interpreter that has ``flwr``
+Our side (``privacy/secagg/``) runs in this process: one full round per repeat, driven
+through the serialised messages like ``tests/privacy/secagg/test_protocol.py`` does. Flower's
+side runs ``benchmarks/secagg_flower_driver.py`` under a separate interpreter that has ``flwr``
 (``--flower-python``; Flower is never a dependency of this project), which calls Flower's
 SecAgg+ functions in-process in the order its client mod and server workflow do. The two
 sides alternate (ours first on even repeats, Flower first on odd ones) so both see the same
@@ -28,7 +28,7 @@ time (collecting the revealed shares, reconstruction, mask removal; the summing 
 inputs is ``server_collect_s``), bytes a surviving client sends (our messages' ``to_bytes``
 lengths; for Flower the PEM public keys, node ids as 8 bytes, Fernet ciphertexts of the
 shares, the ``np.save`` bytes of the masked arrays and the revealed shares). For n = 10, our
-CKKS aggregation (``privacy/ckks.py``) is a third column: encryption per client, server
+CKKS aggregation (``privacy/ckks/``) is a third column: encryption per client, server
 parse + add per update, decryption, bytes per client.
 
 Usage: python benchmarks/secagg.py [--quick] [--flower-python PATH] [--repeats 7]
@@ -56,26 +56,22 @@ sys.path.insert(0, str(ROOT))
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
 
 from fl_secure.messages import TensorSpec  # noqa: E402
-from privacy.ckks import (  # noqa: E402
-    CkksAggregator,
-    EncryptedUpdate,
-    decrypt_sum,
-    encrypt_update,
-    make_secret_context,
-    public_context,
-)
-from privacy.secagg import (  # noqa: E402
+from privacy.ckks.aggregator import CkksAggregator  # noqa: E402
+from privacy.ckks.context import make_secret_context, public_context  # noqa: E402
+from privacy.ckks.encryption import decrypt_sum, encrypt_update  # noqa: E402
+from privacy.ckks.update import EncryptedUpdate  # noqa: E402
+from privacy.secagg.client import SecAggClient  # noqa: E402
+from privacy.secagg.config import SecAggConfig  # noqa: E402
+from privacy.secagg.encoding import encode  # noqa: E402
+from privacy.secagg.masks import prg_mask  # noqa: E402
+from privacy.secagg.messages import (  # noqa: E402
     AdvertiseKeys,
     EncryptedShare,
     MaskedInput,
-    SecAggClient,
-    SecAggConfig,
-    SecAggServer,
     UnmaskRequest,
     UnmaskResponse,
-    encode,
-    prg_mask,
 )
+from privacy.secagg.server import SecAggServer  # noqa: E402
 
 DRIVER = ROOT / "benchmarks" / "secagg_flower_driver.py"
 DEFAULT_FLOWER_PYTHON = Path("/work/flwr-venv/bin/python")
@@ -90,10 +86,10 @@ PRG = {
     "ours": (
         "AES-256-CTR keystream (cryptography/OpenSSL), keyed by a 256-bit seed, IV 0, read "
         "as little-endian u32 words (u64 above 32 modulus bits) reduced mod 2^bits "
-        "(privacy.secagg.prg_mask / _apply_keystreams). Self-mask seed b_u = "
+        "(privacy.secagg.masks.prg_mask / apply_keystreams). Self-mask seed b_u = "
         "secrets.token_bytes(32); pairwise seed s_uv = HKDF-SHA256 of an X25519 agreement, "
         "bound to the round id and both client ids. Stochastic rounding uniforms: AES-256-CTR "
-        "keystream keyed by os.urandom (privacy.secagg.SecureUniform)."
+        "keystream keyed by os.urandom (privacy.secagg.encoding.SecureUniform)."
     ),
     "flower": (
         "flwr.common.secure_aggregation.secaggplus_utils.pseudo_rand_gen: XOR-folds the seed "
@@ -282,7 +278,7 @@ def ours_prg_s(d: int, repeats: int = 5) -> float:
 
 
 def ours_encode_s(update: np.ndarray, repeats: int = 5) -> float:
-    """Median time of :func:`privacy.secagg.encode` (AES-CTR stochastic rounding) of one update."""
+    """Median time of :func:`privacy.secagg.encoding.encode` (AES-CTR stochastic rounding)."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()

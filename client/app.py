@@ -4,7 +4,7 @@
 polls for tasks and answers them: a plain round here, a securely aggregated one through
 :class:`client.secure_round.SecureExchange`. When the server is unreachable or restarts, it
 reconnects with exponential backoff and jitter and joins again. Before any update leaves, the
-site's ledger (:class:`privacy.site_ledger.SiteLedger`) counts it, and a task the site has
+site's ledger (:class:`privacy.ledger.site_ledger.SiteLedger`) counts it, and a task the site has
 answered, or one past its epsilon budget, is refused.
 """
 
@@ -38,10 +38,11 @@ from fl_secure.messages import (
 )
 from fl_secure.tls.identity import load_signing_identity
 from fl_secure.v1 import transport_pb2_grpc as pb_grpc
-from privacy.ckks_session import CkksSetup, is_ckks_setup, load_secret_context
-from privacy.client_side import ClientPrivacy
-from privacy.secagg_session import RoundSetup, check_setup
-from privacy.site_ledger import SiteLedger
+from privacy.ckks.keys import load_secret_context
+from privacy.ckks.round_setup import CkksSetup, is_ckks_setup
+from privacy.client_round import ClientPrivacy
+from privacy.ledger.site_ledger import SiteLedger
+from privacy.secagg.round_setup import RoundSetup, check_setup
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import (
@@ -183,7 +184,7 @@ class FlClient:
         Each update this client releases spends privacy; the server's ledger counts one
         release per round. So a task already answered, an older round, or more attempts of a
         round than the run's ``server.max_retries`` allows are refused, and so is an update
-        past the site's own epsilon budget (:class:`privacy.site_ledger.SiteLedger`, which
+        past the site's own epsilon budget (:class:`privacy.ledger.site_ledger.SiteLedger`, which
         keeps the releases across restarts). (The local settings' ranges are checked when the
         task is read: :func:`fl_secure.serde.check_training`.)
         """
@@ -202,7 +203,7 @@ class FlClient:
         """Keep the run config and id of the first join; refuse others on a later join.
 
         Each round's secure-aggregation setup is then checked against it
-        (:func:`privacy.secagg_session.check_setup`), so a later message cannot weaken the
+        (:func:`privacy.secagg.round_setup.check_setup`), so a later message cannot weaken the
         protection this client joined under (drop the masking or the noise, lower the
         threshold).
 

@@ -5,8 +5,8 @@ under, a replayed round id, its keys) and what it tells the server when the roun
 :class:`SecureExchange` runs the round on the wire once it does: the attendance call held open
 for the whole round, the key stages, the download of the global parameters alongside them,
 local training, the masked (or encrypted) upload and the unmasking. The protocol itself is
-:func:`privacy.secagg_session.client_secure_update` or
-:func:`privacy.ckks_session.client_ckks_update`; this module gives it the calls.
+:func:`privacy.secagg.client_round.client_secure_update` or
+:func:`privacy.ckks.client_round.client_ckks_update`; this module gives it the calls.
 """
 
 from __future__ import annotations
@@ -24,7 +24,12 @@ import numpy as np
 from fl_secure import serde
 from fl_secure.errors import FlSecureError, PrivacyError, ProtocolError, RoundAborted, UpdateError
 from fl_secure.messages import SecAggMessage, SecAggStage, UpdateHeader, WithdrawReason
-from privacy import ckks_session, secagg_session
+
+# the round functions are looked up on their modules at call time: tests replace them there
+from privacy.ckks import client_round as ckks_client_round
+from privacy.ckks.round_setup import CKKS_TENSOR, check_ckks_setup
+from privacy.secagg import client_round as secagg_client_round
+from privacy.secagg.stages import MASKED, MASKED_TENSOR, wire_dtype
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import (
@@ -36,8 +41,8 @@ if TYPE_CHECKING:
     from fl_secure.config import Config
     from fl_secure.messages import Task, Tensors
     from fl_secure.v1 import transport_pb2_grpc as pb_grpc
-    from privacy.ckks_session import CkksSetup
-    from privacy.secagg_session import RoundSetup
+    from privacy.ckks.round_setup import CkksSetup
+    from privacy.secagg.round_setup import RoundSetup
 
 #: Training metrics a secure round's upload may carry (besides ``dp_*``): not data-dependent.
 SECURE_METRICS = frozenset({"local_steps"})
@@ -112,14 +117,16 @@ class SecureExchange:
         self._setup = setup
         # looked up on the module when called: tests replace it there to make a client fail
         # at a chosen point of the protocol
-        secagg_session.client_secure_update(
+        secagg_client_round.client_secure_update(
             setup, client_id, identity, registry, self._exchange, self._compute, self._upload
         )
 
     def ckks(self, setup: CkksSetup, secret: bytes) -> None:
         """CKKS: the encrypted update goes into the cohort's sum."""
         self._ckks_setup = setup
-        ckks_session.client_ckks_update(setup, secret, self._exchange, self._compute, self._upload)
+        ckks_client_round.client_ckks_update(
+            setup, secret, self._exchange, self._compute, self._upload
+        )
 
     def close(self, finished: bool) -> None:
         """Cancel a call a failed round left over; leave the round if it did not finish."""
@@ -150,7 +157,7 @@ class SecureExchange:
     def _compute(self) -> Tensors:  # after the key stages: the download, then training
         params = self._parameters.result()
         if self._ckks_setup is not None:  # the layers it encrypts, against the shared ones
-            ckks_session.check_ckks_setup(self._ckks_setup, self.run_config, list(params))
+            check_ckks_setup(self._ckks_setup, self.run_config, list(params))
         try:
             update, _, found = self.trainer.train(params, self.task.training)
         except BaseException:
@@ -173,22 +180,20 @@ class SecureExchange:
             metrics={**self.metrics, "local_seconds": time.monotonic() - self.started},
         )
         if self._setup is None:  # CKKS
-            tensors = OrderedDict([(ckks_session.CKKS_TENSOR, vector.astype(np.uint8))])
+            tensors = OrderedDict([(CKKS_TENSOR, vector.astype(np.uint8))])
         else:
-            dtype = secagg_session.wire_dtype(self._setup)
-            tensors = OrderedDict(
-                [(secagg_session.MASKED_TENSOR, vector.astype(dtype, copy=False))]
-            )
+            dtype = wire_dtype(self._setup)
+            tensors = OrderedDict([(MASKED_TENSOR, vector.astype(dtype, copy=False))])
             # Nothing is revealed before the upload has succeeded and the request is in:
             # client_secure_update reads the reply only after upload() returned.
-            self._pending[secagg_session.MASKED] = self._start(secagg_session.MASKED, b"")
+            self._pending[MASKED] = self._start(MASKED, b"")
         try:
             self.count_release(task, self.metrics)  # before the masked/encrypted update leaves
             self.stub.SubmitUpdate(
                 serde.update_to_chunks(header, tensors), metadata=self.metadata, timeout=600
             )
         except BaseException:
-            call = self._pending.pop(secagg_session.MASKED, None)
+            call = self._pending.pop(MASKED, None)
             if call is not None:
                 call.cancel()
             raise

@@ -32,7 +32,7 @@ from fl_secure.training import FaceModel, LocalData, set_tensors
 if TYPE_CHECKING:
     from fl_secure.algorithms import Strategy
     from fl_secure.messages import LocalTraining, Tensors
-    from privacy.client_side import ClientPrivacy
+    from privacy.client_round import ClientPrivacy
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from fl_secure.data.plan import plan_federation
 from fl_secure.data.splits import stratified_split
 from fl_secure.errors import ConfigError
 from fl_secure.training import FaceModel, build_model
-from privacy.client_side import ClientPrivacy
-from privacy.noise import seeded_source
+from privacy.client_round import ClientPrivacy
+from privacy.dp.noise import seeded_source
 
 if TYPE_CHECKING:
     from fl_secure.data.types import FaceDataset

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from fl_secure.aggregation import Aggregator, StreamingMean
 from fl_secure.algorithms.base import BROADCAST_PREFIX
 from fl_secure.checkpoints import CheckpointStore
 from fl_secure.errors import CheckpointError, ProtocolError, RoundAborted
@@ -37,15 +38,14 @@ from fl_secure.messages import (
 )
 from fl_secure.runs import RunDir
 from fl_secure.training import round_learning_rate
-from server.aggregate import StreamingMean
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
     from fl_secure.config import SecureAggregationConfig
-    from privacy.ckks_session import ServerCkksRound
-    from privacy.secagg_session import ServerSecureRound
-    from privacy.session import ServerPrivacy
+    from privacy.ckks.server_round import ServerCkksRound
+    from privacy.secagg.server_round import ServerSecureRound
+    from privacy.server_round import ServerPrivacy
 
 log = logging.getLogger(__name__)
 
@@ -63,18 +63,6 @@ class HeadStep(Protocol):
     ) -> dict[str, Tensors]:
         """Client id -> head tensors in, the corrected heads out."""
         ...
-
-
-class Aggregator(Protocol):
-    """Folds a round's updates together: :class:`StreamingMean` or a DP aggregator."""
-
-    count: int
-
-    def add(self, tensors: Mapping[str, np.ndarray], weight: float) -> None:
-        """Fold one validated update in."""
-
-    def mean(self) -> Tensors:
-        """The round's aggregate update."""
 
 
 @dataclass(frozen=True)
@@ -473,10 +461,10 @@ class Coordinator:
     ) -> bytes:
         """One secure-aggregation stage message; waits until the stage has closed.
 
-        ``stage`` is the internal stage number of :mod:`privacy.secagg_session` (advertise,
+        ``stage`` is the internal stage number of :mod:`privacy.secagg.stages` (advertise,
         share: submit then wait; masked: wait for the unmask request; unmask: submit).
         """
-        from privacy.secagg_session import ADVERTISE, SHARE, UNMASK
+        from privacy.secagg.stages import ADVERTISE, SHARE, UNMASK
 
         with self._cv:
             rnd, sec = self._secure_member(client_id, round_, nonce)
@@ -510,7 +498,7 @@ class Coordinator:
         of at a deadline (:meth:`_client_gone`). The wait is on ``wake``, not on the round's
         condition, so the round's every step does not wake every attendance handler.
         """
-        from privacy.secagg_session import STAGE_NAMES
+        from privacy.secagg.stages import STAGE_NAMES
 
         with self._cv:
             rnd, sec = self._secure_member(client_id, round_, nonce)
@@ -541,7 +529,7 @@ class Coordinator:
         waiting for it. Either way a client that declined is left out of the round's later
         attempts.
         """
-        from privacy.secagg_session import DECLINED, STAGE_NAMES, WITHDRAW_REASONS
+        from privacy.secagg.stages import DECLINED, STAGE_NAMES, WITHDRAW_REASONS
 
         why = WITHDRAW_REASONS.get(reason, "")
         with self._cv:
@@ -850,7 +838,7 @@ class Coordinator:
         noise the guarantee covers that view, so an attempt that then fails (too few
         updates) has released them all the same, and the retry releases them again. Each
         such attempt is composed like a round (``discarded_sum``); see
-        :meth:`privacy.session.ServerPrivacy.discard_sum` for the placements it counts.
+        :meth:`privacy.server_round.ServerPrivacy.discard_sum` for the placements it counts.
         """
         if not rnd.received or len(rnd.received) >= needed or self.privacy is None:
             return
@@ -870,7 +858,8 @@ class Coordinator:
         self, number: int, attempt: int, cohort: list[str]
     ) -> ServerSecureRound | ServerCkksRound:
         from fl_secure.errors import PrivacyError
-        from privacy.secagg_session import ServerSecureRound, make_setup
+        from privacy.secagg.round_setup import make_setup
+        from privacy.secagg.server_round import ServerSecureRound
 
         cfg = self.settings.secure_aggregation
         assert cfg is not None
@@ -894,7 +883,8 @@ class Coordinator:
 
     def _ckks_round(self, number: int, attempt: int, cohort: list[str]) -> ServerCkksRound:
         """A CKKS round: encrypted uploads summed here, decrypted by one or two clients."""
-        from privacy.ckks_session import CkksSetup, ServerCkksRound, shared_layers
+        from privacy.ckks.round_setup import CkksSetup, shared_layers
+        from privacy.ckks.server_round import ServerCkksRound
 
         cfg = self.settings.secure_aggregation
         assert cfg is not None
@@ -957,7 +947,7 @@ class Coordinator:
             if rnd.aggregator is None:  # pragma: no cover - TRAIN rounds always aggregate
                 raise RoundAborted("no aggregator")
             return rnd.aggregator.mean()
-        from privacy.secagg_session import unflatten
+        from privacy.secagg.vectors import unflatten
 
         total = unflatten(rnd.secure.decoded_sum(), self.specs)
         count = len(rnd.secure.survivors())

@@ -120,7 +120,7 @@ def _run_held(
             write_config(run, config)
             init_certificates(run.certs, clients=config.partition.num_clients)
             if config.secure_aggregation.scheme == "ckks":  # the clients' shared key, made here
-                from privacy.ckks_session import write_ckks_keys
+                from privacy.ckks.keys import write_ckks_keys
 
                 write_ckks_keys(run.certs)
         enrolled = set(load_enrollment(run.certs).fingerprints)

@@ -207,7 +207,7 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"unknown secure-aggregation stage {int(request.stage)}",
             )
-        stage = int(request.stage) - 1  # wire stages start at 1, privacy.secagg_session at 0
+        stage = int(request.stage) - 1  # wire stages start at 1, privacy.secagg.stages at 0
         try:
             payload = self.coordinator.secagg_exchange(
                 client_id, round_, nonce, stage, bytes(request.payload)

@@ -35,9 +35,9 @@ from fl_secure.training import (
     local_training,
     set_tensors,
 )
-from privacy.client_level import ClientLevelPlan, client_noise_std
-from privacy.noise import NoiseSource, seeded_source
-from privacy.session import ServerPrivacy, client_level_plan, open_server_privacy
+from privacy.dp.client_level import ClientLevelPlan, client_level_plan, client_noise_std
+from privacy.dp.noise import NoiseSource, seeded_source
+from privacy.server_round import ServerPrivacy, open_server_privacy
 from server.coordinator import Coordinator, CoordinatorSettings
 
 log = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ def build_server(
         for name, array in get_tensors(model, strategy.head_names(model)).items()
     )
     if config.privacy.unit == "example":  # refuse before any client trains, not in round 1
-        from privacy.dpsgd import validate_model
+        from privacy.dp.dpsgd import validate_model
 
         try:
             validate_model(model)
@@ -256,7 +256,7 @@ def preflight(config: Config, population: int) -> None:
         raise ConfigError(f"data.path {config.data.path} does not exist")
     _check_secagg_cohort(config, population)
     if config.privacy.unit == "example":
-        from privacy.dpsgd import validate_model
+        from privacy.dp.dpsgd import validate_model
 
         try:
             validate_model(model)
@@ -288,8 +288,8 @@ def _check_secagg_cohort(config: Config, population: int) -> None:
     if sa.scheme not in ("secagg", "secagg+"):
         return
     n = largest_cohort(config, population)
-    from privacy.secagg import check_modulus
-    from privacy.secagg_session import neighbourhood
+    from privacy.secagg.encoding import check_modulus
+    from privacy.secagg.round_setup import neighbourhood
 
     try:
         neighbourhood(sa, n)
@@ -311,7 +311,7 @@ def _check_encoding_range(
         return
     p, sa = privacy.plan, config.secure_aggregation
     if p.placement == "distributed" and sa.scheme in ("secagg", "secagg+"):
-        from privacy.secagg_session import check_ddg
+        from privacy.secagg.round_setup import check_ddg
 
         n = largest_cohort(config, population)
         ddg = (p.noise_multiplier, p.clip_norm, config.server.min_clients)
@@ -364,7 +364,7 @@ def _ckks_public_context(config: Config, cert_dir: Path | None) -> bytes:
         return b""
     if cert_dir is None:
         raise ConfigError("secure_aggregation.scheme = 'ckks' cannot run with --insecure")
-    from privacy.ckks_session import load_public_context
+    from privacy.ckks.keys import load_public_context
 
     try:
         return load_public_context(cert_dir)
@@ -417,7 +417,8 @@ def recorded_run_id(run_dir: RunDir) -> str | None:
     # id is the run's (a folder renamed before round 1 would otherwise refuse its own ledger)
     ledger = run_dir.path / "ledger.sqlite"
     if state is None and ledger.is_file():
-        from privacy.ledger import Ledger, LedgerError
+        from privacy.ledger.entries import LedgerError
+        from privacy.ledger.run_ledger import Ledger
 
         try:
             with Ledger.read(ledger) as held:

@@ -59,9 +59,9 @@ def test_base_layer_names_every_module_of_fl_secure_but_the_app_layer() -> None:
 @pytest.mark.parametrize(
     ("module", "wrong"),
     [
-        ("fl_secure/data/types.py", "import server.aggregate"),  # base -> server
-        ("privacy/noise.py", "import client.trainer"),  # privacy -> client
-        ("server/aggregate.py", "import client.trainer"),  # server <-> client
+        ("fl_secure/data/types.py", "import server.summary"),  # base -> server
+        ("privacy/dp/noise.py", "import client.trainer"),  # privacy -> client
+        ("server/summary.py", "import client.trainer"),  # server <-> client
         ("audits/grids.py", "import fl_secure.app.cli"),  # audits -> app
     ],
 )

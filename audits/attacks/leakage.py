@@ -32,8 +32,8 @@ from audits.leakage import (
 )
 from audits.observations import RunContext, View
 from fl_secure.training import FaceModel, build_model, set_tensors
-from privacy.client_level import add_gaussian, client_noise_std
-from privacy.noise import SeededGaussian
+from privacy.dp.client_level import add_gaussian, client_noise_std
+from privacy.dp.noise import SeededGaussian
 
 
 def _client_model(run: RunContext, k: int) -> tuple[FaceModel, str]:

@@ -34,8 +34,8 @@ the backbone's own, 0.79 vs 0.84 over 4 clients.)
 Exposure ``private-embedding``: only the backbone is aggregated; the head, the adapter and
 ``phi`` stay on the client. ``R`` comes from public identities only. Algorithm 1 lines 23-26
 (clip the local parameters, add Gaussian noise to the upload) are the client-level DP of
-:mod:`privacy.client_level`, applied to this strategy's shared update when
-``[privacy] unit = "client"`` (:class:`privacy.client_side.ClientPrivacy.release`); this
+:mod:`privacy.dp.client_level`, applied to this strategy's shared update when
+``[privacy] unit = "client"`` (:class:`privacy.client_round.ClientPrivacy.release`); this
 module adds no noise of its own. With ``unit = "example"`` DP-SGD replaces the local
 objective (plain margin-head training), so AdaFedFR's losses are not used there.
 

@@ -2,7 +2,7 @@
 
 Runs the *same* code as the gRPC path: every client is a :class:`client.trainer.LocalTrainer`
 built by :func:`client.trainer_factory.build_local_trainer` (same model, label space,
-batch-order seed), the server folds the updates with :class:`server.aggregate.StreamingMean`
+batch-order seed), the server folds the updates with :class:`fl_secure.aggregation.StreamingMean`
 weighted by example counts and applies the strategy's ``server_update`` (and, for
 ``server-sees-heads`` designs
 such as FedGC, its ``server_heads`` on the uploaded heads, each returned to its owner only),
@@ -31,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from client.trainer_factory import build_local_trainer
+from fl_secure.aggregation import StreamingMean
 from fl_secure.algorithms import check_config, get_strategy, strategy_class
 from fl_secure.app.tuning import evaluate_after_training
 from fl_secure.config import Config
@@ -40,7 +41,6 @@ from fl_secure.evaluation import DegenerateEmbeddings, per_client_summary
 from fl_secure.messages import Tensors, TensorSpec
 from fl_secure.training import HEADLINE, build_model, get_tensors, local_training
 from fl_secure.training import round_learning_rate as lr_of_round
-from server.aggregate import StreamingMean
 from server.setup import make_evaluator
 
 

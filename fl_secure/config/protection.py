@@ -28,7 +28,7 @@ class PrivacyConfig:
     DP-SGD with Opacus inside each client (one face image is the protected record).
 
     ``clipping`` (example unit) chooses how the per-example clipped gradient sum is computed:
-    ``book-keeping`` (:mod:`privacy.bookkeeping`: ghost norms and one clipped weight gradient
+    ``book-keeping`` (:mod:`privacy.dp.bookkeeping`: ghost norms and one clipped weight gradient
     per layer, no per-example gradients stored) or ``opacus`` (Opacus' hooks materialise
     every per-example gradient). Both give the same update up to float rounding; ``auto``
     takes book-keeping when every trainable layer is supported, else Opacus.
@@ -97,7 +97,7 @@ class SecureAggregationConfig:
     ``scale_bits`` fractional bits and summed mod ``2^modulus_bits`` (a configuration whose sum
     could wrap is refused when the round starts). ``ckks`` encrypts each update with CKKS
     (TenSEAL) under a secret key all clients share (``CERTS/ckks/clients.secret``); the server
-    adds ciphertexts and one or two clients decrypt the sum (:mod:`privacy.ckks_session`).
+    adds ciphertexts and one or two clients decrypt the sum (:mod:`privacy.ckks`).
     """
 
     scheme: SecAggScheme = "none"

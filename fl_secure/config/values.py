@@ -30,7 +30,7 @@ Optimizer = Literal["sgd", "adam"]
 LrSchedule = Literal["constant", "cosine"]
 PrivacyUnit = Literal["none", "client", "example"]
 NoisePlacement = Literal["local", "distributed", "central"]
-#: smallest privacy.noise_multiplier: privacy.accountants.accountant.MIN_ACCOUNTED_NOISE, kept
+#: smallest privacy.noise_multiplier: privacy.dp.accountants.accountant.MIN_ACCOUNTED_NOISE, kept
 #: here so that reading a config does not import the accountants (a test ties the two)
 MIN_NOISE_MULTIPLIER = 0.05
 #: The longest timeout a config may set (a week): larger ones overflow the waits' timers

@@ -433,8 +433,9 @@ class Task(_message.Message):
     """human-readable reason for WAIT / FINISHED"""
     parameters_bytes: _builtins.int
     secagg_setup: _builtins.bytes
-    """Secure aggregation of this TRAIN round: privacy.secagg.RoundSetup bytes (round id, cohort,
-    threshold, neighbours, modulus, encoding); empty when updates are sent in the clear.
+    """Secure aggregation of this TRAIN round: privacy.secagg.round_setup.RoundSetup bytes (round
+    id, cohort, threshold, neighbours, modulus, encoding; a CKKS round's
+    privacy.ckks.round_setup.CkksSetup); empty when updates are sent in the clear.
     """
     @_builtins.property
     def training(self) -> Global___LocalTraining: ...

@@ -20,7 +20,7 @@ from audits.canary import (
     one_run_p_value,
     threshold_audit,
 )
-from privacy.calibration import calibrate_noise, epsilon_for
+from privacy.dp.calibration import calibrate_noise, epsilon_for
 
 DELTA = 1e-5
 

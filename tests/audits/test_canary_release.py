@@ -14,8 +14,8 @@ import torch
 from audits.canary import one_run_audit
 from audits.canary_release import OneHotCanaries, canary_scores, release_round
 from audits.mechanism import Mechanism
-from privacy.calibration import calibrate_noise
-from privacy.noise import SeededGaussian
+from privacy.dp.calibration import calibrate_noise
+from privacy.dp.noise import SeededGaussian
 
 
 @pytest.mark.parametrize(("placement", "honest"), [("central", 0), ("distributed", 3)])

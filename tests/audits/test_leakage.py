@@ -22,8 +22,8 @@ from audits.leakage import (
 )
 from fl_secure.data import FaceDataset, SyntheticFaceConfig, generate_synthetic_faces
 from fl_secure.models import make_head
-from privacy.client_level import add_gaussian, clip_update, distributed_share_std
-from privacy.noise import seeded_source
+from privacy.dp.client_level import add_gaussian, clip_update, distributed_share_std
+from privacy.dp.noise import seeded_source
 
 IDENTITIES, PER_ID, CLIENTS = 40, 10, 10  # training = images 0..4, gallery = images 5..9
 TRAIN = PER_ID // 2

@@ -17,7 +17,7 @@ from audits.mechanism import mechanism_of_run
 from audits.mechanism_audit import MAX_TRIALS_TO_TEST, audit_mechanism
 from audits.run_audit import findings, summary_lines
 from fl_secure.errors import CheckpointError
-from privacy.calibration import calibrate_noise
+from privacy.dp.calibration import calibrate_noise
 
 
 def _summary(placement: str, scheme: str, z: float, epsilon: float) -> dict[str, Any]:

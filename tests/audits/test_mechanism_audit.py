@@ -22,7 +22,7 @@ from audits.mechanism_audit import (
     trials_to_test,
 )
 from audits.run_audit import findings
-from privacy.calibration import calibrate_noise
+from privacy.dp.calibration import calibrate_noise
 
 
 @pytest.mark.parametrize("placement", ["central", "distributed", "local"])

@@ -191,7 +191,7 @@ def _ckks_round(client: FlClient) -> list[tuple[int, int]]:
 
     The stub fails the test if a stage is started: the round must be refused before.
     """
-    from privacy.ckks_session import CkksSetup
+    from privacy.ckks.round_setup import CkksSetup
 
     client.trainer = object()  # type: ignore[assignment]  # never asked to train
     setup = CkksSetup(round_id=b"r" * 16, cohort=("client-0", "client-1"), layers=None,
@@ -267,7 +267,7 @@ class _Trainer:
 
 
 def test_a_restarted_client_still_refuses_a_task_it_answered(tmp_path: Path) -> None:
-    from privacy.site_ledger import SiteLedger
+    from privacy.ledger.site_ledger import SiteLedger
 
     # Prepare: a plain run; the client answers round 1, and its process is restarted
     config = config_from_dict(
@@ -294,7 +294,7 @@ def test_a_restarted_client_still_refuses_a_task_it_answered(tmp_path: Path) -> 
 def test_a_site_budget_stops_releases_and_withdraws_from_a_secure_round(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from privacy.site_ledger import SiteLedger
+    from privacy.ledger.site_ledger import SiteLedger
 
     # Prepare: z = 1 per release: one release spends epsilon 4.38 at delta 1e-5, two 6.4; a
     # budget of 5. The site joined (one release fits) and round 1 went out
@@ -327,8 +327,10 @@ def test_a_site_budget_stops_releases_and_withdraws_from_a_secure_round(
 def test_an_example_budget_declines_a_round_before_it_trains(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from privacy.client_side import ClientPrivacy
-    from privacy.site_ledger import SiteLedger, example_epsilon, release_for
+    from privacy.client_round import ClientPrivacy
+    from privacy.dp.gdp import example_epsilon
+    from privacy.ledger.site_ledger import SiteLedger
+    from privacy.ledger.site_release import release_for
 
     # Prepare: example-level DP-SGD, z = 1.1, q = 0.05, 60 steps a round; a site budget
     # between the epsilon of one round and that of two
@@ -382,7 +384,7 @@ def test_an_example_budget_declines_a_round_before_it_trains(
 def test_a_site_refuses_runs_past_their_rounds_their_evaluations_and_a_changed_config(
     tmp_path: Path,
 ) -> None:
-    from privacy.site_ledger import SiteLedger
+    from privacy.ledger.site_ledger import SiteLedger
 
     # Prepare: a plain run of 4 rounds, max_retries 0
     config = config_from_dict(
@@ -428,7 +430,7 @@ def test_a_site_refuses_runs_past_their_rounds_their_evaluations_and_a_changed_c
 
 
 def test_two_clients_cannot_share_a_state_folder(tmp_path: Path) -> None:
-    from privacy.site_ledger import SiteLedger
+    from privacy.ledger.site_ledger import SiteLedger
 
     first = SiteLedger(tmp_path, exclusive=True)
     with pytest.raises(PrivacyError, match="in use by another client process"):
@@ -441,8 +443,8 @@ def test_two_clients_cannot_share_a_state_folder(tmp_path: Path) -> None:
 
 
 def test_a_secure_round_id_seen_before_is_refused_also_after_a_restart(tmp_path: Path) -> None:
-    from privacy.secagg_session import make_setup
-    from privacy.site_ledger import SiteLedger
+    from privacy.ledger.site_ledger import SiteLedger
+    from privacy.secagg.round_setup import make_setup
 
     # Prepare: a CKKS run; this site took part in round id r...r before its restart
     config = config_from_dict(

@@ -19,7 +19,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-import privacy.secagg_session as session  # noqa: E402
+import privacy.secagg.client_round as session  # noqa: E402
 from client.app import FlClient  # noqa: E402
 from client.transport import Connection  # noqa: E402
 from fl_secure.messages import LocalTraining, Tensors  # noqa: E402

@@ -31,9 +31,9 @@ from fl_secure.errors import ProtocolError
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import RunDir
 from fl_secure.training import build_model, get_tensors, set_tensors
-from privacy.calibration import epsilon_for
-from privacy.client_level import add_gaussian, clip_update
-from privacy.noise import seeded_source
+from privacy.dp.calibration import epsilon_for
+from privacy.dp.client_level import add_gaussian, clip_update
+from privacy.dp.noise import seeded_source
 from server.coordinator import Coordinator, CoordinatorSettings
 
 

@@ -26,9 +26,9 @@ from fl_secure.algorithms.fedaffect import (
 from fl_secure.config import Config, config_from_dict
 from fl_secure.messages import Tensors
 from fl_secure.runs import RunDir
-from privacy.calibration import epsilon_for
-from privacy.client_level import add_gaussian, clip_update
-from privacy.noise import seeded_source
+from privacy.dp.calibration import epsilon_for
+from privacy.dp.client_level import add_gaussian, clip_update
+from privacy.dp.noise import seeded_source
 
 IDS = ["client-0", "client-1", "client-2"]
 ROUNDS = 2

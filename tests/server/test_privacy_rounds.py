@@ -16,10 +16,10 @@ from fl_secure.config import PrivacyConfig
 from fl_secure.errors import PrivacyError
 from fl_secure.messages import TaskKind, UpdateHeader
 from fl_secure.runs import RunDir
-from privacy.calibration import epsilon_for
-from privacy.ledger import Ledger
-from privacy.noise import SeededGaussian
-from privacy.session import open_server_privacy
+from privacy.dp.calibration import epsilon_for
+from privacy.dp.noise import SeededGaussian
+from privacy.ledger.run_ledger import Ledger
+from privacy.server_round import open_server_privacy
 from server.coordinator import Coordinator, CoordinatorSettings
 
 CLIENTS = ("c0", "c1", "c2")
@@ -150,7 +150,7 @@ def test_small_budget_stops_early_within_the_target(tmp_path: Path) -> None:
     # the epsilon spent is stated rounded up (4 decimals), never to the nearest
     import math
 
-    from privacy.session import _up4
+    from privacy.server_round import _up4
 
     assert coord.stop_reason.endswith(f"with epsilon {math.ceil(eps2 * 1e4) / 1e4:.4f}")
     assert (_up4(2.75334), _up4(2.7533), _up4(0.0)) == ("2.7534", "2.7533", "0.0000")
@@ -265,7 +265,7 @@ def test_a_fixed_noise_that_cannot_pay_for_one_round_is_refused_before_the_run(
     tmp_path: Path,
 ) -> None:
     from fl_secure.errors import ConfigError
-    from privacy.calibration import epsilon_for
+    from privacy.dp.calibration import epsilon_for
     from server.setup import build_server
 
     privacy = {"unit": "client", "noise_multiplier": 0.5, "target_epsilon": 1.0}
@@ -706,7 +706,7 @@ def test_a_stop_after_plain_updates_arrived_counts_them(tmp_path: Path) -> None:
 
 
 def _example_session(path: Path, rounds: int = 3):
-    from privacy.noise import seeded_source
+    from privacy.dp.noise import seeded_source
 
     cfg = PrivacyConfig(unit="example", noise_multiplier=1.0, delta=1e-5)
     return open_server_privacy(
@@ -720,7 +720,7 @@ def test_example_level_epsilon_is_composed_by_the_server_not_taken_from_the_clie
 ) -> None:
     # Prepare: a client whose accountant restarts every round (no --state-dir) reports one
     # round's epsilon each time: 100 steps at z = 1, q = 0.1
-    from privacy.ledger import ledger_guarantee
+    from privacy.ledger.guarantee import ledger_guarantee
 
     one = epsilon_for(
         accountant="prv", noise_multiplier=1.0, sample_rate=0.1, steps=100, delta=1e-5
@@ -843,7 +843,7 @@ def test_example_level_resume_refuses_a_ledger_missing_earlier_rounds(tmp_path: 
 def test_a_run_stopped_by_its_budget_can_still_resume(tmp_path: Path) -> None:
     # Prepare: client-level DP whose budget stops the run before some round; the stop is a
     # note under the round that never ran; then the server dies before its summary
-    from privacy.noise import seeded_source
+    from privacy.dp.noise import seeded_source
 
     cfg = PrivacyConfig(unit="client", noise_multiplier=3.0, target_epsilon=3.0, delta=1e-5)
 
@@ -873,7 +873,7 @@ def test_a_run_stopped_by_its_budget_can_still_resume(tmp_path: Path) -> None:
 def test_fixed_size_cohorts_under_dp_are_drawn_from_the_enrolled_clients(tmp_path: Path) -> None:
     # Prepare: client-level DP, 2 of 4 enrolled per round (fixed size, inclusion 1/2 in the
     # accountant); only c0 and c1 are online
-    from privacy.noise import seeded_source
+    from privacy.dp.noise import seeded_source
 
     cfg = PrivacyConfig(unit="client", noise_multiplier=1.0, delta=1e-5)
     enrolled = {"c0", "c1", "c2", "c3"}
@@ -907,7 +907,7 @@ def test_fixed_size_cohorts_under_dp_are_drawn_from_the_enrolled_clients(tmp_pat
 
 def test_an_offline_member_of_a_dp_cohort_drops_out_at_once(tmp_path: Path) -> None:
     # Prepare: 2 of 4 enrolled per round under client-level DP; c2 and c3 never connect
-    from privacy.noise import seeded_source
+    from privacy.dp.noise import seeded_source
 
     cfg = PrivacyConfig(unit="client", noise_placement="central", noise_multiplier=1.0)
     privacy = open_server_privacy(

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from fl_secure.tls import init_certificates
-from privacy.calibration import epsilon_for
-from privacy.ledger import Ledger
+from privacy.dp.calibration import epsilon_for
+from privacy.ledger.run_ledger import Ledger
 
 pytestmark = pytest.mark.slow
 

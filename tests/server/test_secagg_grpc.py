@@ -25,8 +25,8 @@ from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import RunDir
 from fl_secure.tls import init_certificates
 from fl_secure.tls.identity import load_signing_registry
-from privacy.ckks_session import load_public_context, write_ckks_keys
-from privacy.site_ledger import SiteLedger
+from privacy.ckks.keys import load_public_context, write_ckks_keys
+from privacy.ledger.site_ledger import SiteLedger
 from server.app import load_enrollment, start_server
 from server.coordinator import Coordinator, CoordinatorSettings
 
@@ -53,13 +53,14 @@ class _Killed(BaseException):
 
 def _die_after_masked_input(monkeypatch, dying: set[str]) -> None:
     """Clients in ``dying`` vanish right after uploading their masked input."""
-    import privacy.secagg_session as session
+    import privacy.secagg.client_round as session
+    from privacy.secagg.stages import MASKED
 
     real = session.client_secure_update
 
     def wrapped(setup, client_id, identity, registry, exchange, compute, upload):
         def exchange_or_die(stage: int, payload: bytes) -> bytes:
-            if client_id in dying and stage == session.MASKED:
+            if client_id in dying and stage == MASKED:
                 raise _Killed(client_id)
             return exchange(stage, payload)
 
@@ -193,7 +194,7 @@ def _run_config(n: int, min_clients: int, secure: SecureAggregationConfig, priva
 def _distributed_dp(tmp_path: Path, *, population: int, min_survivors: int, z: float = 0.05):
     """Client-level DP with distributed noise for a one-round run: any ``min_survivors``
     clients' discrete Gaussian shares carry ``z C``."""
-    from privacy.session import open_server_privacy
+    from privacy.server_round import open_server_privacy
 
     cfg = PrivacyConfig(unit="client", noise_placement="distributed", noise_multiplier=z)
     return open_server_privacy(
@@ -236,7 +237,7 @@ def test_secure_sum_equals_the_plain_mean(tmp_path: Path) -> None:
 
 def first_setup_fails(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The first secure-aggregation setup of the run fails; the attempts asked are listed."""
-    import privacy.secagg_session as session
+    import privacy.secagg.round_setup as session
 
     real, calls = session.make_setup, []
 
@@ -348,7 +349,7 @@ def test_a_site_that_declines_a_round_withdraws_before_the_key_stages(tmp_path: 
     import tomllib
 
     from fl_secure.config import config_from_dict
-    from privacy.session import open_server_privacy
+    from privacy.server_round import open_server_privacy
 
     # Prepare: local client-level noise; client-3's site ledger (kept across a restart)
     # already holds three updates for round 1 of this run, as many as the run config's
@@ -380,7 +381,7 @@ def test_a_site_that_declines_a_round_withdraws_before_the_key_stages(tmp_path: 
 def test_distributed_discrete_gaussian_noise_on_the_secure_sum(tmp_path: Path) -> None:
     # Prepare: client-level DP, distributed placement: every client clips to C = 1 and adds
     # discrete Gaussian noise to its integer vector; any t = 3 shares carry z C
-    from privacy.discrete_gaussian import ddg_client_sigma, integer_l2_bound
+    from privacy.dp.discrete_gaussian import ddg_client_sigma, integer_l2_bound
 
     z, d = 0.05, 50 * 40 + 7
     privacy = _distributed_dp(tmp_path, population=4, min_survivors=3, z=z)
@@ -420,7 +421,7 @@ def test_a_masked_input_that_is_not_an_encoding_aborts_the_attempt(
 ) -> None:
     # Prepare: client-2 uploads random words instead of its masked input: well-formed, so
     # the protocol unmasks it, but the sum is no sum of clipped (noised) inputs
-    import privacy.secagg_session as session
+    import privacy.secagg.client_round as session
 
     real = session.client_secure_update
 
@@ -558,7 +559,7 @@ def test_ckks_encrypts_the_configured_layers_only(tmp_path: Path) -> None:
 
 def test_ckks_decryptors_that_disagree_abort_the_round(tmp_path: Path, monkeypatch) -> None:
     # Prepare: every client adds its own offset to the sum it decrypts (a lying decryptor)
-    import privacy.ckks_session as cs
+    import privacy.ckks.client_round as cs
 
     real = cs.decrypt_sum
 
@@ -663,7 +664,7 @@ def test_withdraw_reasons_match_the_wire_enum_and_classify_local_failures() -> N
     from client.secure_round import withdraw_reason
     from fl_secure.errors import PrivacyError, ProtocolError, RoundAborted, UpdateError
     from fl_secure.v1 import transport_pb2 as pb
-    from privacy.secagg_session import WITHDRAW_REASONS
+    from privacy.secagg.stages import WITHDRAW_REASONS
 
     # the server's wording covers exactly the proto's numbers, and only "none" is empty
     assert sorted(WITHDRAW_REASONS) == sorted(pb.WithdrawReason.values())

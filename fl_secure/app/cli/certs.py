@@ -106,8 +106,8 @@ def cmd_certs_issue(args: argparse.Namespace) -> int:
 
 def cmd_certs_ckks(args: argparse.Namespace) -> int:
     """Make the clients' shared CKKS key and the server's key-less context."""
-    from privacy.ckks import CkksParams
-    from privacy.ckks_session import write_ckks_keys
+    from privacy.ckks.context import CkksParams
+    from privacy.ckks.keys import write_ckks_keys
 
     params = CkksParams(poly_modulus_degree=args.poly_modulus_degree)
     secret, public = write_ckks_keys(args.out, params, overwrite=args.overwrite)

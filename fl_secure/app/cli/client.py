@@ -95,7 +95,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     from fl_secure.algorithms.registry import check_config
     from fl_secure.config import load_config
     from fl_secure.data.folders import list_identity_folders
-    from privacy.site_ledger import SiteLedger
+    from privacy.ledger.site_ledger import SiteLedger
 
     if args.config is not None and args.plan_index is None:
         raise FlSecureError("--config needs --plan-index N (which share of the plan is mine)")

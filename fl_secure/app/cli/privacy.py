@@ -18,24 +18,21 @@ from typing import Any
 from fl_secure.app.cli.common import Subparsers, number_arg, positive_int
 from fl_secure.errors import CheckpointError, PrivacyError
 from fl_secure.runs import RunDir
-from privacy.ledger import (
-    Ledger,
-    LedgerError,
-    format_ledger,
-    ledger_json,
-    recorded_head,
-    released_model_of_run,
-)
+from privacy.ledger.entries import LedgerError
+from privacy.ledger.formatting import format_ledger, ledger_json
+from privacy.ledger.guarantee import released_model_of_run
+from privacy.ledger.run_ledger import Ledger
+from privacy.ledger.verification import recorded_head
 
 # Imports that load torch, grpc or tenseal are inside the functions: `fl-secure --help` stays
 # fast (fl_secure.app.cli.common says why). The accountants are among them (opacus, torch):
 # the parser's choices are kept here, and a test ties them to the registry's.
 
-#: privacy.accountants.registry.ACCOUNTANTS, sorted as the parser lists them.
+#: privacy.dp.accountants.registry.ACCOUNTANTS, sorted as the parser lists them.
 ACCOUNTANT_NAMES = ("pld", "prv", "rdp")
-#: privacy.accountants.registry.DEFAULT_CLIENT_LEVEL: calibrate's default accountant.
+#: privacy.dp.accountants.registry.DEFAULT_CLIENT_LEVEL: calibrate's default accountant.
 DEFAULT_CLIENT_LEVEL = "pld"
-#: privacy.accountants.accountant.SAMPLINGS.
+#: privacy.dp.accountants.accountant.SAMPLINGS.
 SAMPLINGS = ("poisson", "fixed_size")
 
 
@@ -139,7 +136,7 @@ def add_parser(sub: Subparsers) -> None:
 
 def cmd_site(args: argparse.Namespace) -> int:
     """``privacy site``: the site ledger's summary."""
-    from privacy.site_ledger import FILE_NAME, SiteLedger
+    from privacy.ledger.site_ledger import FILE_NAME, SiteLedger
 
     if not (args.state_dir / FILE_NAME).is_file():
         sys.stderr.write(f"error: {args.state_dir / FILE_NAME} does not exist\n")
@@ -254,7 +251,7 @@ def _check_population(args: argparse.Namespace) -> None:
 
 
 def _report(args: argparse.Namespace, noise_multiplier: float, epsilon: float) -> dict[str, Any]:
-    from privacy.accountants.accountant import ADJACENCY
+    from privacy.dp.accountants.accountant import ADJACENCY
 
     return {
         "epsilon": epsilon,
@@ -290,7 +287,7 @@ def _emit(args: argparse.Namespace, report: dict[str, Any]) -> None:
 
 
 def _epsilon(args: argparse.Namespace, noise_multiplier: float) -> float:
-    from privacy.calibration import epsilon_for
+    from privacy.dp.calibration import epsilon_for
 
     return epsilon_for(
         accountant=args.accountant,
@@ -317,7 +314,7 @@ def cmd_epsilon(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """``privacy calibrate``: print the smallest noise multiplier meeting the target."""
-    from privacy.calibration import calibrate_noise
+    from privacy.dp.calibration import calibrate_noise
 
     try:
         _check_population(args)

@@ -34,7 +34,7 @@ from fl_secure.app.report.threat_model import threat_model_section
 from fl_secure.app.report.utility import utility_section
 from fl_secure.errors import CheckpointError, PrivacyError
 from fl_secure.runs import RunDir, read_json_object
-from privacy.site_ledger import FILE_NAME, SiteLedger
+from privacy.ledger.site_ledger import FILE_NAME, SiteLedger
 
 #: Version of the report JSON (``schema/report-v{major}.schema.json``).
 REPORT_VERSION = "1.4"  # 1.2: run.failed_attempts, sites; 1.3: sites' example_epsilon
@@ -355,7 +355,7 @@ def site_figures(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
     """Each site's own epsilon against the server, from the site ledgers in the run folder.
 
     Embedded runs keep each client's state folder under ``clients/<id>/``, with its
-    ``site_ledger.json`` (:mod:`privacy.site_ledger`). A standalone server's sites keep
+    ``site_ledger.json`` (:mod:`privacy.ledger.site_ledger`). A standalone server's sites keep
     theirs at the sites; the section then lists none.
     """
     delta = summary.get("delta")

@@ -11,16 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fl_secure.runs import RunDir
-from privacy.ledger import (
-    CLIENT_KINDS,
-    Ledger,
-    ledger_guarantee,
-    recorded_head,
-    released_model_of_run,
-)
+from privacy.ledger.entries import CLIENT_KINDS
+from privacy.ledger.guarantee import ledger_guarantee, released_model_of_run
+from privacy.ledger.run_ledger import Ledger
+from privacy.ledger.verification import recorded_head
 
 if TYPE_CHECKING:
-    from privacy.ledger import Entry
+    from privacy.ledger.entries import Entry
 
 
 def model_section(run: RunDir, entries: list[Entry]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 
 from audits.run_audit import findings
 from fl_secure.errors import PrivacyError
-from privacy.site_ledger import SiteLedger
+from privacy.ledger.site_ledger import SiteLedger
 
 #: A final model whose TAR@FAR=1e-2 is not above the initial one's by more than this is
 #: warned about (``no-utility``): a difference this small is within the run-to-run spread of

@@ -28,7 +28,8 @@ from fl_secure.config import config_from_dict
 from fl_secure.data.manifest import SYNTHETIC_KIND, data_manifest
 from fl_secure.errors import CheckpointError, FlSecureError
 from fl_secure.runs import RunDir
-from privacy.ledger import Entry, Ledger
+from privacy.ledger.entries import Entry
+from privacy.ledger.run_ledger import Ledger
 from server.setup import _first_data_manifest
 
 pytestmark = pytest.mark.slow

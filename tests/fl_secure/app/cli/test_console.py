@@ -13,8 +13,8 @@ from pathlib import Path
 
 from fl_secure import __version__
 from fl_secure.app.cli import privacy as privacy_cli
-from privacy.accountants.accountant import SAMPLINGS
-from privacy.accountants.registry import ACCOUNTANTS, DEFAULT_CLIENT_LEVEL
+from privacy.dp.accountants.accountant import SAMPLINGS
+from privacy.dp.accountants.registry import ACCOUNTANTS, DEFAULT_CLIENT_LEVEL
 
 ROOT = Path(__file__).resolve().parents[4]
 HEAVY = ("torch", "grpc", "tenseal", "opacus", "dp_accounting", "cryptography")

@@ -136,7 +136,8 @@ def test_the_sites_own_epsilon_against_the_server_is_printed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from fl_secure.config import config_from_dict
-    from privacy.site_ledger import SiteLedger, composed_mu, gaussian_epsilon
+    from privacy.dp.gdp import composed_mu, gaussian_epsilon
+    from privacy.ledger.site_ledger import SiteLedger
 
     # Prepare: two embedded sites' ledgers; client-1 released 3 updates at z = 1.1 (local
     # noise), client-0 one

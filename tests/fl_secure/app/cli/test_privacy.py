@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fl_secure.app.cli import main
-from privacy.ledger import Ledger
+from privacy.ledger.run_ledger import Ledger
 
 PAYLOAD = {
     "noise_multiplier": 1.1, "sample_rate": 0.5, "clip_norm": 1.0, "cohort_size": 4,
@@ -89,7 +89,7 @@ def test_site_prints_the_site_ledger_and_a_client_budget_needs_a_state_dir(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from fl_secure.config import config_from_dict
-    from privacy.site_ledger import SiteLedger
+    from privacy.ledger.site_ledger import SiteLedger
 
     # Prepare: three local-noise releases at z = 1.25 in the site's state folder
     config = config_from_dict({"privacy": {"unit": "client", "noise_multiplier": 1.25}})

@@ -1,0 +1,1 @@
+"""Differential privacy: noise, accountants, calibration, client-level DP and DP-SGD."""
