@@ -38,7 +38,8 @@ from fl_secure.training import (
 from privacy.client_level import ClientLevelPlan, client_noise_std
 from privacy.noise import NoiseSource, seeded_source
 from privacy.session import ServerPrivacy, client_level_plan, open_server_privacy
-from server.coordinator import Coordinator, CoordinatorSettings
+from server.coordinator import Coordinator
+from server.settings import CoordinatorSettings
 
 log = logging.getLogger(__name__)
 
