@@ -38,8 +38,8 @@ class CoordinatorSettings:
     final_evaluation: bool = True
     lr_schedule: str = "constant"
     secure_aggregation: SecureAggregationConfig | None = None
-    # server-sees-heads (FedGC): the head tensors every TRAIN upload ends with, rows -1 (each
-    # client has its own number of classes), and the most rows a client's head may have
+    # server-sees-heads (FedGC): the head template of TRAIN uploads and the most rows a
+    # client's head may have (server.round.RoundRules, with rounds, training, lr_schedule)
     head_specs: tuple[TensorSpec, ...] = ()
     max_head_rows: int = 0
     # secure_aggregation.scheme = "ckks": the server's CKKS context (no key: it cannot decrypt)

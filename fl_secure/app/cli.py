@@ -268,7 +268,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     from fl_secure.config import load_config
     from fl_secure.runs import RunDir, new_run_dir
     from server.app import check_address, load_enrollment
-    from server.setup import preflight
+    from server.preflight import preflight
 
     _check_resume(args)
     if not args.insecure and args.certs is None:
@@ -313,7 +313,8 @@ def _serve(
     """:func:`cmd_server` once this process holds the run directory."""
     from fl_secure.runs import removed_if_setup_fails
     from server.app import start_server
-    from server.setup import build_server, record_start, write_config
+    from server.bootstrap import build_server
+    from server.run_files import record_start, write_config
     from server.summary import build_summary
 
     _torch_threads(config.train.threads)

@@ -192,7 +192,7 @@ def _checkpoint(run: RunDir, round_: int | None) -> Checkpoint:
 def _expression_scores(run: RunDir, config: Config, round_: int | None) -> dict[str, Any]:
     """A FedAffect checkpoint scored as its server scores each round: expression accuracy."""
     from fl_secure.algorithms.fedaffect import build_fedaffect_model
-    from server.setup import make_evaluator
+    from server.bootstrap import make_evaluator
 
     checkpoint = _checkpoint(run, round_)
     source = f"the checkpoint of round {checkpoint.round} in {run.checkpoints}"

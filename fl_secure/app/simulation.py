@@ -33,6 +33,7 @@ from fl_secure.errors import ConfigError, RoundAborted
 from fl_secure.evaluation import DegenerateEmbeddings, per_client_summary
 from fl_secure.training import HEADLINE, build_model, get_tensors
 from server.aggregate import StreamingMean
+from server.bootstrap import make_evaluator
 from server.round import (
     Evaluator,
     RoundState,
@@ -41,7 +42,6 @@ from server.round import (
     update_weight,
     vet_model,
 )
-from server.setup import make_evaluator
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping

@@ -147,7 +147,7 @@ def test_a_head_that_does_not_fit_is_refused(tmp_path: Path) -> None:
 
 def test_a_standalone_server_takes_heads_as_large_as_server_max_head_rows(tmp_path: Path) -> None:
     from fl_secure.config import config_from_dict
-    from server.setup import build_server
+    from server.bootstrap import build_server
 
     # Prepare: FedGC whose server plan has few identities; sites bring their own data
     config = {"algorithm": {"name": "fedgc"}, "partition": {"num_clients": 2},

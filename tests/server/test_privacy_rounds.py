@@ -259,7 +259,7 @@ def _two_client_config(backbone: str, privacy: dict[str, Any]) -> Any:
 
 def test_example_level_dp_refuses_a_batchnorm_backbone_before_training(tmp_path: Path) -> None:
     from fl_secure.errors import ConfigError
-    from server.setup import build_server
+    from server.bootstrap import build_server
 
     config = _two_client_config("resnet18-bn", {"unit": "example", "noise_multiplier": 1.0})
     with pytest.raises(ConfigError, match=r"resnet18-bn.*BatchNorm.*GroupNorm backbone"):
@@ -271,7 +271,7 @@ def test_a_fixed_noise_that_cannot_pay_for_one_round_is_refused_before_the_run(
 ) -> None:
     from fl_secure.errors import ConfigError
     from privacy.calibration import epsilon_for
-    from server.setup import build_server
+    from server.bootstrap import build_server
 
     privacy = {"unit": "client", "noise_multiplier": 0.5, "target_epsilon": 1.0}
     config = _two_client_config("cnn-small", privacy)
@@ -319,7 +319,7 @@ def test_a_distributed_noise_sum_that_could_wrap_is_refused_before_round_1(
 def test_a_run_renamed_before_its_first_checkpoint_keeps_its_ledgers_id(tmp_path: Path) -> None:
     # Prepare: a DP run's server started (its ledger made, named after the folder), then the
     # process died before round 1 and the folder was renamed
-    from server.setup import build_server
+    from server.bootstrap import build_server
 
     config = _two_client_config(
         "cnn-small", {"unit": "client", "noise_multiplier": 1.0, "noise_placement": "central"}

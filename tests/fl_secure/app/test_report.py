@@ -711,7 +711,7 @@ def test_a_folder_manifest_hashes_the_images_only_and_a_resume_keeps_the_first(
     from fl_secure.config import config_from_dict
     from fl_secure.data.manifest import data_manifest
     from fl_secure.runs import RunDir
-    from server.setup import _first_data_manifest
+    from server.run_files import _first_data_manifest
 
     faces = tmp_path / "faces"
     for who in ("a", "b"):
