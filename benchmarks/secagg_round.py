@@ -58,7 +58,8 @@ from fl_secure.tls import init_certificates  # noqa: E402
 from fl_secure.tls.identity import load_signing_registry  # noqa: E402
 from privacy.ckks.keys import load_public_context, write_ckks_keys  # noqa: E402
 from server.app import load_enrollment, start_server  # noqa: E402
-from server.coordinator import Coordinator, CoordinatorSettings  # noqa: E402
+from server.coordinator import Coordinator  # noqa: E402
+from server.settings import CoordinatorSettings  # noqa: E402
 
 
 class ConstantTrainer:

@@ -75,7 +75,7 @@ class ClientPrivacy:
             self._load()
         elif self.cfg.noise_placement != "central" and not self.noise_multiplier > 0:
             # 0 means "calibrate" in a config file; the server calibrates it and sends the
-            # result (server.setup._config_for_clients). Taken as it is, it is no noise at all.
+            # result (server.bootstrap._config_for_clients). Taken as it is, it is no noise at all.
             raise PrivacyError(
                 "the run config came without a calibrated privacy.noise_multiplier (0): this "
                 f"site would add no {self.cfg.noise_placement} noise to its client-level "

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from concurrent import futures
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -20,8 +19,13 @@ from fl_secure.tls import (
     warn_insecure,
 )
 from fl_secure.v1 import transport_pb2_grpc as pb_grpc
-from server.coordinator import Coordinator
 from server.servicer import MAX_CALLS_PER_CLIENT, Authenticator, FlSecureServicer
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
+
+    from server.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
 

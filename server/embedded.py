@@ -24,7 +24,9 @@ from fl_secure.errors import CheckpointError
 from fl_secure.runs import RunDir, new_run_dir, removed_if_setup_fails
 from fl_secure.tls import init_certificates
 from server.app import load_enrollment, start_server
-from server.setup import build_server, preflight, record_start, write_config
+from server.bootstrap import build_server
+from server.preflight import preflight
+from server.run_files import record_start, write_config
 from server.summary import build_summary
 
 log = logging.getLogger(__name__)
@@ -120,6 +122,7 @@ def _run_held(
             write_config(run, config)
             init_certificates(run.certs, clients=config.partition.num_clients)
             if config.secure_aggregation.scheme == "ckks":  # the clients' shared key, made here
+                # deferred: privacy.ckks imports tenseal, which only CKKS runs need
                 from privacy.ckks.keys import write_ckks_keys
 
                 write_ckks_keys(run.certs)

@@ -10,6 +10,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -17,7 +18,9 @@ from fl_secure import serde
 from fl_secure.errors import FlSecureError, ProtocolError, RoundAborted
 from fl_secure.v1 import transport_pb2 as pb
 from fl_secure.v1 import transport_pb2_grpc as pb_grpc
-from server.coordinator import Coordinator
+
+if TYPE_CHECKING:
+    from server.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
 

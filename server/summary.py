@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fl_secure import __version__
-from fl_secure.algorithms import Strategy
-from fl_secure.config import Config
-from fl_secure.data.plan import FederatedData
 from fl_secure.evaluation import per_client_summary
 from fl_secure.training import HEADLINE
-from server.coordinator import Coordinator
+from server.run_files import starts_of
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from fl_secure.algorithms import Strategy
+    from fl_secure.config import Config
+    from fl_secure.data.plan import FederatedData
+    from server.coordinator import Coordinator
 
 
 def build_summary(
@@ -116,8 +120,6 @@ def _recorded_starts(run_path: Path) -> list[str]:
     None recorded when the record cannot be read: the summary is still written, with this
     start.
     """
-    from server.setup import starts_of
-
     try:
         record = json.loads((run_path / "partition.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):

@@ -44,7 +44,7 @@ from fl_secure.evaluation import (
 from fl_secure.models import load_pretrained
 from fl_secure.runs import RunDir
 from fl_secure.training import build_model, embed, evaluate_verification, load_checkpoint_into
-from server.setup import make_evaluator
+from server.bootstrap import make_evaluator
 
 #: The model a centralized run (``fl-secure train --centralized``) saves, in its run directory.
 CENTRALIZED_BACKBONE = "backbone.safetensors"

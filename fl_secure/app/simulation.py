@@ -2,17 +2,16 @@
 
 Runs the *same* code as the gRPC path: every client is a :class:`client.trainer.LocalTrainer`
 built by :func:`client.trainer_factory.build_local_trainer` (same model, label space,
-batch-order seed), the server folds the updates with :class:`fl_secure.aggregation.StreamingMean`
-weighted by example counts and applies the strategy's ``server_update`` (and, for
-``server-sees-heads`` designs
-such as FedGC, its ``server_heads`` on the uploaded heads, each returned to its owner only),
-with the coordinator's per-round learning rate. A strategy's per-round broadcast (AdaFedFR's
-public representations ``R``, Eq. 4, Algorithm 1 lines 6-8: :meth:`Strategy.broadcaster`)
-is computed from the global parameters and handed to every client with them, as the
-coordinator does, and each such round's record carries the bytes one client exchanges
-(``bytes_per_client``). Only transport,
-certificates, deadlines and process boundaries are left out, so a grid of experiments runs in
-one process on 2 cores.
+batch-order seed),
+and every round is the coordinator's round, step for step (:mod:`server.round`): the round's
+learning rate and broadcast (AdaFedFR's public representations ``R``, Eq. 4, Algorithm 1
+lines 6-8: :meth:`Strategy.broadcaster`), what each client is sent (the global parameters,
+its own head, the broadcast), the head of a ``server-sees-heads`` upload (FedGC) kept apart
+from the :class:`fl_secure.aggregation.StreamingMean` of the updates weighted by example counts,
+the strategy's ``server_update`` and ``server_heads``, the check of the new model, and each
+broadcast round's record of the bytes one client exchanges (``bytes_per_client``). Only
+transport, certificates, deadlines and process boundaries are left out, so a grid of
+experiments runs in one process on 2 cores.
 Every client takes part in every round (the gRPC default): a sampled cohort
 (``server.clients_per_round`` below the clients, ``server.sample_rate`` below 1),
 differential privacy and secure aggregation need the real path, and are refused.
@@ -22,11 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import OrderedDict
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -34,14 +30,26 @@ from client.trainer_factory import build_local_trainer
 from fl_secure.aggregation import StreamingMean
 from fl_secure.algorithms import check_config, get_strategy, strategy_class
 from fl_secure.app.tuning import evaluate_after_training
-from fl_secure.config import Config
 from fl_secure.data.plan import plan_client_id, plan_federation
 from fl_secure.errors import ConfigError, RoundAborted
 from fl_secure.evaluation import DegenerateEmbeddings, per_client_summary
-from fl_secure.messages import Tensors, TensorSpec
-from fl_secure.training import HEADLINE, build_model, get_tensors, local_training
-from fl_secure.training import round_learning_rate as lr_of_round
-from server.setup import make_evaluator
+from fl_secure.training import HEADLINE, build_model, get_tensors
+from server.bootstrap import make_evaluator
+from server.round import (
+    Evaluator,
+    RoundState,
+    non_finite_names,
+    round_rules,
+    update_weight,
+    vet_model,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    from client.trainer import LocalTrainer
+    from fl_secure.config import Config
+    from fl_secure.messages import Tensors
 
 
 @dataclasses.dataclass
@@ -126,8 +134,13 @@ def _simulate(
     size = config.data.image_size
     classes = len(plan.train_identities) if strategy.shares_head else 1
     model = build_model(config.model, classes, size, config.run.seed)
-    params = get_tensors(model, strategy.shared_names(model))
-    specs = [TensorSpec.of(k, v) for k, v in params.items()]
+    state = RoundState(
+        get_tensors(model, strategy.shared_names(model)),
+        round_rules(config, strategy, model, plan),
+        server_step=strategy.server_update,
+        head_step=strategy.server_heads if strategy.uploads_head else None,
+        broadcaster=strategy.broadcaster(config),
+    )
     trainers = {
         plan_client_id(i): build_local_trainer(
             config,
@@ -140,53 +153,22 @@ def _simulate(
         for i, share in enumerate(plan.clients)
     }
     evaluator = make_evaluator(config, plan) if len(plan.held_out) else None
-    training = local_training(config.train)
-    broadcaster = strategy.broadcaster(config)
-    broadcast: Tensors = OrderedDict()  # the round's broadcast tensors, to every client
 
-    heads: dict[str, Tensors] = {}  # server-sees-heads (FedGC): each client's corrected W_k
+    def evaluate_clients() -> dict[str, dict[str, float]]:  # the global model, as sent
+        return {c: t.evaluate(state.sent_to(c))[1] for c, t in trainers.items()}
 
-    def sent_to(client_id: str, shared: Tensors) -> Tensors:  # as Coordinator.parameters
-        return OrderedDict([*shared.items(), *heads.get(client_id, {}).items(), *broadcast.items()])
-
-    def evaluate_clients(shared: Tensors) -> dict[str, dict[str, float]]:
-        return {c: t.evaluate(sent_to(c, shared))[1] for c, t in trainers.items()}
-
-    untrained: dict[str, Any] = {"round": 0, "clients": evaluate_clients(params)}
+    untrained: dict[str, Any] = {"round": 0, "clients": evaluate_clients()}
     if evaluator is not None:
-        untrained["held_out"] = evaluator(params)
+        untrained["held_out"] = evaluator(state.params)
     records = [untrained]
     rounds = config.train.rounds
     for number in tqdm(range(1, rounds + 1), desc="rounds", disable=not progress):
-        lr = lr_of_round(training.learning_rate, number, rounds, config.train.lr_schedule)
-        task = dataclasses.replace(training, learning_rate=lr)
-        aggregate = StreamingMean(specs)
-        metrics: dict[str, dict[str, float]] = {}
-        uploaded: dict[str, Tensors] = {}
-        sent: dict[str, int] = {}
-        if broadcaster is not None:  # e.g. AdaFedFR Algorithm 1 lines 6-8: R under w^t
-            broadcast = broadcaster(params, number)
-            sent = bytes_per_client(params, broadcast)
-        for client_id, trainer in trainers.items():
-            update, examples, found = trainer.train(sent_to(client_id, params), task)
-            _require_finite(update, f"round {number}: {client_id}'s update")  # as the server
-            if trainer.head_names:  # as Coordinator.commit_upload: W_k apart from the mean
-                uploaded[client_id] = OrderedDict((k, update.pop(k)) for k in trainer.head_names)
-            aggregate.add(update, float(examples))
-            metrics[client_id] = found
-        params = strategy.server_update(params, aggregate.mean(), number)
-        _require_finite(params, f"round {number}: the global model after aggregation")
-        if uploaded:
-            heads.update(strategy.server_heads(uploaded, learning_rate=lr, round_=number))
-        record: dict[str, Any] = {"round": number, "clients": metrics}
-        if sent:
-            record["bytes_per_client"] = sent
-        if evaluator is not None:
-            record["held_out"] = _scored(evaluator, params, number)
+        record = _round(state, trainers, evaluator, number)
         records.append(record)
         if on_round is not None:
             on_round(record)
-    final_clients = _scored(evaluate_clients, params, rounds)
+    params = state.params
+    final_clients = _scored(evaluate_clients, rounds)
     final = records[-1].get("held_out", {})
     summary: dict[str, Any] = {
         "status": "completed",
@@ -212,19 +194,56 @@ def _simulate(
             tune_on={c: t.strategy.training_data(t.data) for c, t in trainers.items()},
             strategies={c: t.strategy for c, t in trainers.items()},  # as final_clients
         ),
-        "bytes_per_client": bytes_per_client(params, broadcast),  # one round's payload
+        "bytes_per_client": state.bytes_per_client(),  # one round's payload
         "duration_s": round(time.time() - started, 1),
     }
-    return SimulationResult(params=params, records=records, summary=summary, heads=heads)
+    return SimulationResult(params=params, records=records, summary=summary, heads=state.heads)
+
+
+def _round(
+    state: RoundState,
+    trainers: Mapping[str, LocalTrainer],
+    evaluator: Evaluator | None,
+    number: int,
+) -> dict[str, Any]:
+    """Round ``number`` with every client: the coordinator's steps, in this process.
+
+    Raises:
+        RoundAborted: An update or the new global model diverged.
+    """
+    task = state.rules.training_for(number)
+    state.prepare_broadcast(number)  # e.g. AdaFedFR Algorithm 1 lines 6-8: R under w^t
+    aggregate = StreamingMean(state.specs)
+    metrics: dict[str, dict[str, float]] = {}
+    uploaded: dict[str, Tensors] = {}
+    for client_id, trainer in trainers.items():
+        update, examples, found = trainer.train(state.sent_to(client_id), task)
+        _require_finite(update, f"round {number}: {client_id}'s update")  # as the server
+        shared, head = state.split_upload(client_id, update)  # FedGC: W_k apart from the mean
+        if head:
+            uploaded[client_id] = head
+        aggregate.add(shared, update_weight(examples, private=False))
+        metrics[client_id] = found
+    params = state.step(number, aggregate.mean())
+    held, reason = vet_model(number, params, evaluator)
+    if reason:
+        raise RoundAborted(reason)
+    state.advance(params, state.step_heads(number, uploaded))
+    record: dict[str, Any] = {"round": number, "clients": metrics}
+    if state.broadcaster is not None:
+        record["bytes_per_client"] = state.bytes_per_client()
+    if held is not None:
+        record["held_out"] = held
+    return record
 
 
 def _require_finite(tensors: Tensors, what: str) -> None:
-    """Abort as the coordinator does when training diverged (NaN/Inf in an update or model).
+    """Abort where the server refuses an update with NaN/Inf values (training diverged).
 
     Raises:
         RoundAborted: naming the tensors.
     """
-    bad = [k for k, a in tensors.items() if a.dtype.kind in "fc" and not np.isfinite(a).all()]
+    bad = non_finite_names(tensors)
     if bad:
         raise RoundAborted(
             f"{what} has non-finite values in {bad[:5]}{' ...' if len(bad) > 5 else ''} (training "
@@ -235,24 +254,12 @@ def _require_finite(tensors: Tensors, what: str) -> None:
 _T = TypeVar("_T")
 
 
-def _scored(evaluate: Callable[[Tensors], _T], params: Tensors, number: int) -> _T:
-    """``evaluate(params)``; a finite model whose embeddings overflow aborts the run."""
+def _scored(evaluate: Callable[[], _T], number: int) -> _T:
+    """``evaluate()`` of the global model; a finite model whose embeddings overflow aborts."""
     try:
-        return evaluate(params)
+        return evaluate()
     except DegenerateEmbeddings as exc:
         raise RoundAborted(
             f"round {number}: the global model's embeddings are not finite ({exc}; training "
             "diverged: lower train.lr)"
         ) from exc
-
-
-def bytes_per_client(params: Tensors, broadcast: Tensors) -> dict[str, int]:
-    """Payload bytes one client exchanges per round, as ``Coordinator.bytes_per_client``."""
-    size = int(sum(np.asarray(v).nbytes for v in params.values()))
-    extra = int(sum(np.asarray(v).nbytes for v in broadcast.values()))
-    return {
-        "broadcast": extra,
-        "parameters_down": size,
-        "parameters_up": size,
-        "total": extra + 2 * size,
-    }

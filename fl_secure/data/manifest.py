@@ -1,8 +1,8 @@
 """A hash of what a run's data was, never the images: generator parameters or a file list.
 
-:func:`server.setup.build_server` records it in the run's ``partition.json`` when the run
-starts (and keeps the first one on resume), so that a report states the data the run trained
-on, not whatever the folder holds when the report is written.
+:func:`server.run_files.write_partition_record` records it in the run's ``partition.json``
+when the run starts (and keeps the first one on resume), so that a report states the data the
+run trained on, not whatever the folder holds when the report is written.
 """
 
 from __future__ import annotations

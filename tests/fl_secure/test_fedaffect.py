@@ -48,7 +48,7 @@ from fl_secure.errors import ConfigError, DataError
 from fl_secure.models.factory import get_backbone
 from fl_secure.runs import RunDir
 from fl_secure.training import build_model, get_tensors, local_training
-from server.setup import build_server
+from server.bootstrap import build_server
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -21,8 +21,9 @@ from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import RunDir
 from fl_secure.tls import CertificateSet, EnrollmentList, init_certificates
 from server.app import load_enrollment, start_server
-from server.coordinator import Coordinator, CoordinatorSettings
-from server.setup import ServerSide, build_server
+from server.bootstrap import ServerSide, build_server
+from server.coordinator import Coordinator
+from server.settings import CoordinatorSettings
 
 
 class EchoTrainer:

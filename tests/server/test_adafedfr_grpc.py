@@ -34,7 +34,8 @@ from fl_secure.training import build_model, get_tensors, set_tensors
 from privacy.dp.calibration import epsilon_for
 from privacy.dp.client_level import add_gaussian, clip_update
 from privacy.dp.noise import seeded_source
-from server.coordinator import Coordinator, CoordinatorSettings
+from server.coordinator import Coordinator
+from server.settings import CoordinatorSettings
 
 
 class RecordingTrainer:
@@ -164,7 +165,7 @@ def test_the_coordinator_refuses_a_non_finite_broadcast(tmp_path: Path) -> None:
     )
     # Execute / Assert
     with pytest.raises(ProtocolError, match="non-finite"):
-        coord._prepare_broadcast(1)
+        coord.model.prepare_broadcast(1)
 
 
 def test_dp_rounds_over_mtls_release_only_the_clipped_noised_backbone(

@@ -13,7 +13,8 @@ import pytest
 from fl_secure.errors import CheckpointError, ProtocolError
 from fl_secure.messages import Task, TaskKind, UpdateHeader
 from fl_secure.runs import RunDir
-from server.coordinator import Coordinator, CoordinatorSettings
+from server.coordinator import Coordinator
+from server.settings import CoordinatorSettings
 
 
 class FakeClock:
@@ -311,17 +312,17 @@ def test_resume_refuses_a_config_edited_since_the_checkpoint(tmp_path: Path) -> 
 def test_cohort_sampling_fixed_size_and_poisson(tmp_path: Path) -> None:
     online = [f"c{i}" for i in range(50)]
     fixed = _coordinator(tmp_path / "a", clients_per_round=7)
-    sizes = {len(fixed._sample_cohort(online)) for _ in range(20)}
+    sizes = {len(fixed.membership.sample_cohort(online)) for _ in range(20)}
     assert sizes == {7}
-    cohorts = [tuple(fixed._sample_cohort(online)) for _ in range(20)]
+    cohorts = [tuple(fixed.membership.sample_cohort(online)) for _ in range(20)]
     assert len(set(cohorts)) > 1  # random, not the first 7
     poisson = _coordinator(tmp_path / "b", sample_rate=0.2)
-    counts = [len(poisson._sample_cohort(online)) for _ in range(400)]
+    counts = [len(poisson.membership.sample_cohort(online)) for _ in range(400)]
     # Binomial(50, 0.2): mean 10, std 2.83; the mean of 400 draws has std 0.14
     assert abs(np.mean(counts) - 10.0) < 0.6
     assert 1.5 < np.std(counts) < 4.0
     everyone = _coordinator(tmp_path / "c")
-    assert everyone._sample_cohort(online) == online
+    assert everyone.membership.sample_cohort(online) == online
 
 
 def test_a_client_gone_silent_is_not_waited_for_but_an_unseen_one_is(tmp_path: Path) -> None:
@@ -334,14 +335,15 @@ def test_a_client_gone_silent_is_not_waited_for_but_an_unseen_one_is(tmp_path: P
     coord.join("c0", 1)
     coord.join("c1", 1)
     # Execute / Assert: the next round starts at once with the two live clients
-    assert coord._wait_for_clients(2) == ["c0", "c1"]
+    assert coord.membership.wait_for_clients(2) == ["c0", "c1"]
     assert clock() == 31.0  # no waiting for the round timeout
     # ... while a client never seen at all is waited for (start-up): only the deadline ends it
     fresh = _coordinator(tmp_path / "fresh", clock=FakeClock(), online_timeout=30.0)
     fresh.join("c0", 1)
     fresh.join("c1", 1)
     result: dict[str, list[str]] = {}
-    waiter = threading.Thread(target=lambda: result.setdefault("c", fresh._wait_for_clients(2)))
+    wait = fresh.membership.wait_for_clients
+    waiter = threading.Thread(target=lambda: result.setdefault("c", wait(2)))
     waiter.start()
     waiter.join(timeout=0.5)
     assert waiter.is_alive()  # still waiting for c2

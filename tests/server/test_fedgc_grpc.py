@@ -18,7 +18,8 @@ from fl_secure.messages import LocalTraining, Tensors, TensorSpec
 from fl_secure.runs import RunDir
 from fl_secure.tls import init_certificates
 from server.app import load_enrollment, start_server
-from server.coordinator import Coordinator, CoordinatorSettings
+from server.coordinator import Coordinator
+from server.settings import CoordinatorSettings
 
 LR = 0.05  # the rounds' learning rate: lambda * eta = 1.0
 
@@ -133,21 +134,21 @@ def test_a_head_that_does_not_fit_is_refused(tmp_path: Path) -> None:
     coord = _coordinator(tmp_path, ids, OrderedDict([("backbone.w", np.ones(2, np.float32))]))
     coord.heads["client-0"] = OrderedDict([(WEIGHT, np.zeros((2, 4), np.float32))])
     # Execute / Assert: the expected upload is the shared update then exactly that head
-    specs, size = coord._head_expectation("client-0")
+    specs, size = coord.model.head_expectation("client-0")
     assert specs == [TensorSpec(WEIGHT, np.dtype("float32"), (2, 4))] and size == 32
-    specs, size = coord._head_expectation("client-1")  # unknown: up to max_head_rows rows
+    specs, size = coord.model.head_expectation("client-1")  # unknown: up to max_head_rows rows
     assert specs[0].shape == (-1, 4) and size == 10 * 4 * 4
-    coord._check_head("client-1", OrderedDict([(WEIGHT, np.zeros((10, 4), np.float32))]))
+    coord.model.check_head("client-1", OrderedDict([(WEIGHT, np.zeros((10, 4), np.float32))]))
     for bad in (np.zeros((11, 4), np.float32), np.zeros((3, 5), np.float32)):
         with pytest.raises(ProtocolError, match="head of client-1"):
-            coord._check_head("client-1", OrderedDict([(WEIGHT, bad)]))
+            coord.model.check_head("client-1", OrderedDict([(WEIGHT, bad)]))
     with pytest.raises(ProtocolError, match="has 11 rows; this run takes 1 to 10 \\(server.max"):
-        coord._check_head("client-1", OrderedDict([(WEIGHT, np.zeros((11, 4), np.float32))]))
+        coord.model.check_head("client-1", OrderedDict([(WEIGHT, np.zeros((11, 4), np.float32))]))
 
 
 def test_a_standalone_server_takes_heads_as_large_as_server_max_head_rows(tmp_path: Path) -> None:
     from fl_secure.config import config_from_dict
-    from server.setup import build_server
+    from server.bootstrap import build_server
 
     # Prepare: FedGC whose server plan has few identities; sites bring their own data
     config = {"algorithm": {"name": "fedgc"}, "partition": {"num_clients": 2},
@@ -162,6 +163,6 @@ def test_a_standalone_server_takes_heads_as_large_as_server_max_head_rows(tmp_pa
     assert default.coordinator.settings.max_head_rows == identities
     assert larger.coordinator.settings.max_head_rows == identities + 500
     head = OrderedDict([(WEIGHT, np.zeros((identities + 500, 8), np.float32))])
-    larger.coordinator._check_head("client-0", head)
+    larger.coordinator.model.check_head("client-0", head)
     with pytest.raises(ProtocolError, match="server.max_head_rows"):
-        default.coordinator._check_head("client-0", head)
+        default.coordinator.model.check_head("client-0", head)

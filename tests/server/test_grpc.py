@@ -199,7 +199,7 @@ def test_a_stalled_upload_loses_its_slot_and_the_others_finish(
     thread = threading.Thread(target=upload, daemon=True)
     thread.start()
     for _ in range(100):  # until it holds the slot
-        rnd = run.coordinator._round
+        rnd = run.coordinator.board.current
         if rnd is not None and "client-2" in rnd.streaming:
             break
         time.sleep(0.05)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections import OrderedDict
@@ -14,19 +13,24 @@ import pytest
 
 from fl_secure.config import PrivacyConfig
 from fl_secure.errors import PrivacyError
-from fl_secure.messages import TaskKind, UpdateHeader
+from fl_secure.messages import LocalTraining, TaskKind, UpdateHeader
 from fl_secure.runs import RunDir
 from privacy.dp.calibration import epsilon_for
 from privacy.dp.noise import SeededGaussian
 from privacy.ledger.run_ledger import Ledger
 from privacy.server_round import open_server_privacy
-from server.coordinator import Coordinator, CoordinatorSettings
+from server.coordinator import Coordinator
+from server.settings import CoordinatorSettings
 
 CLIENTS = ("c0", "c1", "c2")
 
 
 def _coordinator(
-    tmp_path: Path, privacy_cfg: PrivacyConfig, rounds: int, round_timeout: float = 100.0
+    tmp_path: Path,
+    privacy_cfg: PrivacyConfig,
+    rounds: int,
+    round_timeout: float = 100.0,
+    training: LocalTraining | None = None,
 ) -> Coordinator:
     run_dir = RunDir(tmp_path)
     privacy = open_server_privacy(
@@ -45,6 +49,7 @@ def _coordinator(
         round_timeout=round_timeout,
         poll_wait=0.05,
         final_evaluation=False,
+        training=training or LocalTraining(),
     )
     initial = OrderedDict([("w", np.zeros((2, 2), np.float32))])
     return Coordinator(
@@ -254,7 +259,7 @@ def _two_client_config(backbone: str, privacy: dict[str, Any]) -> Any:
 
 def test_example_level_dp_refuses_a_batchnorm_backbone_before_training(tmp_path: Path) -> None:
     from fl_secure.errors import ConfigError
-    from server.setup import build_server
+    from server.bootstrap import build_server
 
     config = _two_client_config("resnet18-bn", {"unit": "example", "noise_multiplier": 1.0})
     with pytest.raises(ConfigError, match=r"resnet18-bn.*BatchNorm.*GroupNorm backbone"):
@@ -266,7 +271,7 @@ def test_a_fixed_noise_that_cannot_pay_for_one_round_is_refused_before_the_run(
 ) -> None:
     from fl_secure.errors import ConfigError
     from privacy.dp.calibration import epsilon_for
-    from server.setup import build_server
+    from server.bootstrap import build_server
 
     privacy = {"unit": "client", "noise_multiplier": 0.5, "target_epsilon": 1.0}
     config = _two_client_config("cnn-small", privacy)
@@ -314,7 +319,7 @@ def test_a_distributed_noise_sum_that_could_wrap_is_refused_before_round_1(
 def test_a_run_renamed_before_its_first_checkpoint_keeps_its_ledgers_id(tmp_path: Path) -> None:
     # Prepare: a DP run's server started (its ledger made, named after the folder), then the
     # process died before round 1 and the folder was renamed
-    from server.setup import build_server
+    from server.bootstrap import build_server
 
     config = _two_client_config(
         "cnn-small", {"unit": "client", "noise_multiplier": 1.0, "noise_placement": "central"}
@@ -624,7 +629,7 @@ def test_a_failed_attempt_is_not_counted_again_when_the_retry_dies(tmp_path: Pat
         pass
 
     waits = 0
-    real_wait = coord._wait_for_clients
+    real_wait = coord.membership.wait_for_clients
 
     def wait(needed: int) -> list[str]:
         nonlocal waits
@@ -636,7 +641,7 @@ def test_a_failed_attempt_is_not_counted_again_when_the_retry_dies(tmp_path: Pat
         return real_wait(needed)
 
     killed_with_marker: list[bool] = []
-    coord._wait_for_clients = wait  # type: ignore[method-assign]
+    coord.membership.wait_for_clients = wait  # type: ignore[method-assign]
     errors: list[BaseException] = []
 
     def drive() -> None:
@@ -786,12 +791,10 @@ def test_example_level_figures_the_ledger_cannot_take_are_refused_at_upload(
 ) -> None:
     # Prepare: an example-level round; the task asks for 10 local steps (or 1 epoch)
     from fl_secure.errors import ProtocolError
-    from fl_secure.messages import LocalTraining
 
     cfg = PrivacyConfig(unit="example", noise_multiplier=1.0, delta=1e-5)
-    coord = _coordinator(tmp_path, cfg, rounds=1)
     training = LocalTraining(local_steps=local_steps, local_epochs=1)
-    coord.settings = dataclasses.replace(coord.settings, training=training)
+    coord = _coordinator(tmp_path, cfg, rounds=1, training=training)
     metrics = {"dp_epsilon": 0.5, "dp_steps": 10.0, "dp_noise_multiplier": 1.0,
                "dp_sample_rate": 0.1}  # fmt: skip
     for key, value in change.items():
@@ -891,7 +894,7 @@ def test_fixed_size_cohorts_under_dp_are_drawn_from_the_enrolled_clients(tmp_pat
     draws = 4000
     counts = dict.fromkeys(sorted(enrolled), 0)
     for _ in range(draws):
-        for c in coord._sample_cohort(["c0", "c1"], TaskKind.TRAIN):
+        for c in coord.membership.sample_cohort(["c0", "c1"], TaskKind.TRAIN):
             counts[c] += 1
     # Assert: every enrolled client is in about half the cohorts (k / N), online or not;
     # drawing from the online two would put each in every cohort
@@ -902,7 +905,7 @@ def test_fixed_size_cohorts_under_dp_are_drawn_from_the_enrolled_clients(tmp_pat
         settings, OrderedDict([("w", np.zeros(2, np.float32))]), enrolled=enrolled,
         run_dir=RunDir(tmp_path / "plain"), server_step=lambda p, u, r: p,
     )  # fmt: skip
-    assert plain._sample_cohort(["c0", "c1"], TaskKind.TRAIN) == ["c0", "c1"]
+    assert plain.membership.sample_cohort(["c0", "c1"], TaskKind.TRAIN) == ["c0", "c1"]
 
 
 def test_an_offline_member_of_a_dp_cohort_drops_out_at_once(tmp_path: Path) -> None:

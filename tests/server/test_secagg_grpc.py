@@ -28,7 +28,8 @@ from fl_secure.tls.identity import load_signing_registry
 from privacy.ckks.keys import load_public_context, write_ckks_keys
 from privacy.ledger.site_ledger import SiteLedger
 from server.app import load_enrollment, start_server
-from server.coordinator import Coordinator, CoordinatorSettings
+from server.coordinator import Coordinator
+from server.settings import CoordinatorSettings
 
 
 class ShiftTrainer:
@@ -238,6 +239,7 @@ def test_secure_sum_equals_the_plain_mean(tmp_path: Path) -> None:
 def first_setup_fails(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The first secure-aggregation setup of the run fails; the attempts asked are listed."""
     import privacy.secagg.round_setup as session
+    import server.secure_relay as relay
 
     real, calls = session.make_setup, []
 
@@ -247,7 +249,8 @@ def first_setup_fails(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             raise PrivacyError("threshold = 3 exceeds the 2 neighbours (a test's cohort)")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(session, "make_setup", first_fails)
+    monkeypatch.setattr(session, "make_setup", first_fails)  # the clients'
+    monkeypatch.setattr(relay, "make_setup", first_fails)  # the server's
     return calls
 
 

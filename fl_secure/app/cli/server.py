@@ -43,7 +43,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     from fl_secure.algorithms.registry import check_config
     from fl_secure.config import load_config
     from server.app import check_address, load_enrollment
-    from server.setup import preflight
+    from server.preflight import preflight
 
     check_resume(args)
     if not args.insecure and args.certs is None:
@@ -88,7 +88,8 @@ def _serve(
 ) -> int:
     """:func:`cmd_server` once this process holds the run directory."""
     from server.app import start_server
-    from server.setup import build_server, record_start, write_config
+    from server.bootstrap import build_server
+    from server.run_files import record_start, write_config
     from server.summary import build_summary
 
     torch_threads(config.train.threads)

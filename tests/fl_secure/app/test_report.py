@@ -30,7 +30,7 @@ from fl_secure.errors import CheckpointError, FlSecureError
 from fl_secure.runs import RunDir
 from privacy.ledger.entries import Entry
 from privacy.ledger.run_ledger import Ledger
-from server.setup import _first_data_manifest
+from server.run_files import _first_data_manifest
 
 pytestmark = pytest.mark.slow
 

@@ -19,8 +19,9 @@ from fl_secure.app.simulation import simulate
 from fl_secure.config import config_from_dict, config_to_toml, load_config
 from fl_secure.errors import ConfigError
 from fl_secure.runs import RunDir
+from server.bootstrap import build_server
 from server.embedded import run_embedded
-from server.setup import build_server, preflight
+from server.preflight import preflight
 
 REFUSED = config_from_dict(
     {"algorithm": {"name": "fedaffect"}, "privacy": {"unit": "example", "noise_multiplier": 1.0}}

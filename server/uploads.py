@@ -1,0 +1,189 @@
+"""Upload admission: header checks, a bounded number of slots, stalls, and the fold-in.
+
+Server memory is bounded by the slots: at most ``max_concurrent_uploads`` updates stream at
+once, each checked against what its header may announce before a byte of it is read. An
+upload that sends nothing for ``upload_idle_timeout`` is cancelled, so a stalled client
+cannot hold a slot the others need. A complete, validated update is folded into the open
+attempt at once (its aggregate, or its secure sum); the head of a ``server-sees-heads``
+upload is kept apart (:meth:`server.round.RoundState.split_upload`).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from fl_secure.errors import ProtocolError
+from fl_secure.messages import TaskKind, TensorSpec, UpdateHeader
+from server.attempt import Attempt, RoundBoard, UploadTicket
+from server.round import RoundState, update_weight
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    from privacy.server_round import ServerPrivacy
+    from server.membership import Membership
+    from server.settings import CoordinatorSettings
+
+
+class UploadDesk:
+    """Admits, times and folds in the updates of the open attempt."""
+
+    def __init__(
+        self,
+        board: RoundBoard,
+        settings: CoordinatorSettings,
+        model: RoundState,
+        membership: Membership,
+        privacy: ServerPrivacy | None = None,
+    ) -> None:
+        self.board = board
+        self.settings = settings
+        self.model = model
+        self.membership = membership
+        self.privacy = privacy
+        self._slots = threading.BoundedSemaphore(settings.max_concurrent_uploads)
+
+    def open(
+        self, client_id: str, header: UpdateHeader, cancel: Callable[[], None] | None = None
+    ) -> UploadTicket:
+        """Check an update header and take an upload slot (bounded server memory).
+
+        ``cancel`` ends the upload's call: the attempt calls it when the upload stalls for
+        ``upload_idle_timeout`` (see :meth:`progress`) or the attempt ends first.
+
+        Raises:
+            ProtocolError: The header is refused, or no slot freed before the deadline.
+        """
+        board = self.board
+        with board.cv:
+            rnd = board.member(client_id, header.round, header.nonce)
+            expected, max_bytes = self._admit(rnd, client_id, header)
+            rnd.uploading.add(client_id)
+        if not self._slots.acquire(timeout=max(0.0, rnd.deadline - board.clock())):
+            with board.cv:
+                rnd.uploading.discard(client_id)
+            raise ProtocolError("round deadline passed while waiting for an upload slot")
+        with board.cv:
+            if board.current is not rnd or client_id not in rnd.uploading:
+                # the round ended while this upload waited for a slot: no one would cancel
+                # it or free its slot if it stalled now
+                self._slots.release()
+                raise ProtocolError(f"round {rnd.number} closed before the upload could start")
+            if cancel is not None:
+                rnd.streaming[client_id] = (cancel, board.clock())
+        return UploadTicket(client_id, header.round, header, expected, max_bytes)
+
+    def _admit(
+        self, rnd: Attempt, client_id: str, header: UpdateHeader
+    ) -> tuple[list[TensorSpec], int]:
+        """The tensors ``header`` must announce and its byte limit, or why it is refused."""
+        if client_id not in rnd.pending or client_id in rnd.uploading:
+            raise ProtocolError(f"client {client_id} already submitted in round {rnd.number}")
+        train = rnd.kind is TaskKind.TRAIN
+        # an evaluation by a client without test images (every identity had a single
+        # image) scores nothing: 0 is its honest count; a training update needs examples
+        if header.num_examples < 0 or (train and header.num_examples == 0):
+            raise ProtocolError(
+                f"num_examples must be {'positive' if train else '>= 0'}, got {header.num_examples}"
+            )
+        if train and self.privacy is not None:  # before aggregation, not in the ledger
+            self.privacy.check_upload_metrics(client_id, header.metrics, self.settings.training)
+        stated = self.membership.stated_examples(client_id)
+        if train and self.privacy is None and 0 < stated < header.num_examples:
+            raise ProtocolError(  # without DP the count is the update's weight in the mean
+                f"num_examples = {header.num_examples} is more than the {stated} training "
+                f"images client {client_id} stated at join"
+            )
+        expected = self.model.specs if train else []
+        if train and rnd.secure is not None:
+            expected = rnd.secure.upload_specs
+        model_bytes = sum(s.num_bytes for s in expected)
+        if train and rnd.secure is not None:
+            model_bytes = rnd.secure.max_upload_bytes
+        if train and rnd.secure is None and self.settings.head_specs:  # FedGC: then W_k
+            head_specs, head_bytes = self.model.head_expectation(client_id)
+            expected = [*expected, *head_specs]
+            model_bytes += head_bytes
+        max_bytes = int(model_bytes * self.settings.max_upload_factor)
+        if header.total_bytes > max_bytes:
+            raise ProtocolError(
+                f"upload of {header.total_bytes} bytes exceeds the limit of {max_bytes}"
+            )
+        if header.num_tensors != len(expected):
+            raise ProtocolError(
+                f"upload announces {header.num_tensors} tensors, expected {len(expected)}"
+            )
+        return expected, max_bytes
+
+    def progress(self, ticket: UploadTicket) -> None:
+        """Data of ``ticket``'s upload arrived (resets its idle time; no lock: one store)."""
+        rnd = self.board.current
+        entry = rnd.streaming.get(ticket.client_id) if rnd is not None else None
+        if rnd is not None and entry is not None and rnd.owns(ticket):
+            rnd.streaming[ticket.client_id] = (entry[0], self.board.clock())
+
+    def cancel_idle(self, rnd: Attempt) -> None:
+        """Cancel uploads that sent nothing for ``upload_idle_timeout`` (under the cv)."""
+        limit = self.settings.upload_idle_timeout
+        now = self.board.clock()
+        for client, (cancel, last) in list(rnd.streaming.items()):
+            if now - last > limit:
+                del rnd.streaming[client]
+                rnd.uploading.discard(client)
+                rnd.failed.setdefault(client, f"upload stalled: no data for {limit:g} s")
+                cancel()
+
+    def commit(self, ticket: UploadTicket, tensors: Mapping[str, np.ndarray]) -> None:
+        """Fold a fully validated update into the attempt's aggregate (or secure sum).
+
+        Raises:
+            ProtocolError: The attempt closed first, or a head does not fit.
+        """
+        board = self.board
+        with board.cv:
+            rnd = board.current
+            if rnd is None or not rnd.owns(ticket) or ticket.client_id not in rnd.pending:
+                raise ProtocolError(f"round {ticket.round} closed before the upload completed")
+            if rnd.secure is not None:
+                (vector,) = tensors.values()  # the upload spec names the one tensor
+                rnd.secure.add_masked(ticket.client_id, np.asarray(vector))
+            elif rnd.aggregator is not None:
+                shared, head = self.model.split_upload(ticket.client_id, tensors)
+                if head:
+                    rnd.heads[ticket.client_id] = head
+                weight = update_weight(ticket.header.num_examples, private=self.privacy is not None)
+                rnd.aggregator.add(shared, weight)
+            rnd.received[ticket.client_id] = ticket.header
+            self.membership.heard_from(ticket.client_id)
+            board.cv.notify_all()
+
+    def release(self, ticket: UploadTicket, error: str | None = None) -> None:
+        """Free the upload slot; record a failed upload (the round goes on without it)."""
+        self._slots.release()
+        with self.board.cv:
+            rnd = self.board.current
+            if rnd is not None and rnd.owns(ticket):
+                rnd.streaming.pop(ticket.client_id, None)
+                rnd.uploading.discard(ticket.client_id)
+                if error is not None and ticket.client_id not in rnd.received:
+                    rnd.failed.setdefault(ticket.client_id, error)
+            self.board.cv.notify_all()
+
+    def record_failure(self, client_id: str, round_: int, nonce: bytes, error: str) -> None:
+        """A cohort member's upload was refused: the round goes on without it.
+
+        Only a message of the open attempt (its nonce) counts: a straggler's late message of
+        a failed attempt must not cost it the retry that exists for it.
+        """
+        with self.board.cv:
+            rnd = self.board.current
+            if rnd is None or rnd.number != round_:
+                return
+            if not secrets.compare_digest(rnd.cohort.get(client_id, b""), nonce):
+                return
+            if rnd.fail(client_id, error):
+                self.board.cv.notify_all()
