@@ -23,7 +23,6 @@ leaves neither, and the round is run again. Either way nothing is counted twice 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from privacy.dp.client_level import (
 )
 from privacy.dp.example_level import check_example_metrics, example_event, example_payload
 from privacy.dp.noise import NoiseSource, SecureGaussian
+from privacy.dp.rounding import up_to_places
 from privacy.ledger.entries import CLIENT_KINDS, Entry, check_payload
 from privacy.ledger.inflight import inflight_path, read_inflight, write_inflight
 from privacy.ledger.resume import check_same_sampling, resumable_entries
@@ -176,7 +176,7 @@ class ServerPrivacy:
             f"privacy budget reached: round {round_} would bring {whose}'s epsilon to "
             f"{after:.4f} > target {self.cfg.target_epsilon:g} (delta {self.cfg.delta:g}, "
             f"{self.accountant_name} accountant, {self.adjacency} adjacency); stopped after "
-            f"round {round_ - 1} with epsilon {_up4(self.epsilon)}"
+            f"round {round_ - 1} with epsilon {up_to_places(self.epsilon, 4)}"
         )
 
     def _client_payload(self, cohort_size: int, updates: int, attempt: int) -> dict[str, Any]:
@@ -474,11 +474,6 @@ class ServerPrivacy:
     def note(self, round_: int, message: str) -> None:
         """Record a free-text event (for example a budget stop)."""
         self.ledger.append("note", round=round_, party="server", payload={"message": message})
-
-
-def _up4(value: float) -> str:
-    """``value`` to 4 decimals, rounded up: a spent epsilon is never stated lower."""
-    return f"{math.ceil(value * 1e4 - 1e-6) / 1e4:.4f}"
 
 
 def open_server_privacy(

@@ -1,8 +1,9 @@
 """The ``fl-secure`` console script: one parser of every sub-command, and :func:`main`.
 
 Each sub-command family has its module (:mod:`~fl_secure.app.cli.train`, ``server``,
-``client``, ``certs``, ``privacy``, ``report``, ``evaluate``, ``audit``, ``experiment``) that adds
-its parser and runs it; :func:`main` sets up logging and turns errors into exit codes.
+``client``, ``certs``, ``data``, ``privacy``, ``report``, ``evaluate``, ``audit``,
+``experiment``) that adds its parser and runs it; :func:`main` sets up logging and turns
+errors into exit codes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from fl_secure.app.cli import (
     audit,
     certs,
     client,
+    data,
     evaluate,
     experiment,
     privacy,
@@ -40,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
         "train ...",
     )  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
-    for family in (train, server, client, certs, privacy, report, evaluate, audit, experiment):
+    families = (train, server, client, certs, data, privacy, report, evaluate, audit, experiment)
+    for family in families:
         family.add_parser(sub)  # in this order in --help
     return parser
 

@@ -18,6 +18,7 @@ from typing import Any
 from fl_secure.app.cli.common import Subparsers, number_arg, positive_int
 from fl_secure.errors import CheckpointError, PrivacyError
 from fl_secure.runs import RunDir
+from privacy.dp.rounding import round_up
 from privacy.ledger.entries import LedgerError
 from privacy.ledger.formatting import format_ledger, ledger_json
 from privacy.ledger.guarantee import released_model_of_run
@@ -149,7 +150,6 @@ def cmd_site(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(summary, sort_keys=True) + "\n")
         return 0
-    from fl_secure.app.report.formatting import round_up
 
     runs = ", ".join(f"{run} ({n})" for run, n in summary["releases_by_run"].items())
     sys.stdout.write(
@@ -270,7 +270,6 @@ def _emit(args: argparse.Namespace, report: dict[str, Any]) -> None:
     if args.json:
         sys.stdout.write(json.dumps(report, sort_keys=True) + "\n")
         return
-    from fl_secure.app.report.formatting import round_up
 
     population = f", population {report['population']}" if report["population"] else ""
     target = f" (target {report['target_epsilon']:g})" if "target_epsilon" in report else ""

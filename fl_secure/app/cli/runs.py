@@ -15,6 +15,7 @@ from typing import Any
 from fl_secure.app.cli.common import SUCCESS, print_json
 from fl_secure.errors import CheckpointError, FlSecureError
 from fl_secure.runs import RunDir
+from privacy.dp.rounding import up_to_places
 
 # Imports that load torch, grpc or tenseal are inside the functions: `fl-secure --help` stays
 # fast (fl_secure.app.cli.common says why).
@@ -113,7 +114,7 @@ def print_summary(summary: dict[str, Any], run_dir: Path, as_json: bool) -> int:
             )
     if summary.get("privacy_unit") not in (None, "none"):
         eps = summary["epsilon"]
-        shown = "none accounted" if eps is None else f"{math.ceil(eps * 1e4 - 1e-9) / 1e4:.4f}"
+        shown = "none accounted" if eps is None else up_to_places(eps, 4)
         print(
             f"privacy: ({shown}, {summary['delta']:g})-DP at the "
             f"{summary['privacy_unit']} level, {summary.get('privacy', {}).get('adjacency', '')} "
@@ -152,9 +153,7 @@ def _print_sites(run_dir: Path, summary: dict[str, Any]) -> None:
         s for s in site_figures(run_dir, summary)["sites"] if s["problem"] is None and s["releases"]
     ]
     if figures:
-
-        def up(x: float) -> str:  # rounded up: a bound
-            return f"{math.ceil(x * 1e4 - 1e-9) / 1e4:.4f}" if math.isfinite(x) else "unbounded"
+        up = up_to_places  # rounded up: a bound; an infinite one reads unbounded
 
         def worst(key: str) -> float:  # the report lists an infinite figure as unbounded
             return max(math.inf if key in s["unbounded"] else float(s[key]) for s in figures)

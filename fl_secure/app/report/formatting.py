@@ -1,8 +1,8 @@
 """How the report states a number: bounds rounded the safe way, and n/a for a missing figure.
 
 An upper bound (epsilon, delta) is rounded up and a lower bound (an empirical epsilon) down,
-so that a stated bound is never stronger than the one computed. ``fl-secure privacy`` states
-its epsilons with :func:`round_up` too.
+so that a stated bound is never stronger than the one computed; the rounding itself is
+:mod:`privacy.dp.rounding`'s, the one every figure of the project goes through.
 """
 
 from __future__ import annotations
@@ -11,13 +11,7 @@ import json
 import math
 from typing import Any
 
-
-def round_up(value: float, digits: int = 3) -> str:
-    """``value`` to ``digits`` significant digits, rounded up: a stated bound is never lower."""
-    if not (math.isfinite(value) and value > 0):
-        return f"{value:.{digits}g}"
-    step = 10.0 ** (math.floor(math.log10(value)) - digits + 1)
-    return f"{math.ceil(value / step - 1e-9) * step:.{digits}g}"
+from privacy.dp.rounding import round_down, round_up
 
 
 def finite(value: Any) -> bool:
@@ -51,8 +45,7 @@ def fmt_bound(value: Any) -> str:
 def fmt_lower(value: Any) -> str:
     """A lower bound (an empirical epsilon) to 4 significant digits, rounded down, never up."""
     if isinstance(value, float) and math.isfinite(value) and value > 0:
-        step = 10.0 ** (math.floor(math.log10(value)) - 3)
-        return f"{math.floor(value / step + 1e-9) * step:.4g}"
+        return round_down(value, 4)
     return fmt(value)
 
 

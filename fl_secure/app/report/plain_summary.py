@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fl_secure.app.report.formatting import round_up
+from privacy.dp.rounding import round_up
 
 
 def plain_summary(report: dict[str, Any]) -> list[str]:

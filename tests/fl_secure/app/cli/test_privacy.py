@@ -105,7 +105,7 @@ def test_site_prints_the_site_ledger_and_a_client_budget_needs_a_state_dir(
     text = capsys.readouterr().out
     assert "3 updates released: run-x (3)" in text and "at delta = 1e-06" in text
     one_image = SiteLedger(tmp_path, delta=1e-6).example_epsilon()
-    from fl_secure.app.report.formatting import round_up
+    from privacy.dp.rounding import round_up
 
     assert f"example-level epsilon (one training image) = {round_up(one_image, 5)}" in text
     assert out["example_epsilon"] == pytest.approx(site.example_epsilon())
