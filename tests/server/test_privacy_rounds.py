@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -17,6 +18,7 @@ from fl_secure.messages import LocalTraining, TaskKind, UpdateHeader
 from fl_secure.runs import RunDir
 from privacy.dp.calibration import epsilon_for
 from privacy.dp.noise import SeededGaussian
+from privacy.dp.rounding import up_to_places
 from privacy.ledger.run_ledger import Ledger
 from privacy.server_round import open_server_privacy
 from server.coordinator import Coordinator
@@ -153,12 +155,12 @@ def test_small_budget_stops_early_within_the_target(tmp_path: Path) -> None:
     assert coord.completed_round == 2
     assert "privacy budget reached: round 3 would bring" in coord.stop_reason
     # the epsilon spent is stated rounded up (4 decimals), never to the nearest
-    import math
-
-    from privacy.server_round import _up4
-
     assert coord.stop_reason.endswith(f"with epsilon {math.ceil(eps2 * 1e4) / 1e4:.4f}")
-    assert (_up4(2.75334), _up4(2.7533), _up4(0.0)) == ("2.7534", "2.7533", "0.0000")
+    assert tuple(up_to_places(x, 4) for x in (2.75334, 2.7533, 0.0)) == (
+        "2.7534",
+        "2.7533",
+        "0.0000",
+    )
     assert coord.privacy is not None
     assert coord.privacy.epsilon == pytest.approx(eps2) and coord.privacy.epsilon <= target
     with Ledger.read(tmp_path / "ledger.sqlite") as ledger:
