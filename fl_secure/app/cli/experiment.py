@@ -16,7 +16,7 @@ def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser(
         "experiment",
         help="simulate a grid of algorithm x partition x seed in one process; write tables",
-        description="Runs every cell of an experiment file (see fl_secure/experiment.py) with "
+        description="Runs every cell of an experiment file (see fl_secure/app/experiment.py) with "
         "the in-process simulation (the gRPC path's algorithm code, no network) and writes "
         "results.csv and results.md under --out. A run whose training diverges is recorded as "
         "aborted (status and reason columns, no figures) and the grid goes on; the command then "
