@@ -12,37 +12,10 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from fl_secure.errors import PrivacyError, ProtocolError
-from privacy.secagg.config import SecAggConfig
 from privacy.secagg.encoding import SecureUniform, check_modulus, decode, encode
 from privacy.secagg.masks import prg_mask
-
-ROUND = b"round-0007"
-
-
-class SeededUniform:
-    """Reproducible rounding uniforms, so a test can recompute a client's encoding."""
-
-    def __init__(self, seed: int) -> None:
-        self._rng = np.random.default_rng(seed)
-
-    def uniform(self, n: int) -> np.ndarray:
-        return self._rng.random(n)
-
-
-def _ids(n: int) -> list[str]:
-    return [f"client-{i:03d}" for i in range(n)]
-
-
-def _config(n: int, t: int, k: int = 0, bits: int = 32, scale: float = 2.0**10) -> SecAggConfig:
-    return SecAggConfig(
-        round_id=ROUND,
-        cohort=tuple(_ids(n)),
-        threshold=t,
-        clip_range=1.0,
-        scale=scale,
-        neighbours=k,
-        modulus_bits=bits,
-    )
+from tests.privacy.secagg.helpers import SeededUniform
+from tests.privacy.secagg.helpers import config as _config
 
 
 @settings(max_examples=50, deadline=None)

@@ -27,38 +27,14 @@ from privacy.secagg.messages import (
 )
 from privacy.secagg.server import SecAggServer
 from privacy.secagg.shamir import PRIME
+from tests.privacy.secagg.helpers import ROUND, SeededUniform
+from tests.privacy.secagg.helpers import config as _config
+from tests.privacy.secagg.helpers import ids as _ids
 
-ROUND = b"round-0007"
 # A client with drop stage s completes the stages before s and sends nothing from s on:
 # 0 = never advertises, 1 = advertised only, 2 = shared keys but no masked input,
 # 3 = sent its masked input but does not answer the unmask request, 4 = completes the round.
 COMPLETES = 4
-
-
-class SeededUniform:
-    """Reproducible rounding uniforms, so a test can recompute a client's encoding."""
-
-    def __init__(self, seed: int) -> None:
-        self._rng = np.random.default_rng(seed)
-
-    def uniform(self, n: int) -> np.ndarray:
-        return self._rng.random(n)
-
-
-def _ids(n: int) -> list[str]:
-    return [f"client-{i:03d}" for i in range(n)]
-
-
-def _config(n: int, t: int, k: int = 0, bits: int = 32, scale: float = 2.0**10) -> SecAggConfig:
-    return SecAggConfig(
-        round_id=ROUND,
-        cohort=tuple(_ids(n)),
-        threshold=t,
-        clip_range=1.0,
-        scale=scale,
-        neighbours=k,
-        modulus_bits=bits,
-    )
 
 
 def _identities(config: SecAggConfig) -> dict[str, Ed25519PrivateKey]:
