@@ -25,10 +25,10 @@ from fl_secure.app.report.rows import (
     client_rows,
     example_rows,
     failed_rows,
-    model_line,
     no_ledger,
     note_lines,
     privacy_rows,
+    provenance_rows,
     run_rows,
     secure_rows,
     site_rows,
@@ -53,16 +53,8 @@ def render_html(
         b64 = base64.b64encode(data).decode()
         return f'<img alt="{e(alt)}" data-name="{e(name)}" src="data:{mime};base64,{b64}">'
 
-    p, led, sa, tm, u, prov = (
-        report[k]
-        for k in (
-            "privacy",
-            "ledger",
-            "secure_aggregation",
-            "threat_model",
-            "utility",
-            "provenance",
-        )
+    p, led, sa, tm, u = (
+        report[k] for k in ("privacy", "ledger", "secure_aggregation", "threat_model", "utility")
     )
     svgs = svgs if svgs is not None else plots(report)
     parts = [
@@ -182,14 +174,7 @@ def render_html(
         parts.append(table(*client_rows(u)))
         parts.append(table(*spread_rows(u)))
     parts.append("<h2>Provenance</h2>")
-    rows = [
-        [k, fmt(prov.get(k))]
-        for k in ("version", "commit", "started_at", "resumed_at", "ended_at", "config_sha256")
-    ]
-    rows.append(["data manifest", fmt(prov["data_manifest"])])
-    rows.append(["released model", model_line(report.get("model"))])
-    rows += [[f"package {k}", fmt(v)] for k, v in sorted(prov["packages"].items())]
-    parts.append(table(["item", "value"], rows))
+    parts.append(table(*provenance_rows(report)))
     parts.append(
         f"<p>Report format {e(report['report_version'])}; every number comes from the "
         "run's summary.json, metrics.jsonl, ledger.sqlite or audit/results.json.</p>"

@@ -24,10 +24,10 @@ from fl_secure.app.report.rows import (
     client_rows,
     example_rows,
     failed_rows,
-    model_line,
     no_ledger,
     note_lines,
     privacy_rows,
+    provenance_rows,
     run_rows,
     secure_rows,
     site_rows,
@@ -148,28 +148,5 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
         out += ["", "### Per-client scores (own test images) and their spread", ""]
         out += [table(*client_rows(u)), ""]
         out += [table(*spread_rows(u))]
-    prov = report["provenance"]
-    out += [
-        "",
-        "## Provenance",
-        "",
-        table(
-            ["item", "value"],
-            [
-                [k, fmt(prov.get(k))]
-                for k in (
-                    "version",
-                    "commit",
-                    "started_at",
-                    "resumed_at",
-                    "ended_at",
-                    "config_sha256",
-                )
-            ]
-            + [["data manifest", fmt(prov["data_manifest"])]]
-            + [["released model", model_line(report.get("model"))]]
-            + [[f"package {k}", fmt(v)] for k, v in sorted(prov["packages"].items())],
-        ),
-        "",
-    ]
+    out += ["", "## Provenance", "", table(*provenance_rows(report)), ""]
     return "\n".join(out)

@@ -196,3 +196,14 @@ def model_line(model: dict[str, Any] | None) -> str:
     if model.get("matches_ledger"):
         return f"{line}; the file the privacy ledger's rows of that round name"
     return f"{line}; not named by a privacy ledger"
+
+
+def provenance_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Where the run came from: versions, times, hashes, data, the released model, packages."""
+    prov = report["provenance"]
+    keys = ("version", "commit", "started_at", "resumed_at", "ended_at", "config_sha256")
+    rows = [[k, fmt(prov.get(k))] for k in keys]
+    rows.append(["data manifest", fmt(prov["data_manifest"])])
+    rows.append(["released model", model_line(report.get("model"))])
+    rows += [[f"package {k}", fmt(v)] for k, v in sorted(prov["packages"].items())]
+    return ["item", "value"], rows
