@@ -328,7 +328,7 @@ class FlClient:
             raise RuntimeError("a release before the run config was held")
         dpsgd = ClientPrivacy.released_dpsgd(metrics or {})
         row = self.site.record(self._run_config, self._run_id, task.round, task.nonce, dpsgd)
-        if row is None or row.unit not in ("client", "example"):
+        if row is None or row.unit not in ("client", "example", "identity"):
             return
         if row.unit == "client":
             honest = self.site.epsilon(colluding_peers=False)
@@ -337,6 +337,8 @@ class FlClient:
             figure += "sites collude)"
         else:
             figure = f"example-level epsilon (one training image) {self.site.example_epsilon():.4g}"
+            if row.unit == "identity":  # the same DP-SGD releases bound one whole person too
+                figure += " (identity level: also one person's images)"
         log.info(
             "round %d: site ledger: %d releases; this site's %s, delta %g",
             task.round,

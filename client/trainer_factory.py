@@ -26,6 +26,7 @@ from fl_secure.data.splits import stratified_split
 from fl_secure.errors import ConfigError
 from fl_secure.training import FaceModel, build_model
 from privacy.client_round import ClientPrivacy
+from privacy.dp.identity_dpsgd import number_of_identities
 from privacy.dp.noise import seeded_source
 
 if TYPE_CHECKING:
@@ -161,6 +162,8 @@ def build_local_trainer(
         privacy = ClientPrivacy(
             run_config,
             num_examples=len(local.train),
+            # identity level: the records are the identities of the training images' labels
+            num_identities=number_of_identities(local.train.labels),
             state_dir=state_dir,
             min_survivors=run_config.server.min_clients,
             run_id=run_id,

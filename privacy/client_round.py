@@ -16,6 +16,9 @@ ledger (:mod:`privacy.ledger.site_ledger`), which the client keeps beside it.
   its noise to the target over the planned rounds, reports its cumulative (epsilon, delta)
   with each update, and once another round would pass its budget it sends
   the unchanged parameters (a data-independent, privacy-free update) instead of training.
+* Identity level (``privacy.unit = "identity"``): the same, with identity-level DP-SGD
+  (:mod:`privacy.dp.identity_dpsgd`): the records sampled, clipped and counted are the site's
+  identities (``num_identities``), each with all its images.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from privacy.dp.calibration import calibrate_noise
 from privacy.dp.client_level import add_gaussian, client_noise_std, clip_update
 from privacy.dp.dpsgd import DPSGDSettings, dpsgd_steps, train_local_dpsgd
 from privacy.dp.example_level import MAX_DP_STEPS_PER_ROUND, MIN_DP_SAMPLE_RATE
+from privacy.dp.identity_dpsgd import train_local_identity_dpsgd
 from privacy.dp.noise import NoiseSource, SecureGaussian
 
 log = logging.getLogger(__name__)
@@ -52,6 +56,7 @@ class ClientPrivacy:
         config: Config,
         *,
         num_examples: int,
+        num_identities: int = 0,
         state_dir: Path | None = None,
         source: NoiseSource | None = None,
         min_survivors: int = 1,
@@ -69,9 +74,9 @@ class ClientPrivacy:
         self.noise_multiplier = self.cfg.noise_multiplier
         self.sample_rate = 0.0
         self.steps_per_round = 0
-        self.num_examples = 0  # example level: this client's training images
-        if self.cfg.unit == "example":
-            self._plan_example_level(config, num_examples)
+        self.num_examples = 0  # DP-SGD: this client's records (images, or identities)
+        if self.cfg.dpsgd:
+            self._plan_example_level(config, num_examples, num_identities)
             self._load()
         elif self.cfg.noise_placement != "central" and not self.noise_multiplier > 0:
             # 0 means "calibrate" in a config file; the server calibrates it and sends the
@@ -85,14 +90,28 @@ class ClientPrivacy:
             log.warning("DP noise is NOT from a CSPRNG: %s", self.source.description)
 
     # ------------------------------------------------------------ example level
-    def _plan_example_level(self, config: Config, n: int) -> None:
-        if n < 1:
+    def _plan_example_level(self, config: Config, images: int, identities: int) -> None:
+        """Sample rate, steps and noise of DP-SGD over the unit's records (images or people).
+
+        The default rate is ``min(1, batch_size / images)`` for either unit: ``batch_size``
+        images a step in expectation (at the identity level each identity is sampled at that
+        rate and brings all its images).
+        """
+        if images < 1:
             raise PrivacyError("a client without training images cannot run DP-SGD")
-        q = self.cfg.sample_rate or min(1.0, config.train.batch_size / n)
+        n = images
+        if self.cfg.unit == "identity":
+            if identities < 1:
+                raise PrivacyError(
+                    "identity-level DP-SGD needs the number of identities of the site's "
+                    "training images (num_identities >= 1)"
+                )
+            n = identities
+        q = self.cfg.sample_rate or min(1.0, config.train.batch_size / images)
         if q < MIN_DP_SAMPLE_RATE:  # the server refuses such updates: say so before training
             raise PrivacyError(
-                f"DP-SGD sample rate q = {q:.3g} (batch {config.train.batch_size} of {n} images) "
-                f"is below the {MIN_DP_SAMPLE_RATE:g} the server accounts; set "
+                f"DP-SGD sample rate q = {q:.3g} (batch {config.train.batch_size} of {images} "
+                f"images) is below the {MIN_DP_SAMPLE_RATE:g} the server accounts; set "
                 "privacy.sample_rate or a larger train.batch_size"
             )
         self.sample_rate = q
@@ -113,19 +132,24 @@ class ClientPrivacy:
                 accountant=self.accountant_name,
             )
         log.info(
-            "example-level DP-SGD: z = %.4f, C = %g, q = %.4f, %d steps per round, %s accountant",
+            "%s-level DP-SGD over %d records: z = %.4f, C = %g, q = %.4f, %d steps a round, "
+            "%s accountant",
+            self.cfg.unit,
+            n,
             self.noise_multiplier,
             self.cfg.clip_norm,
             q,
             self.steps_per_round,
             self.accountant_name,
         )
+        what = "identities" if self.cfg.unit == "identity" else "training images"
         if self.cfg.delta >= 1.0 / n:  # only this site knows n: the server cannot check it
             log.warning(
-                "privacy.delta = %g is not below 1/N for this site's N = %d training images: "
-                "a mechanism that publishes one image in the clear meets such a delta",
+                "privacy.delta = %g is not below 1/N for this site's N = %d %s: a mechanism "
+                "that publishes one record in the clear meets such a delta",
                 self.cfg.delta,
                 n,
+                what,
             )
         if not self.cfg.sample_rate:
             log.warning(
@@ -212,7 +236,7 @@ class ClientPrivacy:
             atomic_write_json(self.state_path, state)
 
     def epsilon(self) -> float:
-        """This client's example-level epsilon so far."""
+        """This client's DP-SGD (example- or identity-level) epsilon so far."""
         return self.accountant.get_epsilon(self.cfg.delta)
 
     def _epsilon_after_round(self, steps: int) -> float:
@@ -226,8 +250,8 @@ class ClientPrivacy:
         return trial.get_epsilon(self.cfg.delta)
 
     def train_fn(self) -> TrainFn | None:
-        """DP-SGD for example-level runs (``None``: the strategy's own training)."""
-        if self.cfg.unit != "example":
+        """DP-SGD for example- and identity-level runs (``None``: the strategy's own training)."""
+        if not self.cfg.dpsgd:
             return None
         settings = DPSGDSettings(
             noise_multiplier=self.noise_multiplier,
@@ -238,6 +262,10 @@ class ClientPrivacy:
         )
 
         def train(model: FaceModel, data: LocalData, training: LocalTraining) -> dict[str, float]:
+            if self.cfg.unit == "identity":
+                return train_local_identity_dpsgd(
+                    model, data, training, settings, noise=self.source
+                )
             return train_local_dpsgd(model, data, training, settings, noise=self.source)
 
         return train
@@ -250,7 +278,7 @@ class ClientPrivacy:
         asking for more steps is charged what it would spend.
         """
         target = self.cfg.target_epsilon
-        if self.cfg.unit != "example":
+        if not self.cfg.dpsgd:
             return True
         steps = self.steps_per_round
         if training is not None:
@@ -268,8 +296,9 @@ class ClientPrivacy:
         after = self._epsilon_after_round(steps)
         if after > target * (1 + 1e-9):
             log.warning(
-                "example-level budget: another round would bring epsilon to %.4f > %g; "
+                "%s-level budget: another round would bring epsilon to %.4f > %g; "
                 "sending the unchanged parameters instead of training",
+                self.cfg.unit,
                 after,
                 target,
             )
@@ -277,8 +306,8 @@ class ClientPrivacy:
         return True
 
     def planned_dpsgd(self, training: LocalTraining) -> tuple[float, float, int] | None:
-        """Example level: the ``(z, q, steps)`` DP-SGD would run for ``training`` (else None)."""
-        if self.cfg.unit != "example":
+        """DP-SGD units: the ``(z, q, steps)`` DP-SGD would run for ``training`` (else None)."""
+        if not self.cfg.dpsgd:
             return None
         steps = dpsgd_steps(self.num_examples, training, self.sample_rate)
         return self.noise_multiplier, self.sample_rate, steps

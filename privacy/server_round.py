@@ -83,7 +83,7 @@ class ServerPrivacy:
     # ------------------------------------------------------------ properties
     @property
     def unit(self) -> str:
-        """``client`` or ``example``."""
+        """``client``, ``example`` or ``identity``."""
         return self.cfg.unit
 
     @property
@@ -304,6 +304,7 @@ class ServerPrivacy:
                 delta=self.cfg.delta,
                 accountant=self.accountant_name,
                 clip_norm=self.cfg.clip_norm,
+                unit=self.unit,
             )
             reported = payload["client_reported_epsilon"]
             # The server composes the party's rows itself: a client whose accountant was
@@ -327,7 +328,7 @@ class ServerPrivacy:
         Raises:
             ProtocolError: Naming the key and what it must be.
         """
-        if self.unit != "example":
+        if not self.cfg.dpsgd:
             return
         check_example_metrics(party, metrics, training)
 
@@ -451,7 +452,7 @@ class ServerPrivacy:
                     f"{completed_round}; refusing to resume on a ledger that does not match "
                     "the checkpoints"
                 )
-        if self.unit == "example":  # every completed round released rows of its cohort
+        if self.cfg.dpsgd:  # every completed round released rows of its cohort
             rounds = {e.round for e in entries if e.kind == "example_level"}
             rounds |= {completed_round for r in missing if r["kind"] == "example_level"}
             lost = sorted(set(range(1, completed_round + 1)) - rounds)

@@ -65,12 +65,12 @@ def largest_cohort(config: Config, population: int) -> int:
 
 
 def check_dpsgd_model(config: Config, model: nn.Module) -> None:
-    """Under example-level DP, refuse a model DP-SGD cannot train, before any client trains.
+    """Under DP-SGD (example or identity unit), refuse a model it cannot train, before training.
 
     Raises:
         ConfigError: Naming ``model.backbone`` and what Opacus cannot handle.
     """
-    if config.privacy.unit != "example":
+    if not config.privacy.dpsgd:
         return
     # deferred: privacy.dp.dpsgd imports opacus, which only example-level DP needs
     from privacy.dp.dpsgd import validate_model

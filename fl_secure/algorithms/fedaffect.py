@@ -188,7 +188,10 @@ class FedAffect(Strategy):
     refused_privacy_units: ClassVar[Mapping[PrivacyUnit, str]] = {
         "example": "NT-Xent couples the images of a minibatch, so DP-SGD's per-example "
         "clipping would not bound one image's influence; use privacy.unit = 'client' "
-        "(DP-FedAvg) or 'none'"
+        "(DP-FedAvg) or 'none'",
+        "identity": "NT-Xent couples the images of a minibatch across people, so per-identity "
+        "clipping would not bound one person's influence; use privacy.unit = 'client' "
+        "(DP-FedAvg) or 'none'",
     }
 
     def __init__(self, params: AlgorithmConfig | None = None) -> None:

@@ -193,7 +193,11 @@ class FedFR(Strategy):
     refused_privacy_units: ClassVar[Mapping[PrivacyUnit, str]] = {
         "example": "a target client's pseudo labels come from clustering all its images "
         "(C-FINCH), so one image can change the labels of others and DP-SGD's per-example "
-        "guarantee does not cover it; use privacy.unit = 'client' (DP-FedAvg) or 'none'"
+        "guarantee does not cover it; use privacy.unit = 'client' (DP-FedAvg) or 'none'",
+        "identity": "a target client's pseudo labels come from clustering all its images "
+        "(C-FINCH), so one person's images can change the labels of others and the "
+        "identity-level guarantee does not cover it (nor are the pseudo labels identities); "
+        "use privacy.unit = 'client' (DP-FedAvg) or 'none'",
     }
 
     def __init__(

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from fl_secure.config.values import (
+    DPSGD_UNITS,
     MAX_TIMEOUT,
     MIN_NOISE_MULTIPLIER,
     TIMEOUT_RANGE,
@@ -26,6 +27,8 @@ class PrivacyConfig:
     ``unit = "client"``: DP-FedAvg on the shared parameters' updates (a whole client's data
     is the protected record; AdaFedFR Algorithm 1 lines 23-26). ``unit = "example"``:
     DP-SGD with Opacus inside each client (one face image is the protected record).
+    ``unit = "identity"``: DP-SGD inside each client over identities (one person, all their
+    images at the site, is the protected record; :mod:`privacy.dp.identity_dpsgd`).
 
     ``clipping`` (example unit) chooses how the per-example clipped gradient sum is computed:
     ``book-keeping`` (:mod:`privacy.dp.bookkeeping`: ghost norms and one clipped weight gradient
@@ -34,15 +37,17 @@ class PrivacyConfig:
     takes book-keeping when every trainable layer is supported, else Opacus.
     """
 
-    unit: PrivacyUnit = "none"  # none, client (DP-FedAvg) or example (DP-SGD on clients)
+    unit: PrivacyUnit = "none"  # none, client (DP-FedAvg), example or identity (DP-SGD)
     noise_placement: NoisePlacement = "local"  # client unit: local, distributed or central
-    clip_norm: float = 1.0  # C: update L2 bound (client) or per-example gradient bound (example)
+    clip_norm: float = 1.0  # C: update (client), per-example or per-identity gradient L2 bound
     noise_multiplier: float = 0.0  # z (noise std = z * C); 0 = calibrate to target_epsilon
     target_epsilon: float = 0.0  # budget: training stops before passing it (0 = no budget)
     delta: float = 1e-5
-    accountant: AccountantName = ""  # "" = pld for client level, prv for example level
-    sample_rate: float = 0.0  # example unit: Poisson rate per step (0 = batch_size / examples)
-    max_physical_batch_size: int = 64  # example unit: memory bound of DP-SGD
+    accountant: AccountantName = ""  # "" = pld for client level, prv for example/identity
+    # example/identity unit: Poisson rate per step of each image / identity (0 = batch_size /
+    # the site's images: batch_size images a step in expectation, for either unit)
+    sample_rate: float = 0.0
+    max_physical_batch_size: int = 64  # example/identity unit: images per forward pass
     clipping: ClippingEngine = "auto"  # example unit: per-example clipping engine (see below)
     secure_rng: bool = True  # DP noise from a CSPRNG; false only for reproducible tests
 
@@ -63,10 +68,10 @@ class PrivacyConfig:
             "privacy.max_physical_batch_size",
             "an integer >= 1",
         )
-        if self.unit == "example" and self.noise_placement != "local":
+        if self.unit in DPSGD_UNITS and self.noise_placement != "local":
             raise ConfigError(
                 f"privacy.noise_placement = {self.noise_placement!r} with privacy.unit = "
-                "'example': DP-SGD adds its noise on each client, in every step; the "
+                f"{self.unit!r}: DP-SGD adds its noise on each client, in every step; the "
                 "placements 'distributed' and 'central' are for client-level DP"
             )
         if self.unit != "none" and self.noise_multiplier == 0 and self.target_epsilon == 0:
@@ -80,11 +85,16 @@ class PrivacyConfig:
         """Whether the run is differentially private."""
         return self.unit != "none"
 
+    @property
+    def dpsgd(self) -> bool:
+        """Whether each client runs DP-SGD (example or identity unit, local noise)."""
+        return self.unit in DPSGD_UNITS
+
     def accountant_name(self) -> str:
-        """The accountant used: configured, or PLD (client level) / PRV (example level)."""
+        """The accountant used: configured, or PLD (client level) / PRV (DP-SGD units)."""
         if self.accountant:
             return self.accountant
-        return "prv" if self.unit == "example" else "pld"
+        return "prv" if self.dpsgd else "pld"
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,11 @@ AlgorithmName = Literal[
 ]
 Optimizer = Literal["sgd", "adam"]
 LrSchedule = Literal["constant", "cosine"]
-PrivacyUnit = Literal["none", "client", "example"]
+#: none; client (DP-FedAvg: a whole site is the record); example (DP-SGD on each site: one image);
+#: identity (DP-SGD on each site over identities: one person, every image of them at the site)
+PrivacyUnit = Literal["none", "client", "example", "identity"]
+#: The units whose noise is DP-SGD's, added on each client in every step (placement "local").
+DPSGD_UNITS: tuple[PrivacyUnit, ...] = ("example", "identity")
 NoisePlacement = Literal["local", "distributed", "central"]
 #: smallest privacy.noise_multiplier: privacy.dp.accountants.accountant.MIN_ACCOUNTED_NOISE, kept
 #: here so that reading a config does not import the accountants (a test ties the two)

@@ -1,10 +1,13 @@
 """Example-level DP-SGD releases as the server accounts them: what a client reports, its limits.
 
-With ``privacy.unit = "example"`` each client runs DP-SGD (:mod:`privacy.dp.dpsgd`) and sends,
+With ``privacy.unit = "example"`` each client runs DP-SGD (:mod:`privacy.dp.dpsgd`), with
+``"identity"`` identity-level DP-SGD (:mod:`privacy.dp.identity_dpsgd`), and sends,
 with each update, the data-independent figures of its release (:data:`EXAMPLE_KEYS`). The
 server composes every client's releases in its own accountant, so it refuses figures it could
 not account (:func:`check_example_metrics`), and a client refuses to train a round the server
-would refuse.
+would refuse. Both units report and are accounted alike (a Poisson-subsampled Gaussian per
+step over the site's records, images or identities); their ledger rows are of the kind
+``example_level`` (one client's DP-SGD release) and say which record in ``privacy_unit``.
 """
 
 from __future__ import annotations
@@ -70,9 +73,18 @@ def check_example_metrics(
 
 
 def example_payload(
-    party: str, metrics: Mapping[str, float], *, delta: float, accountant: str, clip_norm: float
+    party: str,
+    metrics: Mapping[str, float],
+    *,
+    delta: float,
+    accountant: str,
+    clip_norm: float,
+    unit: str = "example",
 ) -> dict[str, Any]:
-    """An example-level ledger row's payload from a client's reported figures (no epsilon yet).
+    """A DP-SGD ledger row's payload from a client's reported figures (no epsilon yet).
+
+    ``unit``: the run's ``privacy.unit``, ``example`` or ``identity`` (the record the row's
+    ``sample_rate`` and ``clip_norm`` are per).
 
     Raises:
         PrivacyError: The client reported no example-level accounting.
@@ -93,7 +105,7 @@ def example_payload(
         "sample_rate": float(metrics["dp_sample_rate"]),
         "clip_norm": clip_norm,
         "adjacency": ADJACENCY["poisson"],
-        "privacy_unit": "example",
+        "privacy_unit": unit,
         "noise_secure": bool(metrics.get("dp_noise_secure", 0.0) > 0),
     }
 

@@ -57,10 +57,18 @@ def ledger_json(
         "entries": [e.to_dict() for e in entries],
         "rounds_recorded": list[JsonValue](sorted({e.round for e in recorded})),
         "discarded_sums": list[JsonValue](discarded),
-        "privacy_unit": "client" if client or discarded else "example" if example else None,
+        "privacy_unit": "client" if client or discarded else _dpsgd_unit(example),
         "epsilon": epsilon,
         "delta": delta,
     }
     if verify_result is not None:
         out["verify"] = {"ok": verify_result.ok, "problems": list(verify_result.problems)}
     return out
+
+
+def _dpsgd_unit(rows: Sequence[Entry]) -> str | None:
+    """``example`` or ``identity``: what the DP-SGD rows' payloads name (``example`` if none)."""
+    if not rows:
+        return None
+    named = {str(e.payload.get("privacy_unit", "example")) for e in rows}
+    return named.pop() if len(named) == 1 else "/".join(sorted(named))

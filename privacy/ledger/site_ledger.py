@@ -30,7 +30,9 @@ image) instead of the whole site, over every release the ledger holds:
 * an example-level DP-SGD release (``privacy.unit = "example"``) is ``T`` steps of the
   Poisson-subsampled Gaussian with the site's own ``q`` and ``z``: its sampling is drawn at
   the site, so the amplification holds against the server too; a release of the unchanged
-  parameters (the run's own budget spent) costs nothing;
+  parameters (the run's own budget spent) costs nothing; an identity-level release
+  (``"identity"``) counts the same (one image is part of one identity, sampled at ``q``
+  with its gradient clipped to ``C``; the release alone also bounds one whole person);
 * a client-level release is a Gaussian of multiplier ``z / 2`` (``own / 2`` if the peers
   collude): one image more or less moves the clipped update by up to ``2 C``;
 * a release with neither makes it unbounded.

@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from fl_secure.config import Config
+from fl_secure.config.values import DPSGD_UNITS
 from fl_secure.errors import PrivacyError
 
 
@@ -20,17 +21,19 @@ class Release:
         run_id: The run (the server's id for it, from the join).
         round: The round.
         nonce: The task's nonce (hex): one attempt of the round.
-        unit: The run's ``privacy.unit`` ("none", "client", "example").
+        unit: The run's ``privacy.unit`` ("none", "client", "example", "identity").
         placement: ``privacy.noise_placement``.
         scheme: ``secure_aggregation.scheme``.
         noise_multiplier: Client level: ``z`` of the released sum with honest peers; 0 when
             the release carries no client-level noise against the server.
         own_noise_multiplier: Client level: ``z`` of this site's own noise alone (0: none).
         time: When it was recorded (UTC, ISO 8601).
-        dpsgd_noise_multiplier: Example level: the DP-SGD noise multiplier (0 otherwise).
-        dpsgd_sample_rate: Example level: the Poisson sampling rate ``q`` (0 otherwise).
-        dpsgd_steps: Example level: DP-SGD steps of the release (0: the unchanged
-            parameters, or not example level; -1: not recorded, as in a version 1 row).
+        dpsgd_noise_multiplier: Example or identity level: the DP-SGD noise multiplier (0
+            otherwise).
+        dpsgd_sample_rate: Example or identity level: the Poisson sampling rate ``q`` (of
+            images, or of identities; 0 otherwise).
+        dpsgd_steps: Example or identity level: DP-SGD steps of the release (0: the
+            unchanged parameters, or no DP-SGD; -1: not recorded, as in a version 1 row).
     """
 
     run_id: str
@@ -93,9 +96,11 @@ class Release:
 
         ``mu``: a client-level release, ``2 / z`` (one image moves the clipped update by up
         to ``2 C``); ``inf`` for a release without noise of either kind. The DP-SGD part is
-        ``(z, q, steps)`` of an example-level release that trained, else None.
+        ``(z, q, steps)`` of an example-level release that trained, else None. An
+        identity-level release counts the same: one image belongs to one identity, whose
+        clipped gradient bounds its influence, and that identity is sampled at rate ``q``.
         """
-        if self.unit == "example":
+        if self.unit in DPSGD_UNITS:
             if self.dpsgd_steps < 0:
                 return math.inf, None  # a version 1 row: its steps were not recorded
             if self.dpsgd_steps == 0:
@@ -123,7 +128,7 @@ def release_for(
     """
     p, s = config.privacy, config.secure_aggregation
     steps = 0
-    if p.unit == "example":
+    if p.dpsgd:
         steps = int(dpsgd[2]) if dpsgd is not None else -1
     z = own = 0.0
     if p.unit == "client" and p.noise_placement in ("local", "distributed"):
@@ -141,7 +146,7 @@ def release_for(
         noise_multiplier=float(z),
         own_noise_multiplier=float(own),
         time=datetime.now(UTC).isoformat(timespec="seconds"),
-        dpsgd_noise_multiplier=float(dpsgd[0]) if dpsgd and p.unit == "example" else 0.0,
-        dpsgd_sample_rate=float(dpsgd[1]) if dpsgd and p.unit == "example" else 0.0,
+        dpsgd_noise_multiplier=float(dpsgd[0]) if dpsgd and p.dpsgd else 0.0,
+        dpsgd_sample_rate=float(dpsgd[1]) if dpsgd and p.dpsgd else 0.0,
         dpsgd_steps=steps,
     )

@@ -72,6 +72,15 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
         "the labels of others and DP-SGD's per-example guarantee does not cover it; use "
         "privacy.unit = 'client' (DP-FedAvg) or 'none'",
     ),
+    (
+        {
+            "algorithm": {"name": "fedaffect"},
+            "privacy": {"unit": "identity", "noise_multiplier": 1.0},
+        },
+        "algorithm.name = 'fedaffect' cannot run with privacy.unit = 'identity': NT-Xent couples "
+        "the images of a minibatch across people, so per-identity clipping would not bound one "
+        "person's influence; use privacy.unit = 'client' (DP-FedAvg) or 'none'",
+    ),
 ]
 
 
@@ -100,8 +109,8 @@ def test_the_classes_answer_for_their_designs() -> None:
     assert {name: units for name, units in refused.items() if units} == {
         "fedgc": {"client"},
         "fedcos": {"client"},
-        "fedaffect": {"example"},
-        "fedfr": {"example"},
+        "fedaffect": {"example", "identity"},
+        "fedfr": {"example", "identity"},
     }
 
 

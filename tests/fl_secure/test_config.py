@@ -161,6 +161,24 @@ def test_privacy_section_is_validated_with_clear_errors() -> None:
     assert example.privacy.accountant_name() == "prv"
 
 
+@pytest.mark.parametrize("placement", ["distributed", "central"])
+def test_identity_unit_is_dpsgd_with_local_noise_only(placement: str) -> None:
+    # the identity unit is DP-SGD on each site: placements for client-level DP are refused
+    identity = {"unit": "identity", "noise_multiplier": 1.0, "noise_placement": placement}
+    with pytest.raises(
+        ConfigError,
+        match=f"privacy.noise_placement = '{placement}' with privacy.unit = 'identity': DP-SGD",
+    ):
+        config_from_dict({"privacy": identity})
+    # it needs noise or a budget to calibrate to, as every unit does
+    with pytest.raises(ConfigError, match="privacy.unit = 'identity' needs privacy.noise_mult"):
+        config_from_dict({"privacy": {"unit": "identity"}})
+    ok = config_from_dict({"privacy": {"unit": "identity", "target_epsilon": 4.0}}).privacy
+    assert ok.enabled and ok.dpsgd and ok.noise_placement == "local"
+    assert ok.accountant_name() == "prv"  # as example level
+    assert not config_from_dict({"privacy": {"unit": "client", "target_epsilon": 8}}).privacy.dpsgd
+
+
 def test_attribute_partition_needs_one_predicate_per_client() -> None:
     with pytest.raises(ConfigError, match="one predicate per client: partition.clients has 1"):
         config_from_dict({"partition": {"kind": "attribute", "num_clients": 2,

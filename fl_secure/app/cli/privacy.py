@@ -56,8 +56,8 @@ def _common(p: argparse.ArgumentParser, default_accountant: str | None) -> None:
         choices=ACCOUNTANT_NAMES,
         required=default_accountant is None,
         default=default_accountant,
-        help="rdp (loose), prv (what training uses for example-level DP), pld (for client-"
-        "level)"
+        help="rdp (loose), prv (what training uses for example- and identity-level DP), pld "
+        "(for client-level)"
         + ("; required here" if default_accountant is None else f"; default: {default_accountant}"),
     )
     p.add_argument(

@@ -121,6 +121,10 @@ def print_summary(summary: dict[str, Any], run_dir: Path, as_json: bool) -> int:
             f"adjacency, {summary['accountant']} accountant, noise placement "
             f"{summary['noise_placement']}; ledger: {run_dir / 'ledger.sqlite'}"
         )
+        if summary["privacy_unit"] == "identity":
+            from fl_secure.app.report.units import RECORD_IN_FULL
+
+            print(f"  protected record: {RECORD_IN_FULL['identity']}")
         _print_sites(run_dir, summary)
         n, what = _delta_population(summary)
         if n and summary["delta"] >= 1.0 / n:
@@ -135,7 +139,13 @@ def print_summary(summary: dict[str, Any], run_dir: Path, as_json: bool) -> int:
 
 
 def _delta_population(summary: dict[str, Any]) -> tuple[int | None, str]:
-    """N of the delta < 1/N rule: clients, or the smallest client's images (example level)."""
+    """N of the delta < 1/N rule: clients, or the smallest client's images (example level).
+
+    At the identity level the records are each site's identities, whose number the server
+    does not learn: no N (each client checks its own).
+    """
+    if summary.get("privacy_unit") == "identity":
+        return None, "identities (each site checks its own)"
     if summary.get("privacy_unit") == "example":
         from fl_secure.app.report.build import example_population
 

@@ -31,6 +31,7 @@ from fl_secure.app.report.plain_summary import plain_summary
 from fl_secure.app.report.provenance import provenance_section
 from fl_secure.app.report.report_warnings import report_warnings, site_warnings
 from fl_secure.app.report.threat_model import threat_model_section
+from fl_secure.app.report.units import DPSGD_UNITS, RECORD_IN_FULL, dpsgd_population, mechanism
 from fl_secure.app.report.utility import utility_section
 from fl_secure.errors import CheckpointError, PrivacyError
 from fl_secure.runs import RunDir, read_json_object
@@ -241,21 +242,12 @@ def _privacy(
     population_of = "clients (enrolled): the unit is a whole client"
     z, rate = p.get("noise_multiplier"), p.get("client_sample_rate")
     rounds = p.get("rounds_accounted")
-    if unit == "example":  # each client runs DP-SGD on its own images, and accounts them
+    if unit in DPSGD_UNITS:  # each client runs DP-SGD on its own records, and accounts them
         rows = ledger.get("example_level") or []
-        population = example_population(summary)
-        population_of = (
-            "training images of the smallest client: the unit is one image, and each "
-            "client's guarantee covers its own images"
-        )
+        population, population_of = dpsgd_population(unit, example_population(summary))
         z = _shared_value([r.get("noise_multiplier") for r in rows])
         rate = _shared_value([r.get("sample_rate") for r in rows])
         rounds = max((r["round"] for r in rows), default=None)
-        if population is None:
-            population_of = (
-                "not released: at the example level a site's image count stays on the site "
-                "(each client checks delta < 1/N for its own N)"
-            )
     kept = ledger.get("epsilon")
     # the ledger's (epsilon, delta) is the record: one pair, from one source
     delta = summary.get("delta") if kept is None or ledger.get("delta") is None else ledger["delta"]
@@ -263,8 +255,9 @@ def _privacy(
         "setting": "cross-silo federated learning (a few institutions, each a client)",
         "differential_privacy": unit != "none",
         "privacy_unit": unit,
+        "protected_record": RECORD_IN_FULL.get(unit),
         "adjacency": p.get("adjacency"),
-        "mechanism": _mechanism(unit, p),
+        "mechanism": mechanism(unit),
         "noise_placement": placement,
         "noise_placement_trusts": TRUST.get(placement or "", None),
         "clip_norm": p.get("clip_norm"),
@@ -302,21 +295,6 @@ def _privacy(
     if ledger.get("example_level"):
         out["example_level_clients"] = len(ledger["example_level"])
     return out
-
-
-def _mechanism(unit: str, p: dict[str, Any]) -> str:
-    if unit == "none":
-        return "none: no differential privacy in this run"
-    if unit == "client":
-        return (
-            "DP-FedAvg: each client's update of the shared parameters clipped to L2 norm C, "
-            "Gaussian noise of std z C on the sum (discrete Gaussian under secure "
-            "aggregation with distributed noise)"
-        )
-    return (
-        "DP-SGD (Opacus) on each client: per-example clipping, Gaussian noise, Poisson-"
-        "sampled batches; each client accounts its own epsilon"
-    )
 
 
 def _sampling_note(p: dict[str, Any]) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from fl_secure.app.report.units import RECORD_IN_FULL, record_of
 from privacy.dp.rounding import round_up
 
 
@@ -15,7 +16,7 @@ def plain_summary(report: dict[str, Any]) -> list[str]:
     if p["differential_privacy"] and not p["epsilon"]:  # None, or 0: nothing released
         lines.append("Differential privacy was configured, but no round was accounted.")
     elif p["differential_privacy"]:
-        unit = "institution" if p["privacy_unit"] == "client" else "face image"
+        unit = record_of(p)
         change = {
             "replace-one": f"whether any one {unit} is replaced by another",
             "zero-out": f"whether any one {unit} sent its real update or a zero one (its "
@@ -30,6 +31,8 @@ def plain_summary(report: dict[str, Any]) -> list[str]:
             f"{round_up(math.exp(min(p['epsilon'], 700)))} (plus delta) {change}"
             + (" (a weak bound: epsilon is above 5)." if p["epsilon"] > 5 else ".")
         )
+        if p["privacy_unit"] == "identity":
+            lines.append(f"The protected record is {RECORD_IN_FULL['identity']}.")
     else:
         lines.append("Training was not differentially private.")
     if sa["scheme"] == "none":

@@ -17,8 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from audits.run_audit import findings
+from fl_secure.app.report.units import DPSGD_UNITS
 from fl_secure.errors import PrivacyError
 from privacy.ledger.site_ledger import SiteLedger
+
+#: Whose data a too large delta could release outright, by privacy unit.
+_WHOSE = {"example": "image", "identity": "person", "client": "client"}
 
 #: A final model whose TAR@FAR=1e-2 is not above the initial one's by more than this is
 #: warned about (``no-utility``): a difference this small is within the run-to-run spread of
@@ -54,18 +58,18 @@ def report_warnings(
                 "code": "delta-not-below-1-over-n",
                 "message": f"delta = {p['delta']:.3g} is not below 1/N for N = "
                 f"{p['population']} {p.get('population_of', 'clients')}: a mechanism could "
-                f"release one {'image' if p['privacy_unit'] == 'example' else 'client'}'s "
-                "data outright.",
+                f"release one {_WHOSE.get(p['privacy_unit'], 'client')}'s data outright.",
             }
         )
-    if p["privacy_unit"] == "example" and not (config.get("privacy") or {}).get("sample_rate"):
+    if p["privacy_unit"] in DPSGD_UNITS and not (config.get("privacy") or {}).get("sample_rate"):
         w.append(
             {
                 "code": "example-count-public",
                 "message": "privacy.sample_rate was not set: each client's DP-SGD sampling rate "
                 "q = batch_size / N came from its image count N and was sent with its updates, "
                 "so N is treated as public (Opacus' convention); the guarantee covers which "
-                "images a site holds given their number. Set privacy.sample_rate to keep N "
+                + ("people's images" if p["privacy_unit"] == "identity" else "images")
+                + " a site holds given the number of images. Set privacy.sample_rate to keep N "
                 "private.",
             }
         )
