@@ -45,6 +45,7 @@ def failed_rows(run: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
 PRIVACY_ROWS = (
     ("setting", "Setting"),
     ("privacy_unit", "Privacy unit"),
+    ("protected_record", "Protected record"),
     ("adjacency", "Adjacency"),
     ("mechanism", "Mechanism"),
     ("noise_placement", "Noise placement"),
