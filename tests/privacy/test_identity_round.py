@@ -20,6 +20,7 @@ from privacy.dp.calibration import epsilon_for
 from privacy.dp.noise import SeededGaussian
 from privacy.ledger.formatting import ledger_json
 from privacy.ledger.guarantee import ledger_guarantee
+from privacy.ledger.site_release import release_for
 from privacy.server_round import open_server_privacy
 
 DELTA = 1e-5
@@ -119,3 +120,13 @@ def test_the_servers_rows_name_the_identity_unit_and_compose_the_steps(tmp_path:
     summary = session.summary()
     assert summary["privacy_unit"] == "identity" and summary["noise_placement"] == "local"
     assert summary["accountant"] == "prv"
+
+
+def test_a_site_ledger_row_of_an_identity_release_keeps_its_dpsgd_figures() -> None:
+    # the site's own record: (z, q, steps) kept, counted like an example-level release
+    cfg = config_from_dict(TABLE)
+    row = release_for(cfg, "run1", 1, b"\x01", (1.1, 0.05, 20))
+    assert (row.unit, row.dpsgd_noise_multiplier, row.dpsgd_sample_rate) == ("identity", 1.1, 0.05)
+    assert row.example_events(own=True) == (0.0, (1.1, 0.05, 20))
+    unknown = release_for(cfg, "run1", 2, b"\x02")  # steps not stated: unbounded, never free
+    assert unknown.dpsgd_steps == -1 and unknown.example_events(own=True)[0] == float("inf")
