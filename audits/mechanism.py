@@ -37,7 +37,7 @@ class Mechanism:
     min_survivors: int  # t of the distributed placement
     delta: float
     accountant_epsilon: float | None  # None: the run claims no client-level DP
-    privacy_unit: str = "client"  # the run's: none, client or example (DP-SGD)
+    privacy_unit: str = "client"  # the run's: none, client, example or identity (DP-SGD)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""

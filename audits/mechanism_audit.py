@@ -36,10 +36,11 @@ from audits.mechanism import Mechanism
 def _accountant_text(mech: Mechanism) -> str:
     if mech.accountant_epsilon is not None:
         return "the run's accountant (summary.json epsilon)"
-    if mech.privacy_unit == "example":
+    if mech.privacy_unit in ("example", "identity"):
+        record = "one training image's" if mech.privacy_unit == "example" else "one person's"
         return (
-            "none at the client level: the run's DP is example-level (DP-SGD on each client), "
-            "whose epsilon bounds one training image's influence, not a client's; the "
+            f"none at the client level: the run's DP is {mech.privacy_unit}-level (DP-SGD on "
+            f"each client), whose epsilon bounds {record} influence, not a client's; the "
             "aggregation audited here is the plain average it uses"
         )
     return "none: the run claims no differential privacy"

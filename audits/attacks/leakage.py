@@ -163,11 +163,12 @@ def leakage_attack(run: RunContext, view: View, *, seed: int) -> dict[str, Any]:
     """
     if view.updates == "none":
         return {"applicable": False, "why": "this party receives no client's update"}
-    if run.privacy_unit == "example":
+    if run.privacy_unit in ("example", "identity"):
         return {
             "applicable": False,
-            "why": "example-level DP (DP-SGD): a rebuilt update would carry none of the run's "
-            "per-example clipping and noise, so it would measure another mechanism",
+            "why": f"{run.privacy_unit}-level DP (DP-SGD): a rebuilt update would carry none of "
+            f"the run's per-{run.privacy_unit} clipping and noise, so it would measure another "
+            "mechanism",
         }
     backbone = run.model.backbone
     test = [c.test for c in run.plan.clients]

@@ -103,12 +103,16 @@ def test_a_summary_without_a_privacy_field_is_refused_by_name(
                          source="RUN/summary.json")  # fmt: skip
 
 
-def test_an_example_level_run_is_not_called_a_run_without_dp() -> None:
-    summary = {"privacy_unit": "example", "epsilon": 2.0, "delta": 1e-5, "rounds_completed": 4}
+@pytest.mark.parametrize(
+    ("unit", "record"), [("example", "one training image's"), ("identity", "one person's")]
+)
+def test_a_dpsgd_run_is_not_called_a_run_without_dp(unit: str, record: str) -> None:
+    summary = {"privacy_unit": unit, "epsilon": 2.0, "delta": 1e-5, "rounds_completed": 4}
     mech = mechanism_of_run(summary, num_clients=3, min_clients=3, rounds=4)
     found = audit_mechanism(mech, canaries=200, trials=200, seed=0)
     assert found["accountant_epsilon"] is None  # no client-level claim to compare with
-    assert found["accountant"].startswith("none at the client level: the run's DP is example")
+    assert found["accountant"].startswith(f"none at the client level: the run's DP is {unit}")
+    assert f"bounds {record} influence" in found["accountant"]
 
 
 @pytest.mark.parametrize("epsilon", [54.38, math.inf])
