@@ -24,7 +24,7 @@ from fl_secure.data.folders import load_identity_folders
 from fl_secure.data.plan import plan_federation
 from fl_secure.data.splits import stratified_split
 from fl_secure.errors import ConfigError
-from fl_secure.training import FaceModel, build_model
+from fl_secure.training import FaceModel, build_model, with_trunk_features
 from privacy.client_round import ClientPrivacy
 from privacy.dp.noise import seeded_source
 
@@ -151,8 +151,16 @@ def build_local_trainer(
             run_config.model, run_config.algorithm, image_size, run_config.run.seed
         )
     else:
-        model = build_model(run_config.model, classes, image_size, run_config.run.seed)
+        model = build_model(
+            run_config.model,
+            classes,
+            image_size,
+            run_config.run.seed,
+            trainable=run_config.train.trainable,
+        )
     local = strategy.local_data(train, test, identities)
+    if not strategy.transforms_images:  # train.trainable froze the trunk: embed it once here
+        local = with_trunk_features(model.backbone, local)
     # Batch order only (not security-sensitive): derived from the run seed and the client id
     # so that a run can be reproduced.
     digest = hashlib.sha256(f"{run_config.run.seed}:{client_id}".encode()).digest()

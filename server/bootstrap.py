@@ -64,7 +64,9 @@ def make_evaluator(config: Config, plan: FederatedData) -> Callable[[Tensors], d
         return make_expression_evaluator(
             config.model, config.algorithm, config.data.image_size, config.run.seed, plan.held_out
         )
-    model = build_model(config.model, 1, config.data.image_size, config.run.seed)
+    model = build_model(
+        config.model, 1, config.data.image_size, config.run.seed, trainable=config.train.trainable
+    )
     backbone = model.backbone
 
     def evaluate(params: Tensors) -> dict[str, float]:
@@ -94,7 +96,13 @@ def build_server(
     plan = plan or plan_federation(config)
     write_partition_record(run_dir, config, plan)
     classes = len(plan.train_identities) if strategy.shares_head else 1
-    model = build_model(config.model, classes, config.data.image_size, config.run.seed)
+    model = build_model(
+        config.model,
+        classes,
+        config.data.image_size,
+        config.run.seed,
+        trainable=config.train.trainable,
+    )
     if isinstance(strategy, FedAffect):  # shared: encoder f and relation module g
         model = build_fedaffect_model(
             config.model, config.algorithm, config.data.image_size, config.run.seed

@@ -42,6 +42,7 @@ from fl_secure.evaluation import (
     tar_at_far,
 )
 from fl_secure.models import load_pretrained
+from fl_secure.models.trainable import ALL
 from fl_secure.runs import RunDir
 from fl_secure.training import build_model, embed, evaluate_verification, load_checkpoint_into
 from server.bootstrap import make_evaluator
@@ -109,9 +110,13 @@ def evaluate_run(
                 "--lfw-pairs to score its expression accuracy on the held-out identities"
             )
         return _expression_scores(run, config, round_)
-    # every weight comes from the checkpoint: the run's model.pretrained file is not needed
-    bare = dataclasses.replace(config.model, pretrained="")
-    backbone = build_model(bare, 1, config.data.image_size, config.run.seed).backbone
+    # every weight comes from the checkpoint: the run's model.pretrained file is not needed,
+    # unless train.trainable froze part of the backbone (the frozen part is not checkpointed)
+    partial = config.train.trainable != ALL
+    bare = config.model if partial else dataclasses.replace(config.model, pretrained="")
+    backbone = build_model(
+        bare, 1, config.data.image_size, config.run.seed, trainable=config.train.trainable
+    ).backbone
     if is_centralized:  # train --centralized
         if round_ is not None:
             raise CheckpointError(
