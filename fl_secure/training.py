@@ -150,8 +150,14 @@ class LocalData:
     class_mask: torch.Tensor | None  # bool [num_classes]; None = every class present
 
 
-@torch.no_grad()
-def with_trunk_features(backbone: nn.Module, data: LocalData, batch_size: int = 64) -> LocalData:
+def held_out_features(backbone: nn.Module, dataset: FaceDataset) -> FaceDataset:
+    """``dataset`` as the frozen trunk's features if :func:`with_trunk_features` would cache."""
+    if not can_cache_trunk(backbone) or dataset.trunk_features:
+        return dataset
+    return _trunk_features(backbone, dataset)
+
+
+def with_trunk_features(backbone: nn.Module, data: LocalData) -> LocalData:
     """``data`` with its images replaced by the frozen trunk's features, computed once.
 
     Only when every trainable parameter lies in the backbone's tail
@@ -160,19 +166,21 @@ def with_trunk_features(backbone: nn.Module, data: LocalData, batch_size: int = 
     """
     if not can_cache_trunk(backbone) or data.train.trunk_features:
         return data
+    train = _trunk_features(backbone, data.train)
+    test = train if data.test is data.train else _trunk_features(backbone, data.test)
+    return dataclasses.replace(data, train=train, test=test)
+
+
+@torch.no_grad()
+def _trunk_features(backbone: nn.Module, dataset: FaceDataset, batch: int = 64) -> FaceDataset:
     was_training = backbone.training
-    backbone.eval()  # the trunk is frozen: its features do not depend on the mode's noise
-
-    def cached(dataset: FaceDataset) -> FaceDataset:
-        images = dataset.images
-        parts = [backbone.trunk_features(images[i : i + batch_size])  # type: ignore[operator]
-                 for i in range(0, len(images), batch_size)]  # fmt: skip
-        features = torch.cat(parts) if parts else torch.zeros(0, 1)
-        return dataclasses.replace(dataset, images=features.contiguous(), trunk_features=True)
-
-    result = dataclasses.replace(data, train=cached(data.train), test=cached(data.test))
+    backbone.eval()  # the trunk is frozen; eval mode: dropout off, norms' running statistics
+    images = dataset.images
+    parts = [backbone.trunk_features(images[i : i + batch])  # type: ignore[operator]
+             for i in range(0, len(images), batch)]  # fmt: skip
     backbone.train(was_training)
-    return result
+    features = torch.cat(parts) if parts else torch.zeros(0, 1)
+    return dataclasses.replace(dataset, images=features.contiguous(), trunk_features=True)
 
 
 class AbsentRows:

@@ -23,9 +23,16 @@ from fl_secure.algorithms.fedaffect import (
 )
 from fl_secure.config import Config, config_fingerprint, config_to_toml
 from fl_secure.data.plan import FederatedData, plan_federation
+from fl_secure.data.types import FaceDataset
 from fl_secure.errors import ConfigError, PrivacyError
 from fl_secure.tls.identity import load_signing_registry
-from fl_secure.training import build_model, evaluate_verification, get_tensors, set_tensors
+from fl_secure.training import (
+    build_model,
+    evaluate_verification,
+    get_tensors,
+    held_out_features,
+    set_tensors,
+)
 from privacy.dp.noise import NoiseSource, seeded_source
 from privacy.server_round import ServerPrivacy, open_server_privacy
 from server.coordinator import Coordinator
@@ -68,6 +75,7 @@ def make_evaluator(config: Config, plan: FederatedData) -> Callable[[Tensors], d
         config.model, 1, config.data.image_size, config.run.seed, trainable=config.train.trainable
     )
     backbone = model.backbone
+    held_out: list[FaceDataset] = []  # the trunk's features, once, if train.trainable froze it
 
     def evaluate(params: Tensors) -> dict[str, float]:
         prefix = "backbone."
@@ -75,7 +83,9 @@ def make_evaluator(config: Config, plan: FederatedData) -> Callable[[Tensors], d
             backbone,
             type(params)((k[len(prefix) :], v) for k, v in params.items() if k.startswith(prefix)),
         )
-        return evaluate_verification(backbone, plan.held_out, roc_points=True)
+        if not held_out:
+            held_out.append(held_out_features(backbone, plan.held_out))
+        return evaluate_verification(backbone, held_out[0], roc_points=True)
 
     return evaluate
 

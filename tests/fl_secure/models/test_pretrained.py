@@ -60,8 +60,8 @@ def test_a_file_is_stated_with_its_digest_and_a_random_start_with_none(tmp_path:
 
 def test_the_builtin_name_is_not_a_path_and_needs_its_backbone(tmp_path: Path) -> None:
     path = tmp_path / "run.toml"
-    path.write_text('[model]\nbackbone = "dlib-resnet"\nembedding_size = 128\n'
-                    'pretrained = "dlib-resnet"\n[data]\nsource = "folders"\npath = "x"\n')  # fmt: skip
+    model = '[model]\nbackbone = "dlib-resnet"\nembedding_size = 128\npretrained = "dlib-resnet"\n'
+    path.write_text(model + '[data]\nsource = "folders"\npath = "x"\n')
     assert load_config(path).model.pretrained == "dlib-resnet"  # not tmp_path / "dlib-resnet"
     with pytest.raises(ConfigError, match="model.pretrained.*'dlib-resnet' is for model.backbone"):
         ModelConfig(backbone="cnn", pretrained="dlib-resnet")
