@@ -20,8 +20,9 @@ from client.trainer import LocalTrainer
 from fl_secure.algorithms import get_strategy
 from fl_secure.algorithms.fedaffect import FedAffect, build_fedaffect_model
 from fl_secure.config import Config, DataConfig, config_from_dict
+from fl_secure.data.align_report import log_aligned_folder
 from fl_secure.data.folders import load_identity_folders
-from fl_secure.data.plan import plan_federation
+from fl_secure.data.plan import degrade_for_run, plan_federation
 from fl_secure.data.splits import stratified_split
 from fl_secure.errors import ConfigError
 from fl_secure.training import FaceModel, build_model, with_trunk_features
@@ -100,12 +101,15 @@ def trainer_factory(
             image_size = run_config.data.image_size
             # the run's preprocessing (the model was built for it) and its floor of images
             # per identity; its caps describe the server's own data set, not this site's
+            log_aligned_folder(source.data_path, image_size)
             data = load_identity_folders(
                 source.data_path,
                 image_size=image_size,
                 center_crop=run_config.data.center_crop or None,
                 min_images_per_identity=run_config.data.min_images_per_identity,
             )
+            # the run's target domain (data.degrade), as the server's held-out set has it
+            data = degrade_for_run(data, run_config.data, run_config.run.seed)
             fractions = (1.0 - source.test_fraction, source.test_fraction)
             tr, te = stratified_split(data, fractions=fractions, seed=run_config.run.seed)
             train, test = data.subset(tr), data.subset(te)
