@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 from opacus.validators import ModuleValidator
+from safetensors import safe_open
 
 from fl_secure.config import ModelConfig
 from fl_secure.errors import CheckpointError, ConfigError
+from fl_secure.models.arcface_convert import convert_arcface_checkpoint
 from fl_secure.models.factory import get_backbone, load_pretrained
 from fl_secure.training import build_model
 
@@ -242,3 +244,20 @@ def test_wrong_shape_dtype_or_value_names_the_key(r18: torch.nn.Module, tmp_path
     torch.save({k: v for k, v in good.items() if k != "fc.bias"}, tmp_path / "missing.pth")
     with pytest.raises(CheckpointError, match=r"missing keys \['fc\.bias'\]"):
         load_pretrained(model, tmp_path / "missing.pth")
+
+
+def test_convert_to_safetensors_infers_the_backbone(r18: torch.nn.Module, tmp_path: Path) -> None:
+    # Prepare
+    source = saved(r18, tmp_path / "backbone.pth", wrap=True)
+    target = tmp_path / "backbone.safetensors"
+    # Execute
+    name = convert_arcface_checkpoint(source, target)
+    # Assert
+    assert name == "iresnet18"
+    with safe_open(str(target), "pt") as handle:
+        assert handle.metadata()["backbone"] == "iresnet18"
+        assert len(handle.metadata()["source_sha256"]) == 64
+    model = get_backbone(name, embedding_size=EMBEDDING, image_size=112)
+    load_pretrained(model, target)
+    for key, value in r18.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
