@@ -57,7 +57,7 @@ def infer_iresnet(tensors: Mapping[str, torch.Tensor], source: Path) -> tuple[st
 
 def convert_arcface_checkpoint(
     src: str | os.PathLike[str], dst: str | os.PathLike[str], *, backbone: str = ""
-) -> str:
+) -> tuple[str, int]:
     """Check an arcface_torch ``.pth`` against our iresnet and write it as safetensors.
 
     Args:
@@ -66,7 +66,7 @@ def convert_arcface_checkpoint(
         backbone: ``iresnet18``/``34``/``50``; empty: inferred from the checkpoint.
 
     Returns:
-        The backbone name, the value for ``model.backbone``.
+        The values for ``model.backbone`` and ``model.embedding_size``.
 
     Raises:
         CheckpointError: if ``src`` is not a plain state dict of that iresnet.
@@ -85,7 +85,7 @@ def convert_arcface_checkpoint(
         "source_sha256": sha256_file(source),
     }
     save_weights(model, dst, metadata=metadata)
-    return name
+    return name, embedding_size
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -99,11 +99,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--backbone", choices=sorted(DEPTHS), default="", help="default: inferred")
     args = parser.parse_args(argv)
     try:
-        name = convert_arcface_checkpoint(args.src, args.dst, backbone=args.backbone)
+        name, size = convert_arcface_checkpoint(args.src, args.dst, backbone=args.backbone)
     except FlSecureError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    print(f"wrote {args.dst}: model.backbone = {name!r}, model.pretrained = {args.dst!r}")
+    print(
+        f"wrote {args.dst}: model.backbone = {name!r}, model.embedding_size = {size}, "
+        f"model.pretrained = {args.dst!r}"
+    )
     return 0
 
 

@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from fl_secure.config import ModelConfig
 from fl_secure.errors import CheckpointError, ConfigError
-from fl_secure.models.arcface_convert import convert_arcface_checkpoint
+from fl_secure.models.arcface_convert import convert_arcface_checkpoint, main
 from fl_secure.models.factory import get_backbone, load_pretrained
 from fl_secure.training import build_model
 
@@ -251,13 +251,22 @@ def test_convert_to_safetensors_infers_the_backbone(r18: torch.nn.Module, tmp_pa
     source = saved(r18, tmp_path / "backbone.pth", wrap=True)
     target = tmp_path / "backbone.safetensors"
     # Execute
-    name = convert_arcface_checkpoint(source, target)
+    name, size = convert_arcface_checkpoint(source, target)
     # Assert
-    assert name == "iresnet18"
+    assert (name, size) == ("iresnet18", EMBEDDING)
     with safe_open(str(target), "pt") as handle:
         assert handle.metadata()["backbone"] == "iresnet18"
         assert len(handle.metadata()["source_sha256"]) == 64
-    model = get_backbone(name, embedding_size=EMBEDDING, image_size=112)
+    model = get_backbone(name, embedding_size=size, image_size=112)
     load_pretrained(model, target)
     for key, value in r18.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_convert_command_reports_a_refused_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    torch.save({"conv1.weight": torch.zeros(64, 3, 3, 3)}, tmp_path / "other.pth")
+    assert main([str(tmp_path / "other.pth"), str(tmp_path / "out.safetensors")]) == 1
+    assert "not those of a known iresnet" in capsys.readouterr().err
+    assert not (tmp_path / "out.safetensors").exists()
