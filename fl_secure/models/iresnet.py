@@ -20,11 +20,12 @@ RGB (``mx.image.imdecode``) and applies ``Normalize(mean=0.5, std=0.5)`` after `
 and its ``inference.py`` converts BGR to RGB and computes ``(x / 255 - 0.5) / 0.5``. No
 rescaling is done here.
 
-BatchNorm: the network is full of BatchNorm layers, which is fine for inference and non-private
-fine-tuning, but Opacus' DP-SGD refuses BatchNorm (per-sample gradients do not exist when a
-batch statistic mixes the samples), as for the ``resnet18-bn`` backbone. A DP-SGD run must
-freeze every BatchNorm-containing part (``requires_grad=False``, e.g. through the project's
-trainable-parameter selection) and train only layers without BN, or use another backbone.
+BatchNorm: every unit has three BatchNorm layers, which is fine for inference, evaluation and
+non-private fine-tuning (freezing parts with ``requires_grad=False`` to train fewer weights).
+Opacus' DP-SGD refuses BatchNorm, as for the ``resnet18-bn`` backbone: in training mode it
+normalises each example with its batch's statistics, so per-example gradients do not exist;
+this project's :func:`privacy.dp.dpsgd.validate_model` refuses any BatchNorm, even a frozen
+one, so example-level DP-SGD cannot train an iresnet (use a GroupNorm backbone there).
 As in the original, ``features.weight`` is fixed at 1.0 and does not require a gradient.
 """
 

@@ -18,10 +18,11 @@ from opacus.validators import ModuleValidator
 from safetensors import safe_open
 
 from fl_secure.config import ModelConfig
-from fl_secure.errors import CheckpointError, ConfigError
+from fl_secure.errors import CheckpointError, ConfigError, PrivacyError
 from fl_secure.models.arcface_convert import convert_arcface_checkpoint, main
 from fl_secure.models.factory import get_backbone, load_pretrained
 from fl_secure.training import build_model
+from privacy.dp.dpsgd import validate_model
 
 Shape = tuple[int, ...]
 EMBEDDING = 128  # a smaller fc than the released 512 keeps the iresnet18 tests fast
@@ -127,8 +128,17 @@ def test_image_size_other_than_112_names_data_image_size(size: int) -> None:
         build_model(ModelConfig(backbone="iresnet18"), num_classes=4, image_size=size, seed=0)
 
 
-def test_batch_norm_is_refused_by_the_opacus_validator(r18: torch.nn.Module) -> None:
-    assert ModuleValidator.validate(r18, strict=False)
+def test_batch_norm_is_refused_for_dp_sgd_even_when_frozen() -> None:
+    # Prepare: everything but fc frozen, as a run training fewer weights would
+    model = get_backbone("iresnet18", embedding_size=8, image_size=112)
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad = name.startswith("fc.")
+    # Execute / Assert: Opacus' validator flags BatchNorm only where it is trained; the
+    # project's check refuses a frozen one too (batch statistics still mix the examples)
+    assert ModuleValidator.validate(get_backbone("iresnet18", image_size=112), strict=False)
+    assert ModuleValidator.validate(model, strict=False) == []
+    with pytest.raises(PrivacyError, match=r"layer1\.0\.bn1 \(BatchNorm2d\): BatchNorm mixes"):
+        validate_model(model)
 
 
 # --------------------------------------------------------------------------- backbone.pth
