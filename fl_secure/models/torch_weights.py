@@ -91,6 +91,10 @@ def _flat_state_dict(loaded: object, source: Path) -> dict[str, torch.Tensor]:
             raise CheckpointError(
                 f"{source}: key {key!r} holds a {type(value).__name__}, expected a tensor"
             )
+        if value.layout != torch.strided:
+            raise CheckpointError(
+                f"{source}: key {key!r} is a {value.layout} tensor, expected a dense one"
+            )
         tensors[key] = value.detach()
     if tensors and all(key.startswith(DATA_PARALLEL_PREFIX) for key in tensors):
         tensors = {key.removeprefix(DATA_PARALLEL_PREFIX): v for key, v in tensors.items()}

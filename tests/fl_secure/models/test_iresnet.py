@@ -209,6 +209,7 @@ def test_pickle_with_objects_is_refused_without_running_them(tmp_path: Path) -> 
     assert marker.read_text() == "code ran"
 
 
+@pytest.mark.filterwarnings("ignore:Validating sparse tensor invariants:UserWarning")
 def test_truncated_or_non_tensor_checkpoints_are_refused(
     r18: torch.nn.Module, tmp_path: Path
 ) -> None:
@@ -223,6 +224,7 @@ def test_truncated_or_non_tensor_checkpoints_are_refused(
         ({"conv1.weight": 1.5}, "key 'conv1.weight' holds a float, expected a tensor"),
         ({"conv1.weight": {"nested": torch.zeros(1)}}, "key 'conv1.weight' holds a dict"),
         ({3: torch.zeros(1)}, "key 3 is a int, not a str"),
+        ({"conv1.weight": torch.zeros(2, 2).to_sparse()}, "torch.sparse_coo tensor, expected"),
     ]
     for number, (content, needle) in enumerate(cases):
         path = tmp_path / f"case{number}.pt"
