@@ -26,13 +26,17 @@ Opacus' DP-SGD refuses BatchNorm, as for the ``resnet18-bn`` backbone: in traini
 normalises each example with its batch's statistics, so per-example gradients do not exist;
 this project's :func:`privacy.dp.dpsgd.validate_model` refuses any BatchNorm, even a frozen
 one, so example-level DP-SGD cannot train an iresnet (use a GroupNorm backbone there).
-As in the original, ``features.weight`` is fixed at 1.0 and does not require a gradient.
+As in the original, ``features.weight`` is built at 1.0 without a gradient; but
+:func:`fl_secure.training.build_model` sets ``requires_grad`` of every backbone parameter from
+``train.trainable``, so with ``"all"`` it trains too. ``train.trainable = "embedding"`` trains
+``fc`` only (``features`` is then frozen and kept in eval mode with the checkpoint's
+statistics), ``"last-stage"`` also ``layer4``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Final
+from collections.abc import Mapping, Sequence
+from typing import ClassVar, Final
 
 import torch
 from torch import nn
@@ -100,6 +104,11 @@ class IResNet(nn.Module):
     Raises:
         ConfigError: if an argument is out of range.
     """
+
+    TRAINABLE_ALIASES: ClassVar[Mapping[str, tuple[str, ...]]] = {
+        "embedding": ("fc.*",),  # train.trainable selectors (fl_secure.models.trainable)
+        "last-stage": ("layer4.*", "fc.*"),
+    }
 
     def __init__(
         self,

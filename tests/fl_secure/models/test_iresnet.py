@@ -21,6 +21,7 @@ from fl_secure.config import ModelConfig
 from fl_secure.errors import CheckpointError, ConfigError, PrivacyError
 from fl_secure.models.arcface_convert import convert_arcface_checkpoint, main
 from fl_secure.models.factory import get_backbone, load_pretrained
+from fl_secure.models.trainable import select_trainable
 from fl_secure.training import build_model
 from privacy.dp.dpsgd import validate_model
 
@@ -139,6 +140,21 @@ def test_batch_norm_is_refused_for_dp_sgd_even_when_frozen() -> None:
     assert ModuleValidator.validate(model, strict=False) == []
     with pytest.raises(PrivacyError, match=r"layer1\.0\.bn1 \(BatchNorm2d\): BatchNorm mixes"):
         validate_model(model)
+
+
+def test_trainable_aliases_select_fc_and_the_last_stage() -> None:
+    # Prepare
+    cfg = ModelConfig(backbone="iresnet18", embedding_size=8)
+    # Execute
+    embedding = build_model(cfg, num_classes=2, image_size=112, seed=0, trainable="embedding")
+    everything = build_model(cfg, num_classes=2, image_size=112, seed=0)
+    stage = select_trainable(everything.backbone, "last-stage")
+    # Assert: features (BatchNorm1d) is frozen with "embedding" and stays in eval mode
+    trains = [n for n, p in embedding.backbone.named_parameters() if p.requires_grad]
+    assert trains == ["fc.weight", "fc.bias"]
+    assert not embedding.train().backbone.features.training
+    assert stage[0] == "layer4.0.bn1.weight" and stage[-2:] == ["fc.weight", "fc.bias"]
+    assert all(p.requires_grad for p in everything.backbone.parameters())
 
 
 # --------------------------------------------------------------------------- backbone.pth
