@@ -129,7 +129,13 @@ def load_run(path: Path) -> RunContext:
     strategy = get_strategy(config.algorithm.name, config.algorithm, head=config.model.head)
     plan = plan_federation(config)
     classes = len(plan.train_identities) if strategy.shares_head else 1
-    model = build_model(config.model, classes, config.data.image_size, config.run.seed)
+    model = build_model(
+        config.model,
+        classes,
+        config.data.image_size,
+        config.run.seed,
+        trainable=config.train.trainable,
+    )
     load_checkpoint_into(
         model,
         checkpoint.parameters,

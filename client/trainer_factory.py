@@ -20,11 +20,12 @@ from client.trainer import LocalTrainer
 from fl_secure.algorithms import get_strategy
 from fl_secure.algorithms.fedaffect import FedAffect, build_fedaffect_model
 from fl_secure.config import Config, DataConfig, config_from_dict
+from fl_secure.data.align_report import log_aligned_folder
 from fl_secure.data.folders import load_identity_folders
-from fl_secure.data.plan import plan_federation
+from fl_secure.data.plan import degrade_for_run, plan_federation
 from fl_secure.data.splits import stratified_split
 from fl_secure.errors import ConfigError
-from fl_secure.training import FaceModel, build_model
+from fl_secure.training import FaceModel, build_model, with_trunk_features
 from privacy.client_round import ClientPrivacy
 from privacy.dp.identity_dpsgd import number_of_identities
 from privacy.dp.noise import seeded_source
@@ -101,12 +102,15 @@ def trainer_factory(
             image_size = run_config.data.image_size
             # the run's preprocessing (the model was built for it) and its floor of images
             # per identity; its caps describe the server's own data set, not this site's
+            log_aligned_folder(source.data_path, image_size)
             data = load_identity_folders(
                 source.data_path,
                 image_size=image_size,
                 center_crop=run_config.data.center_crop or None,
                 min_images_per_identity=run_config.data.min_images_per_identity,
             )
+            # the run's target domain (data.degrade), as the server's held-out set has it
+            data = degrade_for_run(data, run_config.data, run_config.run.seed)
             fractions = (1.0 - source.test_fraction, source.test_fraction)
             tr, te = stratified_split(data, fractions=fractions, seed=run_config.run.seed)
             train, test = data.subset(tr), data.subset(te)
@@ -152,8 +156,16 @@ def build_local_trainer(
             run_config.model, run_config.algorithm, image_size, run_config.run.seed
         )
     else:
-        model = build_model(run_config.model, classes, image_size, run_config.run.seed)
+        model = build_model(
+            run_config.model,
+            classes,
+            image_size,
+            run_config.run.seed,
+            trainable=run_config.train.trainable,
+        )
     local = strategy.local_data(train, test, identities)
+    if not strategy.transforms_images:  # train.trainable froze the trunk: embed it once here
+        local = with_trunk_features(model.backbone, local)
     # Batch order only (not security-sensitive): derived from the run seed and the client id
     # so that a run can be reproduced.
     digest = hashlib.sha256(f"{run_config.run.seed}:{client_id}".encode()).digest()

@@ -7,6 +7,7 @@ backend, so every path trains with the same code.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -23,6 +24,13 @@ from fl_secure.evaluation import rank1, rank1_leave_one_out, verification_metric
 from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.models import get_backbone, load_pretrained, make_head
 from fl_secure.models.heads import ClassHead
+from fl_secure.models.pretrained import resolve_pretrained
+from fl_secure.models.trainable import (
+    ALL,
+    apply_trainable,
+    can_cache_trunk,
+    keep_frozen_norms_in_eval,
+)
 
 #: The figures a run reports first (held-out identities, or a client's own test images).
 HEADLINE = ("tar_at_far_1e-1", "tar_at_far_1e-2", "tar_at_far_1e-3", "roc_auc", "eer", "rank1")
@@ -46,9 +54,22 @@ class FaceModel(nn.Module):
         result: torch.Tensor = self.head(self.backbone(images), labels, class_mask)
         return result
 
+    def train(self, mode: bool = True) -> FaceModel:
+        """Training mode, except frozen batch-norm layers, which keep their statistics."""
+        super().train(mode)
+        if mode:
+            keep_frozen_norms_in_eval(self)
+        return self
 
-def build_model(cfg: ModelConfig, num_classes: int, image_size: int, seed: int) -> FaceModel:
-    """The run's model, initialised deterministically from ``seed`` (same on every party)."""
+
+def build_model(
+    cfg: ModelConfig, num_classes: int, image_size: int, seed: int, *, trainable: str = ALL
+) -> FaceModel:
+    """The run's model, initialised deterministically from ``seed`` (same on every party).
+
+    ``trainable`` is the run's ``train.trainable``: the backbone parameters it does not
+    select are frozen (:func:`fl_secure.models.trainable.apply_trainable`).
+    """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         backbone = get_backbone(
@@ -58,8 +79,9 @@ def build_model(cfg: ModelConfig, num_classes: int, image_size: int, seed: int) 
             head = make_head("softmax", num_classes, cfg.embedding_size)
         else:
             head = make_head(cfg.head, num_classes, cfg.embedding_size, s=cfg.scale, m=cfg.margin)
-    if cfg.pretrained:
-        load_pretrained(backbone, cfg.pretrained)
+    if cfg.pretrained:  # a file, or a built-in name ("dlib-resnet")
+        load_pretrained(backbone, resolve_pretrained(cfg.pretrained))
+    apply_trainable(backbone, trainable, backbone_name=cfg.backbone)
     return FaceModel(backbone, head)
 
 
@@ -85,17 +107,21 @@ def load_checkpoint_into(
 
     Every floating-point key of ``module``'s state that starts with ``required`` must be in
     the checkpoint (``""``: every key; integer buffers such as BatchNorm's step counters are
-    not shared), and every array must match its parameter's shape.
+    not shared), and every array must match its parameter's shape. When ``train.trainable``
+    froze part of ``module``, only its trainable parameters are required.
 
     Raises:
         CheckpointError: naming the missing, unknown or misshapen keys and ``source``.
     """
     picked = type(params)((k[len(prefix) :], v) for k, v in params.items() if k.startswith(prefix))
     state = module.state_dict()
+    # train.trainable froze part of the model: only what trains is in a checkpoint
+    trains = {k for k, p in module.named_parameters() if p.requires_grad}
+    shared = trains if any(not p.requires_grad for p in module.parameters()) else set(state)
     missing = [
         prefix + k
         for k, v in state.items()
-        if k.startswith(required) and k not in picked and v.is_floating_point()
+        if k.startswith(required) and k not in picked and v.is_floating_point() and k in shared
     ]
     unknown = [prefix + k for k in picked if k not in state]
     shapes = [
@@ -122,6 +148,39 @@ class LocalData:
     test: FaceDataset
     train_targets: torch.Tensor  # class index of each training image in the head
     class_mask: torch.Tensor | None  # bool [num_classes]; None = every class present
+
+
+def held_out_features(backbone: nn.Module, dataset: FaceDataset) -> FaceDataset:
+    """``dataset`` as the frozen trunk's features if :func:`with_trunk_features` would cache."""
+    if not can_cache_trunk(backbone) or dataset.trunk_features:
+        return dataset
+    return _trunk_features(backbone, dataset)
+
+
+def with_trunk_features(backbone: nn.Module, data: LocalData) -> LocalData:
+    """``data`` with its images replaced by the frozen trunk's features, computed once.
+
+    Only when every trainable parameter lies in the backbone's tail
+    (:func:`fl_secure.models.trainable.can_cache_trunk`); ``data`` unchanged otherwise.
+    The backbone then maps those ``[N, D]`` features through its tail as it would the images.
+    """
+    if not can_cache_trunk(backbone) or data.train.trunk_features:
+        return data
+    train = _trunk_features(backbone, data.train)
+    test = train if data.test is data.train else _trunk_features(backbone, data.test)
+    return dataclasses.replace(data, train=train, test=test)
+
+
+@torch.no_grad()
+def _trunk_features(backbone: nn.Module, dataset: FaceDataset, batch: int = 64) -> FaceDataset:
+    was_training = backbone.training
+    backbone.eval()  # the trunk is frozen; eval mode: dropout off, norms' running statistics
+    images = dataset.images
+    parts = [backbone.trunk_features(images[i : i + batch])  # type: ignore[operator]
+             for i in range(0, len(images), batch)]  # fmt: skip
+    backbone.train(was_training)
+    features = torch.cat(parts) if parts else torch.zeros(0, 1)
+    return dataclasses.replace(dataset, images=features.contiguous(), trunk_features=True)
 
 
 class AbsentRows:

@@ -23,9 +23,16 @@ from fl_secure.algorithms.fedaffect import (
 )
 from fl_secure.config import Config, config_fingerprint, config_to_toml
 from fl_secure.data.plan import FederatedData, plan_federation
+from fl_secure.data.types import FaceDataset
 from fl_secure.errors import ConfigError, PrivacyError
 from fl_secure.tls.identity import load_signing_registry
-from fl_secure.training import build_model, evaluate_verification, get_tensors, set_tensors
+from fl_secure.training import (
+    build_model,
+    evaluate_verification,
+    get_tensors,
+    held_out_features,
+    set_tensors,
+)
 from privacy.dp.noise import NoiseSource, seeded_source
 from privacy.server_round import ServerPrivacy, open_server_privacy
 from server.coordinator import Coordinator
@@ -64,8 +71,11 @@ def make_evaluator(config: Config, plan: FederatedData) -> Callable[[Tensors], d
         return make_expression_evaluator(
             config.model, config.algorithm, config.data.image_size, config.run.seed, plan.held_out
         )
-    model = build_model(config.model, 1, config.data.image_size, config.run.seed)
+    model = build_model(
+        config.model, 1, config.data.image_size, config.run.seed, trainable=config.train.trainable
+    )
     backbone = model.backbone
+    held_out: list[FaceDataset] = []  # the trunk's features, once, if train.trainable froze it
 
     def evaluate(params: Tensors) -> dict[str, float]:
         prefix = "backbone."
@@ -73,7 +83,9 @@ def make_evaluator(config: Config, plan: FederatedData) -> Callable[[Tensors], d
             backbone,
             type(params)((k[len(prefix) :], v) for k, v in params.items() if k.startswith(prefix)),
         )
-        return evaluate_verification(backbone, plan.held_out, roc_points=True)
+        if not held_out:
+            held_out.append(held_out_features(backbone, plan.held_out))
+        return evaluate_verification(backbone, held_out[0], roc_points=True)
 
     return evaluate
 
@@ -94,7 +106,13 @@ def build_server(
     plan = plan or plan_federation(config)
     write_partition_record(run_dir, config, plan)
     classes = len(plan.train_identities) if strategy.shares_head else 1
-    model = build_model(config.model, classes, config.data.image_size, config.run.seed)
+    model = build_model(
+        config.model,
+        classes,
+        config.data.image_size,
+        config.run.seed,
+        trainable=config.train.trainable,
+    )
     if isinstance(strategy, FedAffect):  # shared: encoder f and relation module g
         model = build_fedaffect_model(
             config.model, config.algorithm, config.data.image_size, config.run.seed

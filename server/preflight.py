@@ -39,7 +39,9 @@ def preflight(config: Config, population: int) -> None:
     """
     check_config(config)
     # an unknown backbone or unusable pretrained weights: refused before a run dir exists
-    model = build_model(config.model, 1, config.data.image_size, config.run.seed)
+    model = build_model(
+        config.model, 1, config.data.image_size, config.run.seed, trainable=config.train.trainable
+    )
     if (
         config.data.source != "synthetic"
         and config.data.path

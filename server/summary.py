@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from fl_secure import __version__
 from fl_secure.evaluation import per_client_summary
+from fl_secure.models.pretrained import pretrained_provenance
 from fl_secure.training import HEADLINE
 from server.run_files import starts_of
 
@@ -76,7 +77,7 @@ def build_summary(
         **{k: final[k] for k in HEADLINE if k in final},
         "held_out": final,
         "untrained": untrained,  # round 0: the initial model (pretrained if model.pretrained)
-        "initial_model": "pretrained (model.pretrained)"
+        "initial_model": f"pretrained (model.pretrained = {config.model.pretrained})"
         if config.model.pretrained
         else "untrained (random initialisation)",
         "untrained_clients_summary": (
@@ -88,7 +89,11 @@ def build_summary(
         "secure_aggregation": _secure_aggregation(config, metrics, heads=strategy.uploads_head),
         "version": __version__,
         "duration_s": round(time.time() - started, 1),
-        "provenance": provenance(started, _recorded_starts(coordinator.run_dir.path)),
+        "provenance": {
+            **provenance(started, _recorded_starts(coordinator.run_dir.path)),
+            # the bytes the backbone started from (SHA-256), if model.pretrained
+            "pretrained": pretrained_provenance(config.model.pretrained),
+        },
     }
     return summary
 

@@ -43,7 +43,9 @@ def _client_model(run: RunContext, k: int) -> tuple[FaceModel, str]:
         len(run.plan.train_identities), np.unique(share.train.labels.numpy())
     )
     cfg = run.config
-    model = build_model(cfg.model, classes, cfg.data.image_size, cfg.run.seed)
+    model = build_model(
+        cfg.model, classes, cfg.data.image_size, cfg.run.seed, trainable=cfg.train.trainable
+    )
     set_tensors(model, run.checkpoint.parameters)
     if run.strategy.shares_head:
         return model, "the global head"

@@ -225,7 +225,13 @@ class AdaFedFR(Strategy):
     def broadcaster(self, config: Config) -> Broadcaster:
         """Algorithm 1 lines 6-8 on the server: ``R`` under each round's global backbone."""
         public = public_dataset(config)
-        model = build_model(config.model, 1, config.data.image_size, config.run.seed)
+        model = build_model(
+            config.model,
+            1,
+            config.data.image_size,
+            config.run.seed,
+            trainable=config.train.trainable,
+        )
         prefix = "backbone."
 
         def broadcast(params: Tensors, round_: int) -> Tensors:

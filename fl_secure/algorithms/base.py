@@ -22,6 +22,7 @@ from fl_secure.config import AlgorithmConfig, Config, PrivacyUnit
 from fl_secure.data.types import FaceDataset
 from fl_secure.errors import ConfigError
 from fl_secure.messages import LocalTraining, Tensors
+from fl_secure.models.trainable import is_partly_frozen
 from fl_secure.training import (
     FaceModel,
     LocalData,
@@ -65,6 +66,9 @@ class Strategy(ABC):
     #: ``fl-secure eval`` score expression accuracy instead of face verification, and the
     #: in-process simulation, which scores verification, does not run the design.
     evaluates_expressions: ClassVar[bool] = False
+    #: Local training transforms the images themselves (FedAffect's augmented views), so a
+    #: site cannot replace them by a frozen trunk's cached features (``train.trainable``).
+    transforms_images: ClassVar[bool] = False
     #: Whether the design implements ``algorithm.embedding_reg`` (HF-MAML Eq. 4).
     uses_embedding_reg: ClassVar[bool] = False
     #: Why the design cannot run under secure aggregation, if it cannot ("" if it can).
@@ -118,10 +122,18 @@ class Strategy(ABC):
         client. Averaging a step count means nothing; under client-level DP it entered the
         update's norm (shrinking the weights' share of the clip) and its noise was truncated
         to an integer, not the Gaussian the accountant models; CKKS cannot encrypt it.
+
+        With ``train.trainable`` other than ``all``, the backbone's frozen parameters and
+        buffers are not shared either: every party holds them from the same pretrained file.
         """
         names = [
             f"backbone.{k}" for k, v in model.backbone.state_dict().items() if v.is_floating_point()
         ]
+        if is_partly_frozen(model.backbone):  # train.trainable: only what trains is shared
+            trains = {
+                f"backbone.{k}" for k, p in model.backbone.named_parameters() if p.requires_grad
+            }
+            names = [n for n in names if n in trains]
         if self.shares_head:
             names += [
                 f"head.{k}" for k, v in model.head.state_dict().items() if v.is_floating_point()

@@ -185,6 +185,7 @@ class FedAffect(Strategy):
     exposure: ClassVar[Exposure] = "private-embedding"
     shares_head: ClassVar[bool] = True  # the head slot holds g, which is shared
     evaluates_expressions: ClassVar[bool] = True
+    transforms_images: ClassVar[bool] = True  # SimCLR views of the images (LocalReprLearn)
     refused_privacy_units: ClassVar[Mapping[PrivacyUnit, str]] = {
         "example": "NT-Xent couples the images of a minibatch, so DP-SGD's per-example "
         "clipping would not bound one image's influence; use privacy.unit = 'client' "

@@ -173,7 +173,13 @@ def run_centralized(
         run.append_metrics({"round": number, "held_out": metrics})
 
     try:
-        fresh = build_model(config.model, 1, config.data.image_size, config.run.seed).backbone
+        fresh = build_model(
+            config.model,
+            1,
+            config.data.image_size,
+            config.run.seed,
+            trainable=config.train.trainable,
+        ).backbone
         with _diverged("the initial model's embeddings", "check model.*; no pass ran"):
             untrained = evaluate_verification(fresh, plan.held_out) if len(plan.held_out) else {}
             untrained_clients = per_client_scores(fresh, plan)

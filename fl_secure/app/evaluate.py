@@ -29,7 +29,7 @@ from fl_secure.app.centralized import pretraining_clients
 from fl_secure.checkpoints import Checkpoint, CheckpointStore
 from fl_secure.config import Config, load_config
 from fl_secure.data.lfw import load_pair_images, read_pairs
-from fl_secure.data.plan import plan_federation
+from fl_secure.data.plan import degrade_for_run, plan_federation
 from fl_secure.errors import CheckpointError, DataError, FlSecureError
 from fl_secure.evaluation import (
     VERIFICATION_FARS,
@@ -42,6 +42,7 @@ from fl_secure.evaluation import (
     tar_at_far,
 )
 from fl_secure.models import load_pretrained
+from fl_secure.models.trainable import ALL
 from fl_secure.runs import RunDir
 from fl_secure.training import build_model, embed, evaluate_verification, load_checkpoint_into
 from server.bootstrap import make_evaluator
@@ -109,9 +110,13 @@ def evaluate_run(
                 "--lfw-pairs to score its expression accuracy on the held-out identities"
             )
         return _expression_scores(run, config, round_)
-    # every weight comes from the checkpoint: the run's model.pretrained file is not needed
-    bare = dataclasses.replace(config.model, pretrained="")
-    backbone = build_model(bare, 1, config.data.image_size, config.run.seed).backbone
+    # every weight comes from the checkpoint: the run's model.pretrained file is not needed,
+    # unless train.trainable froze part of the backbone (the frozen part is not checkpointed)
+    partial = config.train.trainable != ALL
+    bare = config.model if partial else dataclasses.replace(config.model, pretrained="")
+    backbone = build_model(
+        bare, 1, config.data.image_size, config.run.seed, trainable=config.train.trainable
+    ).backbone
     if is_centralized:  # train --centralized
         if round_ is not None:
             raise CheckpointError(
@@ -137,6 +142,8 @@ def evaluate_run(
                 "nothing of its own to score; use --lfw-pairs FILE --lfw-root DIR"
             )
         result["data"] = "held-out identities of the run"
+        if config.data.degrade:
+            result["degrade"] = config.data.degrade
         with _scoring(source, remedy):
             result.update(evaluate_verification(backbone, plan.held_out))
         return result
@@ -148,12 +155,16 @@ def evaluate_run(
     protocol = read_pairs(lfw_pairs)
     images = load_pair_images(protocol, lfw_root, image_size=config.data.image_size,
                               center_crop=crop)  # fmt: skip
+    # the run's target domain (data.degrade) on the pairs' images too, as on its held-out set
+    pair_faces = degrade_for_run(images.dataset, config.data, config.run.seed)
     with _scoring(source, remedy):  # unit rows in float64; a zero or non-finite one is refused
-        emb = normalise_rows(embed(backbone, images.dataset.images, unit=False))
+        emb = normalise_rows(embed(backbone, pair_faces.images, unit=False))
     scores = np.sum(emb[images.left] * emb[images.right], axis=1)
     same = images.same.astype(bool)
     result["data"] = f"LFW pairs {lfw_pairs.name} ({len(protocol)} pairs)"
     result["center_crop"] = crop
+    if config.data.degrade:
+        result["degrade"] = config.data.degrade
     result.update(_pair_metrics(scores, same, images.fold if protocol.num_folds > 1 else None))
     pretrained, pretrained_unknown = _pretraining_names(config)
     unknown = _sites_own_data(run) or pretrained_unknown

@@ -133,7 +133,9 @@ def _simulate(
     plan = plan_federation(config)
     size = config.data.image_size
     classes = len(plan.train_identities) if strategy.shares_head else 1
-    model = build_model(config.model, classes, size, config.run.seed)
+    model = build_model(
+        config.model, classes, size, config.run.seed, trainable=config.train.trainable
+    )
     state = RoundState(
         get_tensors(model, strategy.shared_names(model)),
         round_rules(config, strategy, model, plan),

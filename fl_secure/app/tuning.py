@@ -117,7 +117,13 @@ def _diverged(model: str, remedy: str) -> Iterator[None]:
 def newcomer(config: Config, share: ClientShare, shared: Tensors) -> tuple[FaceModel, LocalData]:
     """A client that joins after training: global backbone, fresh head over its identities."""
     own = np.unique(share.train.labels.numpy())
-    model = build_model(config.model, len(own), config.data.image_size, config.run.seed)
+    model = build_model(
+        config.model,
+        len(own),
+        config.data.image_size,
+        config.run.seed,
+        trainable=config.train.trainable,
+    )
     prefix = "backbone."
     set_tensors(model, type(shared)((k, v) for k, v in shared.items() if k.startswith(prefix)))
     targets = np.searchsorted(own, share.train.labels.numpy()).astype(np.int64)

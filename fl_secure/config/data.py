@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from fl_secure.config.values import DataSource, PartitionKind, check
 from fl_secure.errors import ConfigError
 
+#: data.image_size's allowed sides; 150 is dlib's face chip (the dlib-resnet backbone's input)
+IMAGE_SIZES = (32, 64, 112, 150)
+
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -17,7 +20,9 @@ class DataConfig:
     # flat image folder of source = "celeba" (img_align_celeba)
     attributes_file: str = ""  # celeba: list_attr_celeba.txt (identity-level majority attributes)
     identities_file: str = ""  # celeba: identity_CelebA.txt ("filename identity" lines)
-    image_size: int = 64  # square side in pixels: 64 (default) or 112
+    # square side in pixels: 32, 64 (default), 112, or 150 (dlib's face chips, for the
+    # dlib-resnet backbone: `fl-secure data align` writes them at 150)
+    image_size: int = 64
     num_identities: int = 120  # synthetic: identities generated
     images_per_identity: int = 20  # synthetic: images per identity
     max_identities: int = 0  # folders: 0 = all
@@ -29,10 +34,14 @@ class DataConfig:
     # synthetic: multiplier of the expression deformations (1.0 = the default images bit for
     # bit; up to 2.5 makes the 5 expressions learnable, for fedaffect)
     expression_strength: float = 1.0
+    # the target domain's degradation of every image the run uses, at every site and at the
+    # server's evaluation (fl_secure.data.degrade's grammar: "lowres:24+greyblur:1.5+
+    # occlusion:0.2"); "" or "none": the images as loaded
+    degrade: str = ""
 
     def __post_init__(self) -> None:
         """Check ranges."""
-        check(self.image_size in (32, 64, 112), "data.image_size", "one of 32, 64, 112")
+        check(self.image_size in IMAGE_SIZES, "data.image_size", _one_of(IMAGE_SIZES))
         check(self.num_identities > 1, "data.num_identities", "an integer > 1")
         check(self.images_per_identity > 1, "data.images_per_identity", "an integer > 1")
         check(self.held_out_identities >= 0, "data.held_out_identities", "an integer >= 0")
@@ -56,6 +65,34 @@ class DataConfig:
         if self.source == "celeba":
             check(bool(self.attributes_file), "data.attributes_file", "list_attr_celeba.txt")
             check(bool(self.identities_file), "data.identities_file", "identity_CelebA.txt")
+        _check_degradation(self.degrade, self.image_size)
+
+
+def _one_of(values: tuple[int, ...]) -> str:
+    return "one of " + ", ".join(map(str, values))
+
+
+def _check_degradation(spec: str, image_size: int) -> None:
+    """Refuse a ``data.degrade`` spec that parses badly or cannot apply at ``image_size``.
+
+    Raises:
+        ConfigError: naming ``data.degrade`` and the problem (parse_degradation's words).
+    """
+    if spec.strip().lower() in ("", "none"):
+        return
+    # deferred: fl_secure.data.degrade imports torch, which reading a config otherwise does not
+    from fl_secure.data.degrade import LowResolution, parse_degradation
+
+    try:
+        degradation = parse_degradation(spec)
+    except ConfigError as exc:
+        raise ConfigError(f"data.degrade: {exc}") from None
+    for step in degradation.steps:
+        if isinstance(step, LowResolution) and step.side > image_size:
+            raise ConfigError(
+                f"data.degrade = {spec!r}: {step.spec} asks for {step.side} px, more than "
+                f"data.image_size = {image_size}; allowed: a side in [1, {image_size}]"
+            )
 
 
 @dataclass(frozen=True)

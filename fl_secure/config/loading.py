@@ -18,6 +18,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from fl_secure.config.run import Config
 from fl_secure.errors import ConfigError
+from fl_secure.models.pretrained import is_builtin
 
 # The one float key where TOML's ``inf`` means something (C-FINCH without a threshold is
 # FINCH); every other float rejects inf and nan when the file is read, so a check such as
@@ -159,4 +160,6 @@ PATH_KEYS = (
 
 
 def _resolve(value: str, base: Path) -> str:
-    return str((base / value).resolve()) if value and not Path(value).is_absolute() else value
+    if not value or Path(value).is_absolute() or is_builtin(value):  # "dlib-resnet": a name
+        return value
+    return str((base / value).resolve())

@@ -18,6 +18,7 @@ Counts are derived from the entries, never stored apart from them, so they canno
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ FACE_STATUSES: Final = frozenset({"aligned", "several_faces"})
 CHIP_STATUSES: Final = FACE_STATUSES | {"fallback_center"}
 MANIFEST: Final = "manifest.json"
 MANIFEST_FORMAT: Final = "fl-secure align manifest 1"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,26 @@ class AlignReport:
     def chips(self) -> int:
         """How many chips were written."""
         return sum(e.status in CHIP_STATUSES for e in self.entries)
+
+    @property
+    def faces(self) -> int:
+        """How many images held a detected face (``aligned`` or ``several_faces``)."""
+        return sum(e.status in FACE_STATUSES for e in self.entries)
+
+    def no_face_error(self) -> str | None:
+        """Why this run is a failure when no image held a detectable face, else ``None``.
+
+        Names the source folder, how many images were tried, what became of them and where
+        the manifest is; the manifest is written all the same.
+        """
+        if self.faces:
+            return None
+        totals = ", ".join(f"{status} {n}" for status, n in self.totals.items() if n)
+        return (
+            f"no detectable face in any of {len(self.entries)} images under {self.src} "
+            f"({totals}); every file's status is in {self.dst / MANIFEST}. Check that the "
+            "folder holds face photos; small or profile faces: --upsample 2 or --detector cnn"
+        )
 
     @property
     def unaligned_identities(self) -> tuple[str, ...]:
@@ -203,6 +225,45 @@ def _entry_from_dict(item: dict[str, Any]) -> AlignEntry:
         score=None if item.get("score") is None else float(item["score"]),
         reason=None if item.get("reason") is None else str(item["reason"]),
     )
+
+
+def log_aligned_folder(path: str | Path, image_size: int) -> AlignReport | None:
+    """Log what an aligned folder (``fl-secure data align``'s output) holds, if it is one.
+
+    A folder without an alignment manifest is left alone (``None``); one whose manifest
+    cannot be read is logged as a warning and left to the loader.
+
+    Raises:
+        DataError: the manifest says no chip was written (no detectable face in any image).
+    """
+    if not (Path(path) / MANIFEST).is_file():
+        return None
+    try:
+        report = read_align_manifest(path)
+    except DataError as exc:
+        log.warning("data.path %s: %s", path, exc)
+        return None
+    if not report.chips:
+        raise DataError(
+            f"data.path {path} holds no face chip: "
+            f"{report.no_face_error() or 'the alignment wrote none'}"
+        )
+    log.info(
+        "data.path %s: %d chips (%d px) of %d images aligned by `fl-secure data align` from %s",
+        path,
+        report.chips,
+        report.parameters.size,
+        len(report.entries),
+        report.src,
+    )
+    if report.parameters.size != image_size:
+        log.warning(
+            "data.path %s: its chips are %d px and data.image_size = %d resizes them",
+            path,
+            report.parameters.size,
+            image_size,
+        )
+    return report
 
 
 def read_align_manifest(dst: str | Path) -> AlignReport:

@@ -50,6 +50,8 @@ SPEC_HELP: Final = (
     "expected 'none' or steps joined by '+': lowres:<side px>, greyblur:<sigma px>, "
     "occlusion:<area fraction in (0, 1)>[:<seed>]"
 )
+#: images :func:`degrade_dataset` degrades at once
+CHUNK: Final = 64
 
 
 def low_resolution(image: np.ndarray, side: int) -> np.ndarray:
@@ -239,21 +241,32 @@ def degrade_tensor(
     return torch.from_numpy(out.transpose(0, 3, 1, 2) / 127.5 - 1.0).to(torch.float32)
 
 
-def degrade_dataset(dataset: FaceDataset, degradation: Degradation) -> FaceDataset:
+def degrade_dataset(
+    dataset: FaceDataset, degradation: Degradation, *, run_seed: int | None = None
+) -> FaceDataset:
     """The data set with every image degraded; labels, names and attributes unchanged.
 
     Each image's key is ``<identity>/<k>``, ``k`` its rank among its identity's images, so an
-    image keeps its occlusion box whatever other identities are loaded with it.
+    image keeps its occlusion box whatever other identities are loaded with it; ``run_seed``
+    (a run's ``run.seed``) prefixes it, ``<run_seed>/<identity>/<k>``, so another run draws
+    other boxes. Images are degraded :data:`CHUNK` at a time (float64 working memory stays
+    small at 150 px), in the data set's order.
     """
     if not degradation.steps:
         return dataset
+    prefix = "" if run_seed is None else f"{run_seed}/"
     seen: Counter[int] = Counter()
     keys = []
     for label in dataset.labels.tolist():
-        keys.append(f"{dataset.identity_names[label]}/{seen[label]}")
+        keys.append(f"{prefix}{dataset.identity_names[label]}/{seen[label]}")
         seen[label] += 1
+    chunks = [
+        degrade_tensor(degradation, dataset.images[i : i + CHUNK], keys[i : i + CHUNK])
+        for i in range(0, len(dataset), CHUNK)
+    ]
+    images = torch.cat(chunks) if chunks else dataset.images
     return FaceDataset(
-        images=degrade_tensor(degradation, dataset.images, keys),
+        images=images,
         labels=dataset.labels,
         identity_names=dataset.identity_names,
         attributes=dataset.attributes,

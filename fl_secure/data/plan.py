@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fl_secure.config import Config, DataConfig, PartitionConfig
+from fl_secure.data.align_report import log_aligned_folder
 from fl_secure.data.celeba import load_celeba
+from fl_secure.data.degrade import degrade_dataset, parse_degradation
 from fl_secure.data.folders import load_identity_folders
 from fl_secure.data.splits import (
     attribute_partition,
@@ -108,10 +110,29 @@ class FederatedData:
 
 
 def load_dataset(cfg: DataConfig, seed: int, domain: Domain | None = None) -> FaceDataset:
-    """The whole data set a config describes (synthetic, identity folders, or CelebA).
+    """The whole data set a run uses, degraded by ``data.degrade``: every run loads it here.
 
-    ``domain`` (synthetic only): the generator's shifted domain instead of the source one.
+    The server's held-out set, each client's share (embedded clients and ``--plan-index``),
+    the in-process simulation, ``fl-secure eval`` and the audits all take their images from
+    :func:`plan_federation`, which calls this; a client with its own ``--data`` folder
+    degrades it with :func:`degrade_for_run`. ``domain`` (synthetic only): the generator's
+    shifted domain instead of the source one.
     """
+    return degrade_for_run(load_source(cfg, seed, domain), cfg, seed)
+
+
+def degrade_for_run(data: FaceDataset, cfg: DataConfig, seed: int) -> FaceDataset:
+    """``data`` degraded by ``cfg.degrade`` under the run's ``seed`` ("": ``data`` itself).
+
+    Deterministic per image: its occlusion box comes from ``seed``, its identity's name and
+    its rank among that identity's images, so every site and the server degrade an image
+    alike, and loading twice gives identical tensors.
+    """
+    return degrade_dataset(data, parse_degradation(cfg.degrade), run_seed=seed)
+
+
+def load_source(cfg: DataConfig, seed: int, domain: Domain | None = None) -> FaceDataset:
+    """The data set a config describes, as loaded and resized (before ``data.degrade``)."""
     if cfg.source == "synthetic":
         return generate_synthetic_faces(
             SyntheticFaceConfig(
@@ -134,6 +155,7 @@ def load_dataset(cfg: DataConfig, seed: int, domain: Domain | None = None) -> Fa
             max_images_per_identity=cfg.max_images_per_identity or None,
             center_crop=cfg.center_crop or None,
         )
+    log_aligned_folder(cfg.path, cfg.image_size)
     return load_identity_folders(
         cfg.path,
         image_size=cfg.image_size,

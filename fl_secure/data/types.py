@@ -29,10 +29,16 @@ class FaceDataset:
     identity_names: tuple[str, ...]
     attributes: dict[str, np.ndarray] = field(default_factory=dict)
     source: str = ""
+    #: ``images`` holds a frozen trunk's ``[N, D]`` features, computed once at a site
+    #: (``train.trainable``; :func:`fl_secure.training.with_trunk_features`), not pixels.
+    trunk_features: bool = False
 
     def __post_init__(self) -> None:
         """Check shapes and dtypes so that a malformed set fails where it is built."""
-        if self.images.dim() != 4 or self.images.shape[1] != 3:
+        if self.trunk_features:
+            if self.images.dim() != 2:
+                raise DataError(f"trunk features must be [N, D], got {tuple(self.images.shape)}")
+        elif self.images.dim() != 4 or self.images.shape[1] != 3:
             raise DataError(f"images must be [N, 3, H, W], got {tuple(self.images.shape)}")
         if self.images.dtype != torch.float32:
             raise DataError(f"images must be float32, got {self.images.dtype}")
@@ -65,6 +71,7 @@ class FaceDataset:
             identity_names=self.identity_names,
             attributes={k: v[np_idx] for k, v in self.attributes.items()},
             source=self.source,
+            trunk_features=self.trunk_features,
         )
 
     def identities(self) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Face-embedding backbones, classification heads and safetensors weight I/O."""
+"""Face-embedding backbones, classification heads and weight I/O (safetensors, safe .pth)."""
 
 from fl_secure.models.cnn import FaceCNN
 from fl_secure.models.factory import (
@@ -20,6 +20,7 @@ from fl_secure.models.heads import (
     make_head,
     margin_logits,
 )
+from fl_secure.models.iresnet import IResNet, iresnet
 from fl_secure.models.resnet import resnet18_face
 
 __all__ = [
@@ -31,10 +32,12 @@ __all__ = [
     "CosineClassifier",
     "FaceCNN",
     "HeadKind",
+    "IResNet",
     "MarginFn",
     "MarginHead",
     "SoftmaxHead",
     "get_backbone",
+    "iresnet",
     "load_pretrained",
     "make_head",
     "margin_logits",

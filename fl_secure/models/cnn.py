@@ -100,10 +100,27 @@ class FaceCNN(nn.Module):
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.dropout = nn.Dropout(dropout)
         self.embedding = nn.Linear(in_channels, embedding_size)
+        last = len(layers) - blocks[-1]
+        self.TRAINABLE_ALIASES = {  # train.trainable selectors (fl_secure.models.trainable)
+            "embedding": ("embedding.*",),
+            "last-stage": (*(f"stages.{i}.*" for i in range(last, len(layers))), "embedding.*"),
+        }
+
+    #: The tail that takes 2-D trunk features (:meth:`forward`).
+    FEATURE_INPUT_PREFIXES = ("embedding.",)
+
+    def trunk_features(self, images: torch.Tensor) -> torch.Tensor:
+        """Pooled features ``[B, C]`` of the last stage: what the embedding layer takes."""
+        features: torch.Tensor = self.pool(self.stages(self.stem(images))).flatten(1)
+        return features
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """Map ``[B, 3, H, W]`` images to ``[B, embedding_size]`` unnormalised embeddings."""
-        features = self.pool(self.stages(self.stem(images))).flatten(1)
+        """Map ``[B, 3, H, W]`` images to ``[B, embedding_size]`` unnormalised embeddings.
+
+        A 2-D ``[B, C]`` input is taken as :meth:`trunk_features` already computed (a site
+        that caches its frozen trunk's features, :mod:`fl_secure.models.trainable`).
+        """
+        features = images if images.dim() == 2 else self.trunk_features(images)
         embeddings: torch.Tensor = self.embedding(self.dropout(features))
         return embeddings
 

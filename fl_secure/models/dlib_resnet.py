@@ -169,18 +169,33 @@ class DlibResNet(nn.Module):
                 in_channels = width
         self.blocks = nn.Sequential(*blocks)
         self.embedding = nn.Linear(in_channels, embedding_size, bias=False)
+        last = len(blocks) - STAGES[-1][1]
+        self.TRAINABLE_ALIASES = {  # train.trainable selectors (fl_secure.models.trainable)
+            "embedding": ("embedding.*",),
+            "last-stage": (*(f"blocks.{i}.*" for i in range(last, len(blocks))), "embedding.*"),
+        }
+
+    #: The tail that takes 2-D trunk features (:meth:`forward`).
+    FEATURE_INPUT_PREFIXES = ("embedding.",)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """Map ``[B, 3, 150, 150]`` RGB images in ``[-1, 1]`` to ``[B, 128]`` embeddings.
 
         A pixel ``p`` in 0..255 is ``p / 127.5 - 1`` here; dlib's input layer then computes
         ``(p - mean) / 256``. The embeddings are not normalised (dlib's are not either).
+        A 2-D ``[B, 256]`` input is taken as :meth:`trunk_features` already computed (a site
+        that caches its frozen trunk's features, :mod:`fl_secure.models.trainable`).
         """
-        pixels = (images + 1.0) * 127.5
-        x = (pixels - self.channel_means) / 256.0
-        features = self.blocks(self.stem(x)).mean(dim=(2, 3))  # dlib's avg_pool_everything
+        features = images if images.dim() == 2 else self.trunk_features(images)
         embeddings: torch.Tensor = self.embedding(features)
         return embeddings
+
+    def trunk_features(self, images: torch.Tensor) -> torch.Tensor:
+        """The pooled ``[B, 256]`` features of the last block: what the embedding layer takes."""
+        pixels = (images + 1.0) * 127.5
+        x = (pixels - self.channel_means) / 256.0
+        features: torch.Tensor = self.blocks(self.stem(x)).mean(dim=(2, 3))  # avg_pool_everything
+        return features
 
     def parameter_layers(self) -> Iterator[nn.Conv2d | nn.Linear]:
         """The layers with parameters in dlib's file order (input to output)."""

@@ -2,7 +2,9 @@
 
 Follows the layout of insightface's arcface_torch (Deng et al., "ArcFace: Additive Angular
 Margin Loss for Deep Face Recognition", CVPR 2019): ``get_model("r18")`` picks one backbone
-per file by a short name. Weights are read and written only as safetensors, never pickle, so
+per file by a short name. Weights are written as safetensors; they are read from safetensors
+or, for checkpoints such as insightface's ``backbone.pth``, from a PyTorch pickle through
+PyTorch's restricted ``weights_only`` unpickler (:mod:`fl_secure.models.torch_weights`), so
 loading a file from an untrusted site cannot execute code.
 """
 
@@ -23,7 +25,9 @@ from torch import nn
 from fl_secure.errors import CheckpointError, ConfigError
 from fl_secure.models.cnn import FaceCNN
 from fl_secure.models.dlib_resnet import DlibResNet
+from fl_secure.models.iresnet import iresnet
 from fl_secure.models.resnet import resnet18_face
+from fl_secure.models.torch_weights import is_torch_file, read_torch_state_dict
 from fl_secure.runs import atomic_write_bytes
 
 BACKBONES: Final[Mapping[str, Callable[..., nn.Module]]] = MappingProxyType(
@@ -35,6 +39,11 @@ BACKBONES: Final[Mapping[str, Callable[..., nn.Module]]] = MappingProxyType(
         # dlib's face ResNet: embedding 128, image 150 only; pretrained weights from
         # fl_secure.models.dlib_weights.dlib_resnet_weights()
         "dlib-resnet": DlibResNet,
+        # insightface arcface_torch's IResNets (BatchNorm: not for DP-SGD unless frozen);
+        # image 112 only; load its backbone.pth with model.pretrained
+        "iresnet18": partial(iresnet, "iresnet18"),
+        "iresnet34": partial(iresnet, "iresnet34"),
+        "iresnet50": partial(iresnet, "iresnet50"),
     }
 )
 """Backbone builders by name; each takes ``embedding_size`` and ``image_size`` keywords."""
@@ -101,26 +110,54 @@ def save_weights(
 
 
 def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
-    """Load weights saved by :func:`save_weights` (or any safetensors file) into ``model``.
+    """Load weights from a safetensors file, or a PyTorch ``.pth``/``.pt`` state dict.
+
+    A ``.pth``/``.pt`` file (e.g. insightface arcface_torch's ``backbone.pth``) is read by
+    :func:`fl_secure.models.torch_weights.read_torch_state_dict`: PyTorch's restricted
+    unpickler, a top-level ``"state_dict"`` unwrapped, a ``"module."`` prefix stripped; a
+    BatchNorm ``num_batches_tracked`` counter absent from such a file (older PyTorch wrote
+    none) keeps the model's value. Any other file is read as safetensors (:func:`save_weights`).
 
     Every key of the model's ``state_dict`` must be in the file with the same shape and
-    dtype, and the file must hold no other key; nothing is loaded otherwise.
+    dtype and finite values, and the file must hold no other key; nothing is loaded otherwise.
 
     Args:
         model: the module to fill in place.
-        path: a safetensors file on local disk.
+        path: a safetensors, ``.pth`` or ``.pt`` file on local disk.
 
     Raises:
-        CheckpointError: if the file is missing or unreadable, or names, shapes or dtypes do
-            not match the model (the message names the offending keys).
+        CheckpointError: if the file is missing or unreadable, holds anything but tensors, or
+            names, shapes or dtypes do not match the model (the message names the file and
+            the offending keys).
     """
     source = Path(path)
+    if is_torch_file(source):
+        tensors = read_torch_state_dict(source)
+        for key, value in model.state_dict().items():
+            if key.endswith(".num_batches_tracked") and key not in tensors:
+                tensors[key] = value
+    else:
+        tensors = _read_safetensors(source)
+    check_state_dict(model, tensors, source)
+    model.load_state_dict(tensors, strict=True)
+
+
+def _read_safetensors(source: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors file, on the CPU."""
     if not source.is_file():
         raise CheckpointError(f"weights file {source} does not exist or is not a file")
     try:
-        tensors = load_file(source, device="cpu")
+        return load_file(source, device="cpu")
     except (SafetensorError, OSError) as error:
         raise CheckpointError(f"cannot read {source} as safetensors: {error}") from error
+
+
+def check_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor], source: Path) -> None:
+    """Check that ``tensors`` fit ``model`` exactly: names, shapes, dtypes, finite values.
+
+    Raises:
+        CheckpointError: naming ``source`` and the first key that does not fit.
+    """
     expected = model.state_dict()
     missing = sorted(expected.keys() - tensors.keys())
     unexpected = sorted(tensors.keys() - expected.keys())
@@ -143,4 +180,3 @@ def load_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> None:
         if stored.is_floating_point() and not bool(torch.isfinite(stored).all()):
             bad = int((~torch.isfinite(stored)).sum())
             raise CheckpointError(f"{source}: key {key!r} holds {bad} NaN/Inf values")
-    model.load_state_dict(tensors, strict=True)

@@ -125,6 +125,26 @@ def test_a_folder_client_reads_its_images_with_the_runs_crop(tmp_path: Path) -> 
     assert any(torch.equal(first.images[0], image) for image in expected)
 
 
+def test_a_folder_client_degrades_its_images_as_the_run_says(tmp_path: Path) -> None:
+    import tomllib
+
+    from fl_secure.config import config_from_dict
+    from fl_secure.data.folders import load_identity_folders
+    from fl_secure.data.plan import degrade_for_run
+
+    folders = _folders(tmp_path / "data")
+    spec = "lowres:16+occlusion:0.2"
+    config = QUICKSTART.replace("[data]\n", f'[data]\ndegrade = "{spec}"\n', 1)
+    trainer = trainer_factory(ClientDataSource(data_path=folders), state_dir=None)(_join(config))
+    run = config_from_dict(tomllib.loads(config))
+    expected = degrade_for_run(
+        load_identity_folders(folders, image_size=64), run.data, run.run.seed
+    )
+    first = trainer.data.train
+    assert f"degraded {spec}" in first.source
+    assert any(torch.equal(first.images[0], image) for image in expected.images)
+
+
 def test_a_run_with_seeded_noise_is_joined_only_when_the_site_accepts_it(tmp_path: Path) -> None:
     # Prepare: the quickstart (client-level DP) with privacy.secure_rng = false: the noise
     # would be seeded from run.seed and the client id, both known to the server

@@ -27,8 +27,11 @@ from fl_secure.models import (
 # --------------------------------------------------------------------------- backbones
 
 
-# dlib-resnet takes only 150x150 chips (tests/fl_secure/models/test_dlib_resnet.py)
-@pytest.mark.parametrize("name", sorted(set(BACKBONES) - {"dlib-resnet"}))
+# dlib-resnet takes only 150x150 chips (tests/fl_secure/models/test_dlib_resnet.py), the
+# iresnets only 112x112 (tests/fl_secure/models/test_iresnet.py)
+@pytest.mark.parametrize(
+    "name", sorted(n for n in BACKBONES if n != "dlib-resnet" and not n.startswith("iresnet"))
+)
 @pytest.mark.parametrize("size", [64, 112])
 def test_backbone_maps_images_to_embeddings(name: str, size: int) -> None:
     # Prepare

@@ -18,6 +18,7 @@ from fl_secure.app.cli.common import (
     positive_int,
     print_json,
 )
+from fl_secure.errors import DataError
 
 # Imports that load torch or dlib are inside the functions: `fl-secure --help` stays fast
 # (fl_secure.app.cli says why). The choices below are fl_secure.data.dlib_faces.DETECTORS and
@@ -38,7 +39,8 @@ def add_parser(sub: Subparsers) -> None:
         "CHIPS/<identity>/<stem>.png, and CHIPS/manifest.json with one entry per input file "
         "(aligned, several_faces: the largest taken, no_face, fallback_center, unreadable). "
         "Needs pip install 'fl-secure[faces]'. Real faces stay at the site: CHIPS is a local "
-        "folder for `fl-secure client --data`.",
+        "folder for `fl-secure client --data`. If no image held a detectable face it is an "
+        "error (exit 2) naming RAW and the count; the manifest is written all the same.",
     )
     p.add_argument(
         "--in",
@@ -97,7 +99,11 @@ def add_parser(sub: Subparsers) -> None:
 
 
 def cmd_align(args: argparse.Namespace) -> int:
-    """Align a site's identity folders; exit 1 when no chip could be made."""
+    """Align a site's identity folders; an error (exit 2) when no image held a face.
+
+    The chips (``--fallback center``'s crops included) and the manifest are written first, so
+    the manifest says what became of every file even then.
+    """
     from fl_secure.data.align import align_folder
 
     report = align_folder(
@@ -123,4 +129,6 @@ def cmd_align(args: argparse.Namespace) -> int:
         )
     else:
         print(report.summary())
-    return 0 if report.chips else 1
+    if (error := report.no_face_error()) is not None:  # the manifest is written all the same
+        raise DataError(error)
+    return 0

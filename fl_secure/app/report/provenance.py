@@ -27,6 +27,9 @@ def provenance_section(
         "resumed_at": [s for s in prov.get("resumed_at") or [] if isinstance(s, str)],
         "ended_at": prov.get("ended_at"),
         "config_sha256": hashlib.sha256(config_text).hexdigest(),
+        # model.pretrained: the weights' file and SHA-256 (and a built-in's source); None for
+        # a random start
+        "pretrained": prov.get("pretrained"),
         "data_manifest": _recorded_manifest(path, config),
         "source": "summary.json (provenance), config.toml, partition.json (data manifest)",
     }

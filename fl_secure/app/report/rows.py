@@ -199,12 +199,25 @@ def model_line(model: dict[str, Any] | None) -> str:
     return f"{line}; not named by a privacy ledger"
 
 
+def pretrained_line(pretrained: Any) -> str:
+    """The weights a run's backbone started from, with their SHA-256, in one line."""
+    if not isinstance(pretrained, dict):
+        return "none: random initialisation"
+    line = f"{pretrained.get('name')} (sha256 {pretrained.get('sha256')})"
+    if pretrained.get("source"):
+        line += (
+            f", converted from {pretrained['source']} (sha256 {pretrained.get('source_sha256')})"
+        )
+    return line
+
+
 def provenance_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """Where the run came from: versions, times, hashes, data, the released model, packages."""
     prov = report["provenance"]
     keys = ("version", "commit", "started_at", "resumed_at", "ended_at", "config_sha256")
     rows = [[k, fmt(prov.get(k))] for k in keys]
     rows.append(["data manifest", fmt(prov["data_manifest"])])
+    rows.append(["pretrained weights", pretrained_line(prov.get("pretrained"))])
     rows.append(["released model", model_line(report.get("model"))])
     rows += [[f"package {k}", fmt(v)] for k, v in sorted(prov["packages"].items())]
     return ["item", "value"], rows

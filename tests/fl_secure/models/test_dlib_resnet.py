@@ -278,6 +278,27 @@ def test_a_truncated_dat_raises_a_clear_error(models_dir: Path, tmp_path: Path, 
 
 
 @needs_models
+@pytest.mark.parametrize(
+    ("source", "problem"),
+    [("shape_predictor_5_face_landmarks.dat", "expected .*loss_metric_"), ("cut", "truncated")],
+)
+def test_converting_a_wrong_or_truncated_dat_names_it_and_caches_nothing(
+    models_dir: Path, tmp_path: Path, source: str, problem: str
+) -> None:
+    # Prepare: what a user may pass as the weights (the public entry, not the reader alone)
+    dat = models_dir / source
+    if source == "cut":
+        dat = tmp_path / "dlib_face_recognition_resnet_model_v1.dat"
+        dat.write_bytes((models_dir / DLIB_RESNET_DAT).read_bytes()[:4096])
+    cache = tmp_path / "cache"
+    # Execute / Assert: the file and the problem named, no safetensors file left behind
+    with pytest.raises(CheckpointError, match=problem) as info:
+        dlib_resnet_weights(dat, cache=cache)
+    assert str(dat) in str(info.value)
+    assert not cache.exists() or not list(cache.glob("*.safetensors"))
+
+
+@needs_models
 def test_safetensors_cache_round_trips_and_records_sha256(
     models_dir: Path, model: DlibResNet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

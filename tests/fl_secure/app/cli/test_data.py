@@ -6,6 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -66,3 +67,26 @@ def test_a_missing_source_folder_is_named(
     code = main(["data", "align", "--in", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")])
     assert code == 2
     assert "nowhere" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not HAS_FACES, reason="pip install 'fl-secure[faces]' (dlib, its models)")
+def test_a_folder_without_a_single_face_is_an_error_naming_it_with_a_manifest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Prepare: three noise images (no face) in two identity folders
+    raw, out = tmp_path / "raw", tmp_path / "chips"
+    rng = np.random.default_rng(0)
+    for name, count in (("a", 2), ("b", 1)):
+        (raw / name).mkdir(parents=True)
+        for j in range(count):
+            noise = rng.integers(0, 256, (120, 120, 3), dtype=np.uint8)
+            Image.fromarray(noise).save(raw / name / f"{j}.png")
+    # Execute
+    code = main(["data", "align", "--in", str(raw), "--out", str(out), "--upsample", "0"])
+    # Assert: an error naming the folder and the count, and the manifest of what was tried
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"no detectable face in any of 3 images under {raw.resolve()}" in err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [e["status"] for e in manifest["images"]] == ["no_face"] * 3
+    assert manifest["chips"] == 0
