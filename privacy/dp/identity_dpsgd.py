@@ -11,10 +11,10 @@ Models", ICLR 2018) inside one site:
    identities, from the same generator as the noise, as example-level sampling does). A
    sampled identity brings *all* its training images to the step.
 2. **Per-identity gradient**: the gradient of the *sum* of the per-example losses over that
-   identity's images, over every trainable parameter (``requires_grad=True``; frozen ones
-   take no part), computed by one forward/backward per identity (in chunks of at most
-   ``max_physical_batch_size`` images whose gradients add up exactly, so no image is ever
-   dropped and memory stays bounded).
+   identity's images, over every trainable parameter (``requires_grad=True``; those
+   ``train.trainable`` froze take no part: no gradient, noise or update), computed by one
+   forward/backward per identity (in chunks of at most ``max_physical_batch_size`` images
+   whose gradients add up exactly, so no image is ever dropped and memory stays bounded).
 3. **Clipping** each identity's gradient to L2 norm ``C`` (Opacus' factor
    ``min(1, C / (norm + 1e-6))``) and summing: adding or removing one identity changes the
    sum by at most ``C``, however many images the person has.

@@ -13,7 +13,7 @@ from torch import nn
 from fl_secure.config import ModelConfig
 from fl_secure.data.types import FaceDataset
 from fl_secure.messages import LocalTraining
-from fl_secure.training import FaceModel, LocalData, build_model
+from fl_secure.training import FaceModel, LocalData, build_model, with_trunk_features
 from privacy.dp.dpsgd import DPSGDSettings
 from privacy.dp.identity_dpsgd import (
     clipped_identity_sum,
@@ -197,3 +197,26 @@ def test_the_steps_follow_the_identity_rate() -> None:
         replay.uniform(4)
         replay.standard_normal(coords)
     assert source.uniform(3).tolist() == replay.uniform(3).tolist()
+
+
+def test_train_trainable_frozen_trunk_gets_no_update_and_cached_features_train() -> None:
+    # Prepare: train.trainable = "embedding" freezes the trunk; the site embeds it once
+    # (trunk features in place of the images), as client.trainer_factory does
+    cfg = ModelConfig(backbone="cnn-small", embedding_size=8)
+    model = build_model(cfg, CLASSES, SIZE, seed=0, trainable="embedding")
+    frozen = {k: p.detach().clone() for k, p in model.named_parameters() if not p.requires_grad}
+    trains = {k: p.detach().clone() for k, p in model.named_parameters() if p.requires_grad}
+    assert frozen and sorted(trains) == [
+        "backbone.embedding.bias", "backbone.embedding.weight", "head.classifier.weight",
+    ]  # fmt: skip
+    data = with_trunk_features(model.backbone, _data())
+    assert data.train.images.dim() == 2  # the trunk's features, not pixels
+    # Execute: three noisy identity-level steps
+    settings = DPSGDSettings(1.0, 1.0, 0.5)
+    train_local_identity_dpsgd(model, data, _sgd(3, 0.05), settings, noise=SeededGaussian(0))
+    # Assert: the frozen trunk exactly as it was; the selected layers (and the head) moved
+    for k, p in model.named_parameters():
+        if k in frozen:
+            assert torch.equal(p.detach(), frozen[k]) and p.grad is None
+        else:
+            assert not torch.equal(p.detach(), trains[k])
