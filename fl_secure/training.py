@@ -30,6 +30,7 @@ from fl_secure.models.trainable import (
     apply_trainable,
     can_cache_trunk,
     keep_frozen_norms_in_eval,
+    trained_state_names,
 )
 
 #: The figures a run reports first (held-out identities, or a client's own test images).
@@ -116,8 +117,8 @@ def load_checkpoint_into(
     picked = type(params)((k[len(prefix) :], v) for k, v in params.items() if k.startswith(prefix))
     state = module.state_dict()
     # train.trainable froze part of the model: only what trains is in a checkpoint
-    trains = {k for k, p in module.named_parameters() if p.requires_grad}
-    shared = trains if any(not p.requires_grad for p in module.parameters()) else set(state)
+    partial = any(not p.requires_grad for p in module.parameters())
+    shared = set(trained_state_names(module)) if partial else set(state)
     missing = [
         prefix + k
         for k, v in state.items()

@@ -22,7 +22,7 @@ from fl_secure.config import AlgorithmConfig, Config, PrivacyUnit
 from fl_secure.data.types import FaceDataset
 from fl_secure.errors import ConfigError
 from fl_secure.messages import LocalTraining, Tensors
-from fl_secure.models.trainable import is_partly_frozen
+from fl_secure.models.trainable import is_partly_frozen, trained_state_names
 from fl_secure.training import (
     FaceModel,
     LocalData,
@@ -130,9 +130,7 @@ class Strategy(ABC):
             f"backbone.{k}" for k, v in model.backbone.state_dict().items() if v.is_floating_point()
         ]
         if is_partly_frozen(model.backbone):  # train.trainable: only what trains is shared
-            trains = {
-                f"backbone.{k}" for k, p in model.backbone.named_parameters() if p.requires_grad
-            }
+            trains = {f"backbone.{k}" for k in trained_state_names(model.backbone)}
             names = [n for n in names if n in trains]
         if self.shares_head:
             names += [

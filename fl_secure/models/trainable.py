@@ -108,6 +108,23 @@ def is_partly_frozen(backbone: nn.Module) -> bool:
     return any(not p.requires_grad for p in backbone.parameters())
 
 
+def trained_state_names(backbone: nn.Module) -> list[str]:
+    """State-dict names that training changes, in the module's order.
+
+    The trainable parameters, and the buffers of the modules that own one (a trained
+    batch-norm layer's running statistics).
+    """
+    names: list[str] = []
+    for prefix, module in backbone.named_modules():
+        own = dict(module.named_parameters(recurse=False))
+        if not any(p.requires_grad for p in own.values()):
+            continue
+        dot = f"{prefix}." if prefix else ""
+        names += [dot + n for n, p in own.items() if p.requires_grad]
+        names += [dot + n for n, _ in module.named_buffers(recurse=False)]
+    return names
+
+
 def keep_frozen_norms_in_eval(module: nn.Module) -> None:
     """Put batch-norm layers whose parameters are all frozen into evaluation mode.
 

@@ -112,6 +112,12 @@ def test_frozen_batch_norm_keeps_its_running_statistics() -> None:
     train_local(model, _data(), _sgd(2), generator=torch.Generator().manual_seed(0))
     assert torch.equal(model.backbone.bn1.running_mean, before)
     assert model.training and not model.backbone.bn1.training
+    # a trained batch-norm layer's running statistics travel with its weights
+    last = build_model(cfg, 3, SIZE, seed=0, trainable="last-stage")
+    shared = FedPE().shared_names(last)
+    assert "backbone.layer4.1.bn2.running_var" in shared and "backbone.fc.weight" in shared
+    assert not any(n.startswith("backbone.layer3.") for n in shared)
+    assert last.train().backbone.layer4[1].bn2.training
 
 
 def test_cached_trunk_features_train_as_the_images_do() -> None:
