@@ -135,6 +135,7 @@ def load_run(path: Path) -> RunContext:
         config.data.image_size,
         config.run.seed,
         trainable=config.train.trainable,
+        head_lr_scale=config.train.head_lr_scale,
     )
     load_checkpoint_into(
         model,

@@ -162,6 +162,7 @@ def build_local_trainer(
             image_size,
             run_config.run.seed,
             trainable=run_config.train.trainable,
+            head_lr_scale=run_config.train.head_lr_scale,
         )
     local = strategy.local_data(train, test, identities)
     if not strategy.transforms_images:  # train.trainable froze the trunk: embed it once here

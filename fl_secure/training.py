@@ -12,6 +12,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,10 +41,11 @@ HEADLINE = ("tar_at_far_1e-1", "tar_at_far_1e-2", "tar_at_far_1e-3", "roc_auc", 
 class FaceModel(nn.Module):
     """Backbone producing embeddings plus a margin head over ``num_classes`` identities."""
 
-    def __init__(self, backbone: nn.Module, head: ClassHead) -> None:
+    def __init__(self, backbone: nn.Module, head: ClassHead, *, head_lr_scale: float = 1.0):
         super().__init__()
         self.backbone = backbone
         self.head: ClassHead = head
+        self.head_lr_scale = head_lr_scale  # train.head_lr_scale (parameter_groups)
 
     def forward(
         self,
@@ -64,12 +66,19 @@ class FaceModel(nn.Module):
 
 
 def build_model(
-    cfg: ModelConfig, num_classes: int, image_size: int, seed: int, *, trainable: str = ALL
+    cfg: ModelConfig,
+    num_classes: int,
+    image_size: int,
+    seed: int,
+    *,
+    trainable: str = ALL,
+    head_lr_scale: float = 1.0,
 ) -> FaceModel:
     """The run's model, initialised deterministically from ``seed`` (same on every party).
 
     ``trainable`` is the run's ``train.trainable``: the backbone parameters it does not
-    select are frozen (:func:`fl_secure.models.trainable.apply_trainable`).
+    select are frozen (:func:`fl_secure.models.trainable.apply_trainable`);
+    ``head_lr_scale`` is ``train.head_lr_scale`` (:func:`parameter_groups`).
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -83,7 +92,7 @@ def build_model(
     if cfg.pretrained:  # a file, or a built-in name ("dlib-resnet")
         load_pretrained(backbone, resolve_pretrained(cfg.pretrained))
     apply_trainable(backbone, trainable, backbone_name=cfg.backbone)
-    return FaceModel(backbone, head)
+    return FaceModel(backbone, head, head_lr_scale=head_lr_scale)
 
 
 def get_tensors(model: nn.Module, names: Iterable[str]) -> Tensors:
@@ -253,10 +262,31 @@ def round_learning_rate(base: float, round_: int, rounds: int, schedule: str) ->
     raise ValueError(f"unknown lr schedule {schedule!r}; allowed: constant, cosine")
 
 
+def parameter_groups(model: nn.Module, training: LocalTraining) -> list[dict[str, Any]]:
+    """The model's trainable parameters for :func:`make_optimizer`, as optimizer groups.
+
+    A :class:`FaceModel` with ``head_lr_scale`` != 1 (``train.head_lr_scale``) gets two
+    groups: the backbone at the round's learning rate, the head at that rate times the
+    scale. A pretrained backbone fine-tunes at a small rate while a freshly initialised head
+    (one row per identity) must move far: at one rate, either the head learns too slowly to
+    give the embedding useful gradients or the embedding is pulled from its pretrained
+    optimum. Frozen parameters (``train.trainable``) are in no group.
+    """
+    scale = float(getattr(model, "head_lr_scale", 1.0))
+    if scale == 1.0 or not isinstance(model, FaceModel):
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    head = {id(p) for p in model.head.parameters()}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in head]
+    mine = [p for p in model.head.parameters() if p.requires_grad]
+    lr = training.learning_rate * scale
+    head_group = {"params": mine, "lr": lr, "lr_scale": scale}
+    return [g for g in ({"params": rest}, head_group) if g["params"]]
+
+
 def make_optimizer(
-    params: Iterable[nn.Parameter], training: LocalTraining
+    params: Iterable[nn.Parameter] | Iterable[dict[str, Any]], training: LocalTraining
 ) -> torch.optim.Optimizer:
-    """SGD with momentum (the seed papers' optimiser) or Adam."""
+    """SGD with momentum (the seed papers' optimiser) or Adam, over parameters or groups."""
     if training.optimizer == "adam":
         return torch.optim.Adam(
             params, lr=training.learning_rate, weight_decay=training.weight_decay
@@ -281,7 +311,7 @@ def train_local(
 ) -> dict[str, float]:
     """Train for ``local_epochs`` epochs (or ``local_steps`` batches); return loss/accuracy."""
     model.train()
-    opt = optimizer or make_optimizer(model.parameters(), training)
+    opt = optimizer or make_optimizer(parameter_groups(model, training), training)
     n = len(data.train)
     batch = min(training.batch_size, n)
     steps_per_epoch = max(1, n // batch)

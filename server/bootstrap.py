@@ -72,7 +72,12 @@ def make_evaluator(config: Config, plan: FederatedData) -> Callable[[Tensors], d
             config.model, config.algorithm, config.data.image_size, config.run.seed, plan.held_out
         )
     model = build_model(
-        config.model, 1, config.data.image_size, config.run.seed, trainable=config.train.trainable
+        config.model,
+        1,
+        config.data.image_size,
+        config.run.seed,
+        trainable=config.train.trainable,
+        head_lr_scale=config.train.head_lr_scale,
     )
     backbone = model.backbone
     held_out: list[FaceDataset] = []  # the trunk's features, once, if train.trainable froze it
@@ -112,6 +117,7 @@ def build_server(
         config.data.image_size,
         config.run.seed,
         trainable=config.train.trainable,
+        head_lr_scale=config.train.head_lr_scale,
     )
     if isinstance(strategy, FedAffect):  # shared: encoder f and relation module g
         model = build_fedaffect_model(

@@ -40,7 +40,12 @@ def preflight(config: Config, population: int) -> None:
     check_config(config)
     # an unknown backbone or unusable pretrained weights: refused before a run dir exists
     model = build_model(
-        config.model, 1, config.data.image_size, config.run.seed, trainable=config.train.trainable
+        config.model,
+        1,
+        config.data.image_size,
+        config.run.seed,
+        trainable=config.train.trainable,
+        head_lr_scale=config.train.head_lr_scale,
     )
     if (
         config.data.source != "synthetic"

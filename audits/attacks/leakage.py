@@ -44,7 +44,12 @@ def _client_model(run: RunContext, k: int) -> tuple[FaceModel, str]:
     )
     cfg = run.config
     model = build_model(
-        cfg.model, classes, cfg.data.image_size, cfg.run.seed, trainable=cfg.train.trainable
+        cfg.model,
+        classes,
+        cfg.data.image_size,
+        cfg.run.seed,
+        trainable=cfg.train.trainable,
+        head_lr_scale=cfg.train.head_lr_scale,
     )
     set_tensors(model, run.checkpoint.parameters)
     if run.strategy.shares_head:

@@ -231,6 +231,7 @@ class AdaFedFR(Strategy):
             config.data.image_size,
             config.run.seed,
             trainable=config.train.trainable,
+            head_lr_scale=config.train.head_lr_scale,
         )
         prefix = "backbone."
 

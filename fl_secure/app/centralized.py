@@ -44,10 +44,13 @@ from fl_secure.training import (
     build_model,
     evaluate_local,
     evaluate_verification,
+    held_out_features,
     local_training,
     make_optimizer,
+    parameter_groups,
     round_learning_rate,
     train_local,
+    with_trunk_features,
 )
 
 
@@ -83,20 +86,29 @@ def train_centralized_model(
     train = _union([c.train for c in labelled])
     test = _union([c.test for c in labelled])
     ids = np.unique(train.labels.numpy())
-    model = build_model(config.model, len(ids), config.data.image_size, config.run.seed)
+    model = build_model(
+        config.model,
+        len(ids),
+        config.data.image_size,
+        config.run.seed,
+        trainable=config.train.trainable,
+        head_lr_scale=config.train.head_lr_scale,
+    )
     targets = torch.from_numpy(np.searchsorted(ids, train.labels.numpy()).astype(np.int64))
     data = LocalData(train=train, test=test, train_targets=targets, class_mask=None)
+    data = with_trunk_features(model.backbone, data)  # train.trainable froze the trunk
+    held_out = held_out_features(model.backbone, plan.held_out)
     training = local_training(config.train)
     if training.local_steps:  # a federated round: local_steps batches on every client
         training = dataclasses.replace(training, local_steps=training.local_steps * len(labelled))
     generator = torch.Generator().manual_seed(config.run.seed)
     history: list[dict[str, float]] = []
-    optimizer = make_optimizer(model.parameters(), training)
+    optimizer = make_optimizer(parameter_groups(model, training), training)
     t = config.train
     for r in tqdm(range(1, t.rounds + 1), desc="rounds", disable=None if progress else True):
         lr = round_learning_rate(t.lr, r, t.rounds, t.lr_schedule)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         # the same number of passes over the data as a federated round
         train_local(model, data, training, generator=generator, optimizer=optimizer)
         bad = [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
@@ -106,9 +118,7 @@ def train_centralized_model(
                 f"{' ...' if len(bad) > 5 else ''} (training diverged: lower train.lr)"
             )
         with _diverged(f"pass {r}: the model's held-out embeddings"):
-            metrics = (
-                evaluate_verification(model.backbone, plan.held_out) if len(plan.held_out) else {}
-            )
+            metrics = evaluate_verification(model.backbone, held_out) if len(held_out) else {}
         history.append(metrics)
         if on_pass is not None:
             on_pass(r, metrics)
@@ -179,6 +189,7 @@ def run_centralized(
             config.data.image_size,
             config.run.seed,
             trainable=config.train.trainable,
+            head_lr_scale=config.train.head_lr_scale,
         ).backbone
         with _diverged("the initial model's embeddings", "check model.*; no pass ran"):
             untrained = evaluate_verification(fresh, plan.held_out) if len(plan.held_out) else {}

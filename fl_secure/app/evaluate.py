@@ -115,7 +115,12 @@ def evaluate_run(
     partial = config.train.trainable != ALL
     bare = config.model if partial else dataclasses.replace(config.model, pretrained="")
     backbone = build_model(
-        bare, 1, config.data.image_size, config.run.seed, trainable=config.train.trainable
+        bare,
+        1,
+        config.data.image_size,
+        config.run.seed,
+        trainable=config.train.trainable,
+        head_lr_scale=config.train.head_lr_scale,
     ).backbone
     if is_centralized:  # train --centralized
         if round_ is not None:

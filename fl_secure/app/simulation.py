@@ -134,7 +134,12 @@ def _simulate(
     size = config.data.image_size
     classes = len(plan.train_identities) if strategy.shares_head else 1
     model = build_model(
-        config.model, classes, size, config.run.seed, trainable=config.train.trainable
+        config.model,
+        classes,
+        size,
+        config.run.seed,
+        trainable=config.train.trainable,
+        head_lr_scale=config.train.head_lr_scale,
     )
     state = RoundState(
         get_tensors(model, strategy.shared_names(model)),

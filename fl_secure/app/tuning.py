@@ -123,6 +123,7 @@ def newcomer(config: Config, share: ClientShare, shared: Tensors) -> tuple[FaceM
         config.data.image_size,
         config.run.seed,
         trainable=config.train.trainable,
+        head_lr_scale=config.train.head_lr_scale,
     )
     prefix = "backbone."
     set_tensors(model, type(shared)((k, v) for k, v in shared.items() if k.startswith(prefix)))

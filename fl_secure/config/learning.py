@@ -128,6 +128,9 @@ class TrainConfig:
     # patterns ("blocks.13.*"), comma-separated; the rest of the backbone stays frozen at
     # model.pretrained's weights and never leaves a site (fl_secure.models.trainable)
     trainable: str = "all"
+    # the private or shared head's learning rate = train.lr x this: a pretrained backbone
+    # fine-tunes slowly while a fresh head must move far (1 = one rate for all)
+    head_lr_scale: float = 1.0
 
     def __post_init__(self) -> None:
         """Check ranges."""
@@ -140,6 +143,11 @@ class TrainConfig:
         check(self.weight_decay >= 0, "train.weight_decay", "a number >= 0")
         check(self.threads >= 1, "train.threads", "an integer >= 1")
         parse_trainable(self.trainable)
+        check(
+            math.isfinite(self.head_lr_scale) and self.head_lr_scale > 0,
+            "train.head_lr_scale",
+            "a finite number > 0",
+        )
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from fl_secure.errors import PrivacyError
 from fl_secure.messages import LocalTraining
-from fl_secure.training import AbsentRows, FaceModel, LocalData, make_optimizer
+from fl_secure.training import AbsentRows, FaceModel, LocalData, make_optimizer, parameter_groups
 from privacy.dp.bookkeeping import BookKeepingClipper, require_supported, unsupported_modules
 from privacy.dp.noise import NoiseSource, gaussian_tensor_like
 
@@ -366,7 +366,7 @@ def train_local_dpsgd(
             clipper = BookKeepingClipper(model, settings.max_grad_norm)
             optimizer_class = NoiseSourceFastClipOptimizer
         optimizer = optimizer_class(
-            make_optimizer(params, training),
+            make_optimizer(parameter_groups(model, training), training),
             noise=noise,
             noise_multiplier=settings.noise_multiplier,
             max_grad_norm=settings.max_grad_norm,

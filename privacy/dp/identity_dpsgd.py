@@ -41,7 +41,7 @@ from torch import nn
 
 from fl_secure.errors import PrivacyError
 from fl_secure.messages import LocalTraining
-from fl_secure.training import AbsentRows, FaceModel, LocalData, make_optimizer
+from fl_secure.training import AbsentRows, FaceModel, LocalData, make_optimizer, parameter_groups
 from privacy.dp.dpsgd import DPSGDSettings, dpsgd_steps, validate_model
 from privacy.dp.noise import NoiseSource, gaussian_tensor_like
 
@@ -138,7 +138,7 @@ def train_local_identity_dpsgd(
         raise PrivacyError("identity-level DP-SGD: the model has no trainable parameter")
     std = settings.noise_multiplier * settings.max_grad_norm
     model.train()
-    optimizer = make_optimizer(params, training)
+    optimizer = make_optimizer(parameter_groups(model, training), training)
     absent = AbsentRows(model, data.class_mask)
     totals = {"loss": 0.0, "correct": 0.0, "seen": 0.0}
     try:

@@ -24,6 +24,7 @@ from fl_secure.training import (
     LocalData,
     build_model,
     embed,
+    parameter_groups,
     train_local,
     with_trunk_features,
 )
@@ -212,3 +213,24 @@ def test_a_private_secure_run_shares_only_the_trainable_part(tmp_path: Path) -> 
     assert float(np.abs(latest.parameters["backbone.embedding.weight"] - start).max()) > 1e-4
     assert scored.returncode == 0, scored.stderr[-3000:]
     assert "tar_at_far_1e-2" in scored.stdout
+
+
+def test_the_head_trains_at_its_own_rate() -> None:
+    # Prepare: the embedding layer at lr 0.01, the head at 10x
+    model = build_model(CFG, 3, SIZE, seed=0, trainable="embedding", head_lr_scale=10.0)
+    training = LocalTraining(learning_rate=0.01, optimizer="adam", weight_decay=0.0)
+    groups = parameter_groups(model, training)
+    # Assert: two groups, frozen parameters in neither, the head at 0.1
+    assert [len(g["params"]) for g in groups] == [2, 1]
+    assert groups[1]["lr"] == pytest.approx(0.1) and "lr" not in groups[0]
+    assert groups[1]["params"][0] is model.head.classifier.weight
+    # Execute: one Adam step moves each parameter by its group's rate (Adam's first step is
+    # lr x sign(grad))
+    before = copy.deepcopy(model.state_dict())
+    train_local(model, _data(), LocalTraining(local_steps=1, batch_size=12, learning_rate=0.01,
+                optimizer="adam", weight_decay=0.0), generator=torch.Generator())  # fmt: skip
+    head_step = (model.head.classifier.weight - before["head.classifier.weight"]).abs().max()
+    emb_step = (model.backbone.embedding.weight - before["backbone.embedding.weight"]).abs().max()
+    assert float(head_step) == pytest.approx(0.1, rel=1e-3)
+    assert float(emb_step) == pytest.approx(0.01, rel=1e-3)
+    assert len(parameter_groups(build_model(CFG, 3, SIZE, seed=0), training)) == 1
