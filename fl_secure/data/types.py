@@ -36,8 +36,10 @@ class FaceDataset:
     def __post_init__(self) -> None:
         """Check shapes and dtypes so that a malformed set fails where it is built."""
         if self.trunk_features:
-            if self.images.dim() != 2:
-                raise DataError(f"trunk features must be [N, D], got {tuple(self.images.shape)}")
+            if self.images.dim() not in (2, 4):
+                raise DataError(
+                    f"trunk features must be [N, D] or [N, C, h, w], got {tuple(self.images.shape)}"
+                )
         elif self.images.dim() != 4 or self.images.shape[1] != 3:
             raise DataError(f"images must be [N, 3, H, W], got {tuple(self.images.shape)}")
         if self.images.dtype != torch.float32:

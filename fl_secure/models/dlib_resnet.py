@@ -175,27 +175,65 @@ class DlibResNet(nn.Module):
             "last-stage": (*(f"blocks.{i}.*" for i in range(last, len(blocks))), "embedding.*"),
         }
 
-    #: The tail that takes 2-D trunk features (:meth:`forward`).
-    FEATURE_INPUT_PREFIXES = ("embedding.",)
+    def trunk_cut(self) -> int | None:
+        """Blocks before the first trainable one (``train.trainable``), if the stem is frozen.
+
+        :meth:`trunk_features` computes the stem and those blocks; :meth:`forward` takes
+        their output. ``len(blocks)``: only the embedding layer trains (pooled features).
+        """
+        if any(p.requires_grad for p in self.stem.parameters()):
+            return None
+        for index, block in enumerate(self.blocks):
+            if any(p.requires_grad for p in block.parameters()):
+                return index
+        return len(self.blocks)
+
+    def can_cache_trunk(self) -> bool:
+        """Whether a frozen stem and first blocks let a site cache their output."""
+        cut = self.trunk_cut()
+        return cut is not None and cut > 0
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """Map ``[B, 3, 150, 150]`` RGB images in ``[-1, 1]`` to ``[B, 128]`` embeddings.
 
         A pixel ``p`` in 0..255 is ``p / 127.5 - 1`` here; dlib's input layer then computes
         ``(p - mean) / 256``. The embeddings are not normalised (dlib's are not either).
-        A 2-D ``[B, 256]`` input is taken as :meth:`trunk_features` already computed (a site
-        that caches its frozen trunk's features, :mod:`fl_secure.models.trainable`).
+        Any other input is :meth:`trunk_features`' output, computed once by a site that
+        caches its frozen trunk (:mod:`fl_secure.models.trainable`): ``[B, 256]`` pooled
+        features, or the ``[B, C, h, w]`` output of the frozen blocks.
         """
-        features = images if images.dim() == 2 else self.trunk_features(images)
-        embeddings: torch.Tensor = self.embedding(features)
+        if images.dim() == 2:  # pooled features of every block
+            return self._tail(images, len(self.blocks))
+        if images.shape[1] != 3:  # the output of the frozen blocks before trunk_cut()
+            return self._tail(images, self.trunk_cut() or 0)
+        return self._tail(self._stem_input(images), -1)
+
+    def _stem_input(self, images: torch.Tensor) -> torch.Tensor:
+        pixels = (images + 1.0) * 127.5
+        return (pixels - self.channel_means) / 256.0
+
+    def _tail(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Blocks from ``start`` on (-1: the stem first), pooling, the embedding layer."""
+        if start < 0:
+            x, start = self.stem(x), 0
+        if x.dim() == 4:
+            for block in self.blocks[start:]:
+                x = block(x)
+            x = x.mean(dim=(2, 3))  # dlib's avg_pool_everything
+        embeddings: torch.Tensor = self.embedding(x)
         return embeddings
 
     def trunk_features(self, images: torch.Tensor) -> torch.Tensor:
-        """The pooled ``[B, 256]`` features of the last block: what the embedding layer takes."""
-        pixels = (images + 1.0) * 127.5
-        x = (pixels - self.channel_means) / 256.0
-        features: torch.Tensor = self.blocks(self.stem(x)).mean(dim=(2, 3))  # avg_pool_everything
-        return features
+        """What the trainable part takes: the frozen stem and blocks' output (pooled if all).
+
+        ``[B, 256]`` when only the embedding layer trains, else the ``[B, C, h, w]`` output
+        of the blocks before :meth:`trunk_cut`.
+        """
+        cut = self.trunk_cut()
+        x: torch.Tensor = self.stem(self._stem_input(images))
+        for block in self.blocks[: cut if cut is not None else 0]:
+            x = block(x)
+        return x.mean(dim=(2, 3)) if cut == len(self.blocks) else x
 
     def parameter_layers(self) -> Iterator[nn.Conv2d | nn.Linear]:
         """The layers with parameters in dlib's file order (input to output)."""

@@ -149,7 +149,14 @@ def feature_input_prefixes(backbone: nn.Module) -> tuple[str, ...]:
 
 
 def can_cache_trunk(backbone: nn.Module) -> bool:
-    """Whether every trainable parameter lies in the tail, so the trunk's features can be cached."""
+    """Whether every trainable parameter lies in the tail, so the trunk's features can be cached.
+
+    A backbone with its own ``can_cache_trunk()`` (``DlibResNet``: any frozen stem and first
+    blocks) decides; otherwise ``FEATURE_INPUT_PREFIXES`` names the tail.
+    """
+    own = getattr(backbone, "can_cache_trunk", None)
+    if callable(own):
+        return is_partly_frozen(backbone) and bool(own())
     prefixes = feature_input_prefixes(backbone)
     if not prefixes or not is_partly_frozen(backbone):
         return False

@@ -24,6 +24,7 @@ from fl_secure.training import (
     LocalData,
     build_model,
     embed,
+    held_out_features,
     parameter_groups,
     train_local,
     with_trunk_features,
@@ -144,8 +145,30 @@ def test_cached_trunk_features_train_as_the_images_do() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize(
+    ("spec", "shape"), [("last-stage", (3, 256, 4, 4)), ("embedding", (3, 256))]
+)
+def test_dlib_resnet_caches_the_output_of_its_frozen_blocks(
+    spec: str, shape: tuple[int, ...]
+) -> None:
+    # Prepare: dlib's architecture (random weights), the last block and the embedding train
+    config = ModelConfig(backbone="dlib-resnet", embedding_size=128)
+    model = build_model(config, 2, 150, seed=0, trainable=spec)
+    g = torch.Generator().manual_seed(0)
+    images = torch.rand(3, 3, 150, 150, generator=g) * 2 - 1
+    data = FaceDataset(images, torch.tensor([0, 1, 1]), ("a", "b"))
+    # Execute
+    cached = held_out_features(model.backbone, data)
+    # Assert: the frozen blocks' output, mapped on by the trainable ones as the images are
+    assert cached.trunk_features and tuple(cached.images.shape) == shape
+    np.testing.assert_allclose(
+        embed(model.backbone, images), embed(model.backbone, cached.images), rtol=0, atol=1e-5
+    )
+    assert not can_cache_trunk(build_model(config, 2, 150, seed=0, trainable="all").backbone)
+
+
 def test_no_cache_when_a_trunk_parameter_trains() -> None:
-    model = build_model(CFG, 3, SIZE, seed=0, trainable="last-stage")
+    model = build_model(CFG, 3, SIZE, seed=0, trainable="last-stage")  # FaceCNN: the tail only
     data = _data()
     assert not can_cache_trunk(model.backbone)
     assert with_trunk_features(model.backbone, data) is data
