@@ -90,6 +90,16 @@ def print_summary(summary: dict[str, Any], run_dir: Path, as_json: bool) -> int:
             value = summary[key]  # null: the run scored NaN (metrics.jsonl is strict JSON)
             shown = f"{value:.4f}" if isinstance(value, float) else "n/a"
             print(f"{key:>16}: {shown}{extra}")
+    start, final = untrained.get("tar_at_far_1e-2"), summary.get("tar_at_far_1e-2")
+    if isinstance(start, float) and isinstance(final, float):
+        eps = summary.get("epsilon")
+        spent = (
+            f"epsilon {up_to_places(eps, 4)} (delta {summary.get('delta'):g}, "
+            f"{summary.get('privacy_unit')} level)"
+            if isinstance(eps, float)
+            else "no differential privacy"
+        )
+        print(f"summary: held-out TAR@FAR=1e-2 {start:.4f} ({initial}) -> {final:.4f}, {spent}")
     held = summary.get("held_out") or {}
     if isinstance(held.get("expression_accuracy"), float):  # FedAffect: expressions, not ids
         acc, majority = held["expression_accuracy"], held.get("expression_majority")

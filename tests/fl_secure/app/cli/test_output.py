@@ -168,3 +168,29 @@ def test_the_sites_own_epsilon_against_the_server_is_printed(
     SiteLedger(tmp_path / "clients" / "client-0").record(central, "run", 2, b"\x09" * 16)
     assert print_summary(_private(), tmp_path, as_json=False) == 0
     assert "epsilon <= unbounded; unbounded if the other sites collude" in (capsys.readouterr().out)
+
+
+def test_the_summary_line_states_start_final_and_epsilon(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    summary: dict[str, object] = {
+        "status": "completed",
+        "tar_at_far_1e-2": 0.7125,
+        "untrained": {"tar_at_far_1e-2": 0.694},
+        "initial_model": "pretrained (model.pretrained = dlib-resnet)",
+        "privacy_unit": "example",
+        "epsilon": 7.98765,
+        "delta": 1e-5,
+        "accountant": "prv",
+        "noise_placement": "local",
+    }
+    print_summary(summary, Path("run"), as_json=False)
+    out = capsys.readouterr().out
+    expected = (
+        "summary: held-out TAR@FAR=1e-2 0.6940 (initial, pretrained) -> 0.7125, epsilon 7.9877 "
+        "(delta 1e-05, example level)"
+    )
+    assert expected in out
+    del summary["privacy_unit"], summary["epsilon"]
+    print_summary(summary, Path("run"), as_json=False)
+    assert "-> 0.7125, no differential privacy" in capsys.readouterr().out
