@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/fl-secure train --config examples/quickstart.toml --audit --report
+	$(BIN)/fl-secure train --config examples/demo.toml --audit --report
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
