@@ -29,6 +29,8 @@ from fl_secure.training import (
     train_local,
     with_trunk_features,
 )
+from privacy.dp.dpsgd import Clipping, DPSGDSettings, train_local_dpsgd
+from privacy.dp.noise import SeededGaussian
 
 torch.set_num_threads(1)
 
@@ -257,3 +259,20 @@ def test_the_head_trains_at_its_own_rate() -> None:
     assert float(head_step) == pytest.approx(0.1, rel=1e-3)
     assert float(emb_step) == pytest.approx(0.01, rel=1e-3)
     assert len(parameter_groups(build_model(CFG, 3, SIZE, seed=0), training)) == 1
+
+
+@pytest.mark.parametrize("clipping", ["book-keeping", "opacus"])
+def test_example_level_dpsgd_noises_and_moves_only_what_trains(clipping: Clipping) -> None:
+    # Prepare: the embedding layer trains; the trunk is frozen; noise is on
+    model = build_model(CFG, 3, SIZE, seed=0, trainable="embedding")
+    before = copy.deepcopy(model.state_dict())
+    settings = DPSGDSettings(
+        noise_multiplier=1.0, max_grad_norm=1.0, sample_rate=0.5, clipping=clipping
+    )
+    # Execute: two DP-SGD steps on raw images (no cached features)
+    train_local_dpsgd(model, _data(), _sgd(2), settings, noise=SeededGaussian(seed=1))
+    # Assert: frozen parameters bit-identical, the embedding layer and the head moved
+    after = model.state_dict()
+    for name, value in before.items():
+        trains = name.startswith(("backbone.embedding.", "head."))
+        assert (not torch.equal(value, after[name])) == trains, name
