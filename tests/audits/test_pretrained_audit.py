@@ -1,0 +1,114 @@
+"""``fl-secure audit`` of a run that fine-tunes part of a pretrained backbone.
+
+The run's checkpoints hold only what ``train.trainable`` trains; the frozen rest comes from
+``model.pretrained``. The fixture is a tiny simulated run of ``cnn-small`` at 32 px that
+starts from a saved random backbone and trains only its embedding layer (no real faces).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from audits import observations as observations_module
+from audits.attacks import leakage as leakage_module
+from audits.attacks.leakage import leakage_attack
+from audits.leakage import identify, recover_fc_inputs_without_bias
+from audits.observations import RunContext, choose_targets, load_run, observations
+from fl_secure.app.simulated_run import write_simulated_run
+from fl_secure.checkpoints import CheckpointStore
+from fl_secure.config import config_from_dict
+from fl_secure.models import save_weights
+from fl_secure.runs import RunDir
+from fl_secure.training import FaceModel, build_model
+from tests.audits.test_audit_run import TINY
+
+
+def _pretrained_config(base: Path, algorithm: str = "fedavg") -> dict[str, Any]:
+    """TINY from a saved random backbone (seed 5), training only the embedding layer."""
+    raw = tomllib.loads(TINY.format(algorithm=algorithm))
+    start = build_model(config_from_dict(raw).model, 1, 32, seed=5).backbone
+    save_weights(start, base / "pretrained.safetensors")
+    raw["model"]["pretrained"] = str(base / "pretrained.safetensors")
+    raw["train"] |= {"trainable": "embedding", "rounds": 2, "local_epochs": 1}
+    return raw
+
+
+@pytest.fixture(scope="module")
+def pretrained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("pretrained")
+    return write_simulated_run(config_from_dict(_pretrained_config(base)), base)
+
+
+def test_a_bias_free_layer_gives_one_input_up_to_scale_in_every_row() -> None:
+    # Prepare: one image's gradient of a bias-free FC layer (dlib's embedding layer) whose
+    # input is non-negative (pooled ReLU features)
+    gen = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(16, 8, bias=False)
+    x = torch.rand(1, 16, generator=gen)
+    loss = (layer(x) * torch.randn(1, 8, generator=gen)).sum()
+    loss.backward()
+    assert layer.weight.grad is not None
+    # Execute
+    rec = recover_fc_inputs_without_bias(-0.1 * layer.weight.grad)
+    # Assert: every row is the input up to a positive scale (the sign is fixed)
+    assert rec.vectors.shape == (8, 16)
+    cosine = F.normalize(rec.vectors, dim=1) @ F.normalize(x, dim=1).T
+    assert torch.allclose(cosine, torch.ones(8, 1), atol=1e-5)
+    # and it names the input's identity against a gallery
+    gallery = torch.cat([x, torch.rand(5, 16, generator=gen)])
+    found = identify(rec.vectors[:1], gallery, torch.arange(6))
+    assert int(found.top1[0]) == 0
+
+
+def _without_embedding_bias(model: FaceModel) -> FaceModel:
+    layer = model.backbone.embedding
+    assert isinstance(layer, torch.nn.Linear)
+    layer.register_parameter("bias", None)
+    return model
+
+
+@pytest.fixture
+def bias_free_run(
+    pretrained_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> RunContext:
+    """The run as if its embedding layer had no bias (dlib's): models and checkpoint."""
+    dest = tmp_path / "run"
+    shutil.copytree(pretrained_run, dest)
+    store = CheckpointStore(RunDir(dest).checkpoints)
+    last = store.latest()
+    assert last is not None
+    params = type(last.parameters)(
+        (k, v) for k, v in last.parameters.items() if k != "backbone.embedding.bias"
+    )
+    store.save(last.round, params, {"status": "completed"})
+    for module in (observations_module, leakage_module):
+        build = module.build_model
+        monkeypatch.setattr(
+            module,
+            "build_model",
+            lambda *a, build=build, **k: _without_embedding_bias(build(*a, **k)),
+        )
+    return load_run(dest)
+
+
+def test_leakage_reads_an_embedding_layer_without_bias(bias_free_run: RunContext) -> None:
+    # Prepare: the server's view (each client's update) of a run with a bias-free FC layer
+    run = bias_free_run
+    assert getattr(run.model.backbone.embedding, "bias", 0) is None
+    server = next(v for v in observations(run, choose_targets(run, 2)) if v.party == "server")
+    # Execute
+    found = leakage_attack(run, server, seed=0)
+    # Assert: one client's input recovered exactly from the rows of its weight update
+    assert found["applicable"] is True
+    assert "no bias" in found["layer"]
+    one = found["single_client_one_image"]
+    assert one["clients"] == 3
+    assert one["mean_one_minus_cosine_to_truth"] < 1e-4
+    assert found["secure_sum_one_image_each"]["rank"] == 3
