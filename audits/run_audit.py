@@ -184,8 +184,9 @@ def _audit_held(
             bar.set_postfix_str(f"inversion, {view.party}")
             if view.inversion_key not in done:
                 done[view.inversion_key] = inversion_attack(
-                    run, view, tg, evaluator, prior, public, inversion, out, grids
-                )
+                    run, view, tg, evaluator, prior, public, inversion, out, grids,
+                    on_step=bar.set_postfix_str,
+                )  # fmt: skip
                 result = done[view.inversion_key]
             else:
                 result = {**done[view.inversion_key], "same_as_view_of": "server"}

@@ -18,13 +18,16 @@ import torch.nn.functional as F
 
 from audits import observations as observations_module
 from audits.attacks import leakage as leakage_module
+from audits.attacks.inversion import attacker_prior, public_faces
 from audits.attacks.leakage import leakage_attack
+from audits.inversion import InversionConfig, invert
 from audits.leakage import identify, recover_fc_inputs_without_bias
 from audits.observations import RunContext, choose_targets, load_run, observations
 from fl_secure.app.simulated_run import write_simulated_run
 from fl_secure.checkpoints import CheckpointStore
 from fl_secure.config import config_from_dict
-from fl_secure.models import save_weights
+from fl_secure.models import get_backbone, save_weights
+from fl_secure.models.trainable import apply_trainable
 from fl_secure.runs import RunDir
 from fl_secure.training import FaceModel, build_model
 from tests.audits.test_audit_run import TINY
@@ -112,3 +115,52 @@ def test_leakage_reads_an_embedding_layer_without_bias(bias_free_run: RunContext
     assert one["clients"] == 3
     assert one["mean_one_minus_cosine_to_truth"] < 1e-4
     assert found["secure_sum_one_image_each"]["rank"] == 3
+
+
+def test_the_prior_says_a_backbone_without_norm_layers_has_no_statistics() -> None:
+    # Prepare: dlib's ResNet, whose batch norms are folded into affine layers
+    backbone = get_backbone("dlib-resnet", embedding_size=128, image_size=150)
+    # Execute
+    text = attacker_prior("faces", 64, False, backbone)["prior"]
+    # Assert: it names neither BatchNorm statistics nor a GroupNorm it does not have
+    assert text.endswith("(this backbone: no: no BatchNorm layer holds running statistics "
+                         "(e.g. norms folded into affine layers))")  # fmt: skip
+    assert "GroupNorm" not in text
+
+
+def test_the_prior_is_fitted_on_at_most_max_faces_public_faces(pretrained_run: Path) -> None:
+    run = load_run(pretrained_run)
+    # Execute
+    every, every_text = public_faces(run, None, 0)
+    some, some_text = public_faces(run, None, 0, max_faces=20)
+    # Assert: 12 held-out identities x 12 images; the cut is a subset, and is said
+    assert len(every) == 144 and "random" not in every_text
+    assert some.shape == (20, 3, 32, 32)
+    assert some_text.startswith(every_text)
+    assert "; a random 20 of them (32-px faces: the prior's PCA is limited to 20" in some_text
+    assert all(any(torch.equal(face, other) for other in every) for face in some)
+
+
+def test_dlib_resnet_is_inverted_from_pixels_through_its_frozen_trunk() -> None:
+    # Prepare: dlib's ResNet (random weights) at 150 px, only its embedding layer trainable,
+    # as a run with train.trainable = "embedding" builds it
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        backbone = get_backbone("dlib-resnet", embedding_size=128, image_size=150)
+    apply_trainable(backbone, "embedding", backbone_name="dlib-resnet")
+    target = F.normalize(torch.randn(1, 128, generator=torch.Generator().manual_seed(1)), dim=1)
+    steps: list[int] = []
+    cfg = InversionConfig(steps=3, restarts=1, jitter=4)
+    # Execute
+    result = invert(backbone, target, image_size=150, config=cfg, on_step=steps.append)
+    # Assert: a [-1, 1] image of dlib's size, whose embedding from pixels is the one reported
+    image = result.images
+    assert image.shape == (1, 3, 150, 150)
+    assert float(image.min()) >= -1.0 and float(image.max()) <= 1.0
+    with torch.no_grad():
+        cosine = F.normalize(backbone(image), dim=1) @ target.T
+    assert float(cosine) == pytest.approx(float(result.cosine[0]), abs=1e-5)
+    # every step was reported, and the frozen trunk stays frozen
+    assert steps == [1, 2, 3]
+    trainable = [n for n, p in backbone.named_parameters() if p.requires_grad]
+    assert trainable == ["embedding.weight"]
