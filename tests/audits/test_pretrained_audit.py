@@ -7,6 +7,7 @@ starts from a saved random backbone and trains only its embedding layer (no real
 
 from __future__ import annotations
 
+import json
 import shutil
 import tomllib
 from pathlib import Path
@@ -25,8 +26,10 @@ from audits.leakage import identify, recover_fc_inputs_without_bias
 from audits.observations import RunContext, choose_targets, load_run, observations
 from fl_secure.app.simulated_run import write_simulated_run
 from fl_secure.checkpoints import CheckpointStore
-from fl_secure.config import config_from_dict
+from fl_secure.config import config_from_dict, config_to_toml
+from fl_secure.errors import CheckpointError
 from fl_secure.models import get_backbone, save_weights
+from fl_secure.models.pretrained import pretrained_provenance
 from fl_secure.models.trainable import apply_trainable
 from fl_secure.runs import RunDir
 from fl_secure.training import FaceModel, build_model
@@ -164,3 +167,28 @@ def test_dlib_resnet_is_inverted_from_pixels_through_its_frozen_trunk() -> None:
     assert steps == [1, 2, 3]
     trainable = [n for n, p in backbone.named_parameters() if p.requires_grad]
     assert trainable == ["embedding.weight"]
+
+
+def test_a_run_whose_pretrained_weights_changed_is_refused_by_name(
+    pretrained_run: Path, tmp_path: Path
+) -> None:
+    # Prepare: a run (with its own pretrained file) that records its pretrained weights
+    dest = tmp_path / "run"
+    shutil.copytree(pretrained_run, dest)
+    raw = tomllib.loads((dest / "config.toml").read_text())
+    shutil.copy(raw["model"]["pretrained"], tmp_path / "pretrained.safetensors")
+    raw["model"]["pretrained"] = str(tmp_path / "pretrained.safetensors")
+    (dest / "config.toml").write_text(config_to_toml(config_from_dict(raw)))
+    config = load_run(dest).config
+    summary = json.loads((dest / "summary.json").read_text())
+    summary["provenance"] = {"pretrained": pretrained_provenance(config.model.pretrained)}
+    (dest / "summary.json").write_text(json.dumps(summary))
+    assert load_run(dest).checkpoint.round == 2  # the unchanged weights load
+    other = build_model(config.model, 1, 32, seed=0).backbone  # the pretrained weights ...
+    with torch.no_grad():
+        next(other.parameters()).add_(1.0)  # ... changed
+    save_weights(other, Path(config.model.pretrained))
+    # Execute / Assert: the frozen trunk would come from other weights: refused, naming them
+    with pytest.raises(CheckpointError, match=r"started from model.pretrained = .* with SHA-256 "
+                       r"[0-9a-f]{64} .*but those weights are now [0-9a-f]{64}"):  # fmt: skip
+        load_run(dest)
