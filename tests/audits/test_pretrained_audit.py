@@ -7,6 +7,7 @@ starts from a saved random backbone and trains only its embedding layer (no real
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tomllib
@@ -24,9 +25,12 @@ from audits.attacks.leakage import leakage_attack
 from audits.inversion import InversionConfig, invert
 from audits.leakage import identify, recover_fc_inputs_without_bias
 from audits.observations import RunContext, choose_targets, load_run, observations
+from audits.run_audit import AuditSettings, audit_run
+from fl_secure.app.report import write_report
 from fl_secure.app.simulated_run import write_simulated_run
 from fl_secure.checkpoints import CheckpointStore
 from fl_secure.config import config_from_dict, config_to_toml
+from fl_secure.data import SyntheticFaceConfig, generate_synthetic_faces
 from fl_secure.errors import CheckpointError
 from fl_secure.models import get_backbone, save_weights
 from fl_secure.models.pretrained import pretrained_provenance
@@ -192,3 +196,46 @@ def test_a_run_whose_pretrained_weights_changed_is_refused_by_name(
     with pytest.raises(CheckpointError, match=r"started from model.pretrained = .* with SHA-256 "
                        r"[0-9a-f]{64} .*but those weights are now [0-9a-f]{64}"):  # fmt: skip
         load_run(dest)
+
+
+def _identity_folders(root: Path, identities: int = 24, per_identity: int = 10) -> Path:
+    """Synthetic faces written as identity folders: a run that reads them is a run on
+    ``data.source = "folders"``, which the audit and the report treat as real faces."""
+    from PIL import Image
+
+    faces = generate_synthetic_faces(
+        SyntheticFaceConfig(num_identities=identities, images_per_identity=per_identity,
+                            image_size=32, seed=3)
+    )  # fmt: skip
+    pixels = ((faces.images.permute(0, 2, 3, 1) + 1) * 127.5).round().clamp(0, 255).byte()
+    for n, (image, label) in enumerate(zip(pixels.numpy(), faces.labels.tolist(), strict=True)):
+        folder = root / f"person_{label:02d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image).save(folder / f"{n:04d}.png")
+    return root
+
+
+def test_grids_of_a_folders_run_are_written_and_reported_only_when_asked(tmp_path: Path) -> None:
+    # Prepare: a pretrained, partly frozen run on identity folders (real faces, as far as the
+    # audit and the report can tell)
+    raw = _pretrained_config(tmp_path)
+    raw["data"] = {"source": "folders", "path": str(_identity_folders(tmp_path / "faces")),
+                   "image_size": 32, "held_out_identities": 6, "test_fraction": 0.3}  # fmt: skip
+    run = write_simulated_run(config_from_dict(raw), tmp_path / "runs")
+    quick = AuditSettings(attacks=("inversion", "templates"), targets=2, steps=2, restarts=1,
+                          prior_components=4, evaluator_epochs=1)  # fmt: skip
+    # Execute: the audit and the report without --include-images
+    found = audit_run(run, quick)
+    write_report(run, ["md"])
+    # Assert: no grid anywhere, and the results say why
+    assert found["images"] == "no grids: real faces (use --include-images)"
+    assert found["attacks"]["templates"]["server"]["applicable"] is True
+    assert sorted(run.rglob("*.png")) == []
+    # with --include-images the audit writes its grids, and only then the report has them
+    audit_run(run, dataclasses.replace(quick, include_images=True))
+    grids = sorted(p.name for p in (run / "audit").glob("*.png"))
+    assert grids == ["inversion-global-head_row.png"]
+    write_report(run, ["md"])
+    assert sorted((run / "report").glob("*.png")) == []
+    write_report(run, ["md"], include_images=True)
+    assert sorted(p.name for p in (run / "report").glob("*.png")) == grids
