@@ -29,7 +29,7 @@ a per-pixel Gaussian penalty towards the public mean face (``prior="penalty"``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
@@ -235,6 +235,7 @@ def invert(
     face_prior: FacePrior | None = None,
     class_embeddings: torch.Tensor | None = None,
     target_classes: torch.Tensor | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> InversionResult:
     """Reconstruct one image per target direction (DeepInversion adapted to cosine heads).
 
@@ -248,6 +249,7 @@ def invert(
         class_embeddings: ``[C, D]`` all class embeddings of the head, if the view has them:
             the target logit is then trained with cross-entropy against all classes.
         target_classes: ``[T]`` int64 row of ``class_embeddings`` of each target.
+        on_step: called with the number of steps done after each step (a progress bar).
 
     Returns:
         The best reconstruction of each target over the restarts.
@@ -299,7 +301,9 @@ def invert(
     backbone.requires_grad_(False)
     try:
         with stats.attached():
-            for _ in range(cfg.steps):
+            for step in range(cfg.steps):
+                if on_step is not None and step:
+                    on_step(step)
                 images = render()
                 view = images
                 if cfg.jitter:
@@ -339,6 +343,8 @@ def invert(
                 if cfg.prior != "subspace":
                     with torch.no_grad():
                         param.clamp_(-1.0, 1.0)
+            if on_step is not None:
+                on_step(cfg.steps)
         with torch.no_grad():
             final = F.normalize(backbone(best_images), dim=1)
             cosine = (final * direction).sum(dim=1)

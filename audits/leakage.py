@@ -98,6 +98,34 @@ def recover_fc_inputs(
     return RecoveredInputs(vectors=vectors, rows=usable, bias_delta=bias_delta[usable])
 
 
+def recover_fc_inputs_without_bias(weight_delta: torch.Tensor) -> RecoveredInputs:
+    """Recover the inputs of a fully connected layer *without bias* (dlib's embedding layer).
+
+    Without a bias row there is no ratio, but each row of one example's update is still
+    ``g[i] x``: the input up to scale, and identification by cosine needs no scale. The
+    sign is fixed by the input being non-negative (pooled ReLU features, as in every
+    backbone here): a row whose entries sum below zero is negated. For a batch or a sum the
+    rows are mixtures, as are the row ratios of a layer with bias; the span attack
+    (:func:`span_membership`) does not depend on the bias at all.
+
+    Returns:
+        Every non-zero row, sign-fixed, ordered by decreasing norm; ``bias_delta`` holds the
+        row norms (the confidence a bias update gives :func:`recover_fc_inputs`).
+
+    Raises:
+        ValueError: if ``weight_delta`` is not ``[out, in]``.
+    """
+    if weight_delta.dim() != 2:
+        raise ValueError(f"expected weight [out, in]; got {tuple(weight_delta.shape)}")
+    norms = weight_delta.norm(dim=1)
+    peak = float(norms.max()) if norms.numel() else 0.0
+    usable = torch.nonzero(norms > DEFAULT_RELATIVE_TOLERANCE * peak).flatten()
+    usable = usable[torch.argsort(norms[usable], descending=True, stable=True)]
+    rows = weight_delta[usable]
+    sign = torch.where(rows.sum(dim=1, keepdim=True) < 0, -1.0, 1.0).to(rows.dtype)
+    return RecoveredInputs(vectors=rows * sign, rows=usable, bias_delta=norms[usable])
+
+
 @dataclass(frozen=True)
 class Identification:
     """Cosine nearest-neighbour identification of query vectors against a gallery.

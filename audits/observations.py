@@ -36,6 +36,7 @@ from fl_secure.checkpoints import Checkpoint, CheckpointStore
 from fl_secure.config import Config, load_config
 from fl_secure.data.plan import FederatedData, plan_client_id, plan_federation
 from fl_secure.errors import CheckpointError, ConfigError
+from fl_secure.models.pretrained import check_pretrained_unchanged
 from fl_secure.runs import RunDir
 from fl_secure.training import FaceModel, build_model, load_checkpoint_into
 
@@ -126,6 +127,9 @@ def load_run(path: Path) -> RunContext:
     checkpoint = CheckpointStore(run.checkpoints).latest()
     if checkpoint is None:
         raise CheckpointError(f"{path} has no checkpoint")
+    if config.train.trainable != "all":  # the frozen layers come from the pretrained file
+        recorded = (summary.get("provenance") or {}).get("pretrained")
+        check_pretrained_unchanged(config.model.pretrained, recorded, what=f"the run {path}")
     strategy = get_strategy(config.algorithm.name, config.algorithm, head=config.model.head)
     plan = plan_federation(config)
     classes = len(plan.train_identities) if strategy.shares_head else 1

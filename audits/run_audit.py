@@ -184,8 +184,9 @@ def _audit_held(
             bar.set_postfix_str(f"inversion, {view.party}")
             if view.inversion_key not in done:
                 done[view.inversion_key] = inversion_attack(
-                    run, view, tg, evaluator, prior, public, inversion, out, grids
-                )
+                    run, view, tg, evaluator, prior, public, inversion, out, grids,
+                    on_step=bar.set_postfix_str,
+                )  # fmt: skip
                 result = done[view.inversion_key]
             else:
                 result = {**done[view.inversion_key], "same_as_view_of": "server"}
@@ -232,8 +233,9 @@ def _audit_held(
         },
         "attacker_prior": prior_text,
         "judge": {
-            "evaluator": "cnn-small + CosFace, trained only on the targets' own training images "
-            f"({len(tg.private)}), which the attacker never sees; chance = 1 / targets for "
+            "evaluator": "cnn-small + CosFace (images averaged down to at most "
+            f"{EvaluatorConfig().max_image_size} px), trained only on the targets' own training "
+            f"images ({len(tg.private)}), which the attacker never sees; chance = 1 / targets for "
             "top-1 (95% Clopper-Pearson interval beside it); for KNN distance, SSIM and PSNR, "
             "chance = the same measure against every other target's nearest private image",
         },

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,11 @@ from fl_secure.errors import ConfigError
 
 _EVALUATORS: dict[str, Evaluator] = {}
 
+MAX_PRIOR_FACES = 1000
+"""Public faces the PCA prior is fitted on at most (a seeded random subset of more): its 64
+components need no more, and the SVD of N 150-px faces holds 2 x N x 67,500 doubles (1 GB
+for N = 1000)."""
+
 
 def cached_evaluator(images: torch.Tensor, labels: torch.Tensor, cfg: EvaluatorConfig) -> Evaluator:
     """:func:`train_evaluator`, memoised in this process by the data and settings."""
@@ -51,14 +57,22 @@ def cached_evaluator(images: torch.Tensor, labels: torch.Tensor, cfg: EvaluatorC
 
 
 def public_faces(
-    run: RunContext, public_dir: Path | None, center_crop: int
+    run: RunContext,
+    public_dir: Path | None,
+    center_crop: int,
+    *,
+    max_faces: int = MAX_PRIOR_FACES,
+    seed: int = 0,
 ) -> tuple[torch.Tensor, str]:
-    """The attacker's public faces and a sentence saying what they are.
+    """The attacker's public faces (at most ``max_faces``) and a sentence saying what they are.
 
     Args:
         run: the audited run (its held-out identities stand in when ``public_dir`` is None).
         public_dir: identity folders of public faces (``--public``), or None.
         center_crop: centre crop of the public faces before resizing; 0: none.
+        max_faces: more faces than this are cut to a random subset of this many (``seed``),
+            and the sentence says so.
+        seed: draws that subset.
 
     Raises:
         ConfigError: fewer than 2 faces, in the ``--public`` folders or among the run's
@@ -72,17 +86,29 @@ def public_faces(
                 f"--public {public_dir} holds {len(data)} face image(s): the "
                 "attacker's prior (a PCA face space) needs at least 2"
             )
-        return data.images, (
+        return _at_most(data.images, max_faces, seed, (
             f"{len(data)} public face images of {data.num_identities} identities from "
             f"{public_dir.name} (identity folders given with --public), none of them "
             "a participant"
-        )
+        ))  # fmt: skip
     held = run.plan.held_out
     if len(held) < 2:
         raise ConfigError("the run has no held-out identities: give public faces with --public")
-    return held.images, (
+    return _at_most(held.images, max_faces, seed, (
         f"{len(held)} images of the run's {len(held.identities())} held-out identities, which "
         "no client trains on (a stand-in for public faces of the same population)"
+    ))  # fmt: skip
+
+
+def _at_most(images: torch.Tensor, limit: int, seed: int, text: str) -> tuple[torch.Tensor, str]:
+    """``images`` cut to a seeded random ``limit`` of them, with ``text`` saying so."""
+    if len(images) <= limit:
+        return images, text
+    keep = torch.randperm(len(images), generator=torch.Generator().manual_seed(seed))[:limit]
+    side = images.shape[-1]
+    return images[keep.sort().values], (
+        f"{text}; a random {limit} of them ({side}-px faces: the prior's PCA is limited to "
+        f"{limit} faces to bound its memory and time on a CPU)"
     )
 
 
@@ -95,13 +121,21 @@ def attacker_prior(
         "from_real_faces": from_real_faces,  # --public folders: grids only with --include-images
         "prior": f"PCA face space of the public faces ({components} components), "
         "Gaussian penalty on the whitened coefficients; BatchNorm statistics where the "
-        "backbone has BatchNorm (this backbone: "
-        f"{'yes' if _has_bn(backbone) else 'no, GroupNorm'})",
+        f"backbone has BatchNorm (this backbone: {_norm_text(backbone)})",
     }
 
 
 def _has_bn(module: torch.nn.Module) -> bool:
     return any(isinstance(m, _BatchNorm) for m in module.modules())
+
+
+def _norm_text(backbone: torch.nn.Module) -> str:
+    """Whether the prior can use BatchNorm statistics, and what normalises the backbone if not."""
+    if _has_bn(backbone):
+        return "yes"
+    if any(isinstance(m, torch.nn.GroupNorm) for m in backbone.modules()):
+        return "no, GroupNorm"
+    return "no: no BatchNorm layer holds running statistics (e.g. norms folded into affine layers)"
 
 
 def _grid(out: Path, name: str, tg: Targets, recon: torch.Tensor, allowed: bool) -> str | None:
@@ -122,6 +156,7 @@ def inversion_attack(
     cfg: InversionConfig,
     out: Path,
     grids: bool,
+    on_step: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Invert every target from the view's head rows (or surrogates) and judge the faces.
 
@@ -135,6 +170,8 @@ def inversion_attack(
         cfg: the inversion's settings (its seed also draws the random surrogate).
         out: the audit folder, where grids are written.
         grids: whether to write a PNG grid of each direction's reconstructions.
+        on_step: called after each optimisation step with where the attack stands
+            (``"inversion, server, head_row 120/200"``), for a progress bar.
 
     Returns:
         Each direction's judged scores, and the name of the best (by top-1).
@@ -161,7 +198,14 @@ def inversion_attack(
     results: dict[str, Any] = {}
     for name, (direction, text) in directions.items():
         started = time.perf_counter()
-        attack = invert(backbone, direction, image_size=size, config=cfg, face_prior=prior)
+
+        def step(done: int, name: str = name) -> None:
+            if on_step is not None:
+                on_step(f"inversion, {view.party}, {name} {done}/{cfg.steps}")
+
+        attack = invert(
+            backbone, direction, image_size=size, config=cfg, face_prior=prior, on_step=step
+        )
         seconds = time.perf_counter() - started
         scored = judge(evaluator, attack.images, labels, tg.private.images, tg.private.labels)
         grid = _grid(out, f"inversion-{view.inversion_key}-{name}.png", tg, attack.images, grids)

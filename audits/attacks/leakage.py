@@ -1,13 +1,14 @@
 """Face features recovered from rebuilt client updates and from their secure sum.
 
-The backbone's embedding layer is fully connected with a bias, so each row of its weight
-update divided by the matching bias update is that layer's input -- a face's penultimate
-features -- when one image produced it (Phong et al. 2018; Geiping et al. 2020;
-:mod:`audits.leakage`). The audit rebuilds each client's update as one local gradient step
-from the final global model, with the client-level DP clipping and noise the run's clients
-apply, and attacks it alone (a party that sees each client's update) and summed over the
-clients (what the server sees under secure aggregation): which identities took part, named
-from the sum's row ratios or from its span.
+The backbone's embedding layer is fully connected, so each row of its weight update divided
+by the matching bias update is that layer's input -- a face's penultimate features -- when
+one image produced it (Phong et al. 2018; Geiping et al. 2020; :mod:`audits.leakage`); a
+layer without bias (dlib's) gives the input up to scale in every row of its weight update.
+The audit rebuilds each client's update as one local gradient step from the final global
+model, with the client-level DP clipping and noise the run's clients apply, and attacks it
+alone (a party that sees each client's update) and summed over the clients (what the server
+sees under secure aggregation): which identities took part, named from the sum's row ratios
+or from its span.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from audits.leakage import (
     identify,
     participant_precision,
     recover_fc_inputs,
+    recover_fc_inputs_without_bias,
     span_membership,
 )
 from audits.observations import RunContext, View
@@ -67,11 +69,12 @@ def _client_model(run: RunContext, k: int) -> tuple[FaceModel, str]:
 
 def _fc_update(
     run: RunContext, k: int, indices: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, float, str]:
+) -> tuple[torch.Tensor, torch.Tensor | None, float, str]:
     """One local gradient step of client ``k`` on the given training images.
 
-    Returns the embedding layer's weight and bias update, the norm of the whole shared update,
-    and where the client's head came from.
+    Returns the embedding layer's weight and bias update (None: a layer without bias, such
+    as dlib's), the norm of the whole shared update, and where the client's head came from.
+    The step runs from pixels through the whole backbone (a frozen trunk takes no step).
     """
     model, head_source = _client_model(run, k)
     share = run.plan.clients[k]
@@ -89,13 +92,18 @@ def _fc_update(
             total += float((lr * p.grad).double().pow(2).sum())
     layer = model.backbone.embedding
     assert isinstance(layer, torch.nn.Linear)
-    assert layer.weight.grad is not None and layer.bias.grad is not None
-    return -lr * layer.weight.grad, -lr * layer.bias.grad, math.sqrt(total), head_source
+    if layer.weight.grad is None:
+        raise ValueError(
+            "the backbone's embedding layer took no gradient: train.trainable froze it, so "
+            "the clients' updates do not contain it and the leakage attack has nothing to read"
+        )
+    bias = None if layer.bias is None or layer.bias.grad is None else -lr * layer.bias.grad
+    return -lr * layer.weight.grad, bias, math.sqrt(total), head_source
 
 
 def _privatise(
-    run: RunContext, dw: torch.Tensor, db: torch.Tensor, norm: float, party: str
-) -> tuple[torch.Tensor, torch.Tensor]:
+    run: RunContext, dw: torch.Tensor, db: torch.Tensor | None, norm: float, party: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The client's clipping (and noise share, local/distributed placement) of client-level DP.
 
     Clipping scales the whole update, so the FC rows are scaled by the same factor; noise is
@@ -107,13 +115,21 @@ def _privatise(
     privacy = run.summary.get("privacy") or {}
     z, c = float(privacy.get("noise_multiplier", p.noise_multiplier)), p.clip_norm
     factor = min(1.0, c / norm) if norm > 0 else 1.0
-    dw, db = dw * factor, db * factor
+    dw = dw * factor
+    db = None if db is None else db * factor
     std = client_noise_std(p.noise_placement, z, c, run.config.server.min_clients)
     if std > 0:
         source = SeededGaussian(int(hashlib.sha256(party.encode()).hexdigest()[:8], 16))
-        noisy = add_gaussian({"w": dw.numpy(), "b": db.numpy()}, std, source)
-        dw, db = torch.from_numpy(noisy["w"]), torch.from_numpy(noisy["b"])
+        parts = {"w": dw.numpy(), **({} if db is None else {"b": db.numpy()})}
+        noisy = add_gaussian(parts, std, source)
+        dw = torch.from_numpy(noisy["w"])
+        db = None if db is None else torch.from_numpy(noisy["b"])
     return dw, db
+
+
+def _recover(dw: torch.Tensor, db: torch.Tensor | None) -> RecoveredInputs:
+    """Row ratios ``dW[i] / db[i]``; for a layer without bias, the sign-fixed rows of ``dW``."""
+    return recover_fc_inputs_without_bias(dw) if db is None else recover_fc_inputs(dw, db)
 
 
 def _numerical_rank(weight: torch.Tensor) -> int:
@@ -187,7 +203,10 @@ def leakage_attack(run: RunContext, view: View, *, seed: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, Any] = {
         "applicable": True,
-        "layer": "backbone.embedding (fully connected, with bias): inputs = penultimate features",
+        "layer": "backbone.embedding (fully connected, with bias): inputs = penultimate features"
+        if getattr(backbone.embedding, "bias", None) is not None
+        else "backbone.embedding (fully connected, no bias): inputs = penultimate features, "
+        "recovered up to scale from the rows of dW (sign: the pooled features are >= 0)",
         "rebuilt_update": "one local gradient step of each client on its own training images "
         "from the final global model (FedSGD-like; the run's real updates, several local steps "
         "with its optimiser, mix inputs further and are not recorded)",
@@ -215,7 +234,7 @@ def leakage_attack(run: RunContext, view: View, *, seed: int) -> dict[str, Any]:
         single_ids.append(run.plan.clients[k].train.labels[one])
         single_truth.append(penultimate(backbone, run.plan.clients[k].train.images[one]))
         if view.updates == "each client's update":
-            rec = recover_fc_inputs(dw, db)
+            rec = _recover(dw, db)
             truth = single_truth[-1]
             if len(rec.vectors):
                 cos = F.normalize(rec.vectors, dim=1) @ F.normalize(truth, dim=1).T
@@ -230,7 +249,7 @@ def leakage_attack(run: RunContext, view: View, *, seed: int) -> dict[str, Any]:
         batch_truth.append(penultimate(backbone, run.plan.clients[k].train.images[idx]))
         if view.updates == "each client's update":
             participants = torch.unique(run.plan.clients[k].train.labels[idx])
-            rec = recover_fc_inputs(dw, db)
+            rec = _recover(dw, db)
             batch_scores.append(
                 _name_participants(dw, rec, batch_truth[-1], participants, gallery, gallery_labels)
             )
@@ -258,10 +277,11 @@ def leakage_attack(run: RunContext, view: View, *, seed: int) -> dict[str, Any]:
         (f"secure_sum_batch_{batch}", updates, batch_ids, batch_truth),
     ):
         total_w = torch.stack([u[0] for u in parts]).sum(0)
-        total_b = torch.stack([u[1] for u in parts]).sum(0)
+        biases = [u[1] for u in parts if u[1] is not None]
+        total_b = torch.stack(biases).sum(0) if biases else None
         everyone = torch.unique(torch.cat(ids))
         inputs = torch.cat(truths)
-        rec = recover_fc_inputs(total_w, total_b)
+        rec = _recover(total_w, total_b)
         named = _name_participants(total_w, rec, inputs, everyone, gallery, gallery_labels)
         out[name] = {
             **_naming_entry(named),

@@ -72,3 +72,26 @@ def pretrained_provenance(value: str) -> dict[str, Any] | None:
         }
     path = Path(value)
     return {"name": value, "file": str(path), "sha256": _sha256(path)}
+
+
+def check_pretrained_unchanged(value: str, recorded: Any, *, what: str) -> None:
+    """Refuse to rebuild a run's model from pretrained weights other than it started from.
+
+    A run with ``train.trainable`` other than ``all`` checkpoints only what it trains; the
+    frozen rest comes from ``model.pretrained`` again. ``recorded`` is the run's
+    ``provenance.pretrained`` (:func:`pretrained_provenance` when it started); None or a
+    record without ``sha256`` (a run that did not record it) is not checked.
+
+    Raises:
+        CheckpointError: naming both digests and files, when the weights differ now.
+    """
+    if not value or not isinstance(recorded, dict) or not recorded.get("sha256"):
+        return
+    now = pretrained_provenance(value)
+    if now is not None and now["sha256"] != recorded["sha256"]:
+        raise CheckpointError(
+            f"{what} started from model.pretrained = {value!r} with SHA-256 "
+            f"{recorded['sha256']} ({recorded.get('file')}), but those weights are now "
+            f"{now['sha256']} ({now['file']}): the frozen layers its checkpoints do not "
+            "hold would come from other weights; restore the run's pretrained file"
+        )

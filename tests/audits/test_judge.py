@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from scipy import stats
 
 from audits.canary import clopper_pearson_interval
 from audits.image_metrics import psnr, ssim, to_unit_range
-from audits.judge import judge
+from audits.judge import EvaluatorConfig, judge, train_evaluator
 
 
 def test_private_images_score_perfectly_against_themselves(faces) -> None:
@@ -109,3 +110,22 @@ def test_judge_reports_the_interval_of_its_top1(faces) -> None:
     assert result.top1_ci95 == clopper_pearson_interval(hits, 10)
     assert result.top1_ci95[0] <= result.top1 <= result.top1_ci95[1]
     assert result.summary()["top1_ci95"] == list(result.top1_ci95)
+
+
+def test_large_images_are_judged_averaged_down_to_32_px(faces) -> None:
+    # Prepare: the targets at 128 px (dlib's chips are 150 px; cnn-small's features collapse
+    # on such images: on LFW chips a 150-px judge named 0.14 of 10 targets, a 32-px one 0.50)
+    large = F.interpolate(faces.targets.images, size=128, mode="bilinear", align_corners=False)
+    private, labels = large[faces.private], faces.targets.labels[faces.private]
+    # Execute
+    evaluator = train_evaluator(private, labels, config=EvaluatorConfig(epochs=30, seed=2))
+    # Assert: it sees the images averaged down to 32 px, and judges the same either way
+    assert evaluator.input_size == 32
+    small = F.adaptive_avg_pool2d(large, 32)
+    assert torch.allclose(evaluator.features(large), evaluator.features(small))
+    # images of the targets it never saw are named well above chance (0.10)
+    held = evaluator.scores(large[~faces.private]).argmax(dim=1)
+    assert float((held == faces.targets.labels[~faces.private]).float().mean()) > 0.6
+    # a negative limit is refused by name
+    with pytest.raises(ValueError, match="max_image_size must be >= 0"):
+        EvaluatorConfig(max_image_size=-1)
