@@ -38,7 +38,7 @@ from fl_secure.data.plan import FederatedData, plan_client_id, plan_federation
 from fl_secure.errors import CheckpointError, ConfigError
 from fl_secure.models.pretrained import check_pretrained_unchanged
 from fl_secure.runs import RunDir
-from fl_secure.training import FaceModel, build_model, load_checkpoint_into
+from fl_secure.training import FaceModel, build_run_model, load_checkpoint_into
 
 Party = Literal["server", "curious_client"]
 UpdateAccess = Literal["each client's update", "only the sum", "none"]
@@ -133,14 +133,7 @@ def load_run(path: Path) -> RunContext:
     strategy = get_strategy(config.algorithm.name, config.algorithm, head=config.model.head)
     plan = plan_federation(config)
     classes = len(plan.train_identities) if strategy.shares_head else 1
-    model = build_model(
-        config.model,
-        classes,
-        config.data.image_size,
-        config.run.seed,
-        trainable=config.train.trainable,
-        head_lr_scale=config.train.head_lr_scale,
-    )
+    model = build_run_model(config, classes)
     load_checkpoint_into(
         model,
         checkpoint.parameters,

@@ -25,7 +25,7 @@ from fl_secure.data.folders import load_identity_folders
 from fl_secure.data.plan import degrade_for_run, plan_federation
 from fl_secure.data.splits import stratified_split
 from fl_secure.errors import ConfigError
-from fl_secure.training import FaceModel, build_model, with_trunk_features
+from fl_secure.training import FaceModel, build_run_model, with_trunk_features
 from privacy.client_round import ClientPrivacy
 from privacy.dp.identity_dpsgd import number_of_identities
 from privacy.dp.noise import seeded_source
@@ -156,14 +156,7 @@ def build_local_trainer(
             run_config.model, run_config.algorithm, image_size, run_config.run.seed
         )
     else:
-        model = build_model(
-            run_config.model,
-            classes,
-            image_size,
-            run_config.run.seed,
-            trainable=run_config.train.trainable,
-            head_lr_scale=run_config.train.head_lr_scale,
-        )
+        model = build_run_model(run_config, classes, image_size=image_size)
     local = strategy.local_data(train, test, identities)
     if not strategy.transforms_images:  # train.trainable froze the trunk: embed it once here
         local = with_trunk_features(model.backbone, local)

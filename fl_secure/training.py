@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fl_secure.config import ModelConfig, TrainConfig
+from fl_secure.config import Config, ModelConfig, TrainConfig
 from fl_secure.data.types import FaceDataset
 from fl_secure.errors import CheckpointError
 from fl_secure.evaluation import rank1, rank1_leave_one_out, verification_metrics
@@ -93,6 +93,22 @@ def build_model(
         load_pretrained(backbone, resolve_pretrained(cfg.pretrained))
     apply_trainable(backbone, trainable, backbone_name=cfg.backbone)
     return FaceModel(backbone, head, head_lr_scale=head_lr_scale)
+
+
+def build_run_model(config: Config, num_classes: int, *, image_size: int = 0) -> FaceModel:
+    """:func:`build_model` set up by a run's config: seed, ``train.trainable``, head rate.
+
+    Every party of a run builds its model here, so all of them freeze and share the same
+    parameters. ``image_size``: 0 for ``data.image_size``.
+    """
+    return build_model(
+        config.model,
+        num_classes,
+        image_size or config.data.image_size,
+        config.run.seed,
+        trainable=config.train.trainable,
+        head_lr_scale=config.train.head_lr_scale,
+    )
 
 
 def get_tensors(model: nn.Module, names: Iterable[str]) -> Tensors:

@@ -27,7 +27,7 @@ from fl_secure.data.types import FaceDataset
 from fl_secure.errors import ConfigError, PrivacyError
 from fl_secure.tls.identity import load_signing_registry
 from fl_secure.training import (
-    build_model,
+    build_run_model,
     evaluate_verification,
     get_tensors,
     held_out_features,
@@ -71,14 +71,7 @@ def make_evaluator(config: Config, plan: FederatedData) -> Callable[[Tensors], d
         return make_expression_evaluator(
             config.model, config.algorithm, config.data.image_size, config.run.seed, plan.held_out
         )
-    model = build_model(
-        config.model,
-        1,
-        config.data.image_size,
-        config.run.seed,
-        trainable=config.train.trainable,
-        head_lr_scale=config.train.head_lr_scale,
-    )
+    model = build_run_model(config, 1)
     backbone = model.backbone
     held_out: list[FaceDataset] = []  # the trunk's features, once, if train.trainable froze it
 
@@ -111,14 +104,7 @@ def build_server(
     plan = plan or plan_federation(config)
     write_partition_record(run_dir, config, plan)
     classes = len(plan.train_identities) if strategy.shares_head else 1
-    model = build_model(
-        config.model,
-        classes,
-        config.data.image_size,
-        config.run.seed,
-        trainable=config.train.trainable,
-        head_lr_scale=config.train.head_lr_scale,
-    )
+    model = build_run_model(config, classes)
     if isinstance(strategy, FedAffect):  # shared: encoder f and relation module g
         model = build_fedaffect_model(
             config.model, config.algorithm, config.data.image_size, config.run.seed

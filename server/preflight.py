@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from fl_secure.algorithms import check_config
 from fl_secure.errors import ConfigError, PrivacyError
-from fl_secure.training import build_model
+from fl_secure.training import build_run_model
 from privacy.dp.client_level import client_level_plan, client_noise_std
 from privacy.secagg.encoding import check_modulus
 from privacy.secagg.round_setup import check_ddg, neighbourhood
@@ -39,14 +39,7 @@ def preflight(config: Config, population: int) -> None:
     """
     check_config(config)
     # an unknown backbone or unusable pretrained weights: refused before a run dir exists
-    model = build_model(
-        config.model,
-        1,
-        config.data.image_size,
-        config.run.seed,
-        trainable=config.train.trainable,
-        head_lr_scale=config.train.head_lr_scale,
-    )
+    model = build_run_model(config, 1)
     if (
         config.data.source != "synthetic"
         and config.data.path

@@ -33,7 +33,7 @@ from audits.leakage import (
     span_membership,
 )
 from audits.observations import RunContext, View
-from fl_secure.training import FaceModel, build_model, set_tensors
+from fl_secure.training import FaceModel, build_run_model, set_tensors
 from privacy.dp.client_level import add_gaussian, client_noise_std
 from privacy.dp.noise import SeededGaussian
 
@@ -45,14 +45,7 @@ def _client_model(run: RunContext, k: int) -> tuple[FaceModel, str]:
         len(run.plan.train_identities), np.unique(share.train.labels.numpy())
     )
     cfg = run.config
-    model = build_model(
-        cfg.model,
-        classes,
-        cfg.data.image_size,
-        cfg.run.seed,
-        trainable=cfg.train.trainable,
-        head_lr_scale=cfg.train.head_lr_scale,
-    )
+    model = build_run_model(cfg, classes)
     set_tensors(model, run.checkpoint.parameters)
     if run.strategy.shares_head:
         return model, "the global head"

@@ -69,7 +69,7 @@ from fl_secure.data.synthetic import SyntheticFaceConfig, generate_synthetic_fac
 from fl_secure.training import (
     FaceModel,
     LocalData,
-    build_model,
+    build_run_model,
     make_optimizer,
     round_start_copy,
     set_tensors,
@@ -225,14 +225,7 @@ class AdaFedFR(Strategy):
     def broadcaster(self, config: Config) -> Broadcaster:
         """Algorithm 1 lines 6-8 on the server: ``R`` under each round's global backbone."""
         public = public_dataset(config)
-        model = build_model(
-            config.model,
-            1,
-            config.data.image_size,
-            config.run.seed,
-            trainable=config.train.trainable,
-            head_lr_scale=config.train.head_lr_scale,
-        )
+        model = build_run_model(config, 1)
         prefix = "backbone."
 
         def broadcast(params: Tensors, round_: int) -> Tensors:

@@ -41,7 +41,7 @@ from fl_secure.runs import RunDir, atomic_write_bytes, new_run_dir
 from fl_secure.training import (
     HEADLINE,
     LocalData,
-    build_model,
+    build_run_model,
     evaluate_local,
     evaluate_verification,
     held_out_features,
@@ -86,14 +86,7 @@ def train_centralized_model(
     train = _union([c.train for c in labelled])
     test = _union([c.test for c in labelled])
     ids = np.unique(train.labels.numpy())
-    model = build_model(
-        config.model,
-        len(ids),
-        config.data.image_size,
-        config.run.seed,
-        trainable=config.train.trainable,
-        head_lr_scale=config.train.head_lr_scale,
-    )
+    model = build_run_model(config, len(ids))
     targets = torch.from_numpy(np.searchsorted(ids, train.labels.numpy()).astype(np.int64))
     data = LocalData(train=train, test=test, train_targets=targets, class_mask=None)
     data = with_trunk_features(model.backbone, data)  # train.trainable froze the trunk
@@ -183,14 +176,7 @@ def run_centralized(
         run.append_metrics({"round": number, "held_out": metrics})
 
     try:
-        fresh = build_model(
-            config.model,
-            1,
-            config.data.image_size,
-            config.run.seed,
-            trainable=config.train.trainable,
-            head_lr_scale=config.train.head_lr_scale,
-        ).backbone
+        fresh = build_run_model(config, 1).backbone
         with _diverged("the initial model's embeddings", "check model.*; no pass ran"):
             untrained = evaluate_verification(fresh, plan.held_out) if len(plan.held_out) else {}
             untrained_clients = per_client_scores(fresh, plan)

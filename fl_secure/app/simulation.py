@@ -33,7 +33,7 @@ from fl_secure.app.tuning import evaluate_after_training
 from fl_secure.data.plan import plan_client_id, plan_federation
 from fl_secure.errors import ConfigError, RoundAborted
 from fl_secure.evaluation import DegenerateEmbeddings, per_client_summary
-from fl_secure.training import HEADLINE, build_model, get_tensors
+from fl_secure.training import HEADLINE, build_run_model, get_tensors
 from server.bootstrap import make_evaluator
 from server.round import (
     Evaluator,
@@ -133,14 +133,7 @@ def _simulate(
     plan = plan_federation(config)
     size = config.data.image_size
     classes = len(plan.train_identities) if strategy.shares_head else 1
-    model = build_model(
-        config.model,
-        classes,
-        size,
-        config.run.seed,
-        trainable=config.train.trainable,
-        head_lr_scale=config.train.head_lr_scale,
-    )
+    model = build_run_model(config, classes, image_size=size)
     state = RoundState(
         get_tensors(model, strategy.shared_names(model)),
         round_rules(config, strategy, model, plan),

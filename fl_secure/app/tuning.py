@@ -39,7 +39,7 @@ from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.training import (
     FaceModel,
     LocalData,
-    build_model,
+    build_run_model,
     evaluate_local,
     local_training,
     set_tensors,
@@ -117,14 +117,7 @@ def _diverged(model: str, remedy: str) -> Iterator[None]:
 def newcomer(config: Config, share: ClientShare, shared: Tensors) -> tuple[FaceModel, LocalData]:
     """A client that joins after training: global backbone, fresh head over its identities."""
     own = np.unique(share.train.labels.numpy())
-    model = build_model(
-        config.model,
-        len(own),
-        config.data.image_size,
-        config.run.seed,
-        trainable=config.train.trainable,
-        head_lr_scale=config.train.head_lr_scale,
-    )
+    model = build_run_model(config, len(own))
     prefix = "backbone."
     set_tensors(model, type(shared)((k, v) for k, v in shared.items() if k.startswith(prefix)))
     targets = np.searchsorted(own, share.train.labels.numpy()).astype(np.int64)

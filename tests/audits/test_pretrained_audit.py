@@ -99,10 +99,10 @@ def bias_free_run(
     )
     store.save(last.round, params, {"status": "completed"})
     for module in (observations_module, leakage_module):
-        build = module.build_model
+        build = module.build_run_model
         monkeypatch.setattr(
             module,
-            "build_model",
+            "build_run_model",
             lambda *a, build=build, **k: _without_embedding_bias(build(*a, **k)),
         )
     return load_run(dest)
