@@ -106,8 +106,10 @@ class FaceCNN(nn.Module):
             "last-stage": (*(f"stages.{i}.*" for i in range(last, len(layers))), "embedding.*"),
         }
 
-    #: The tail that takes 2-D trunk features (:meth:`forward`).
-    FEATURE_INPUT_PREFIXES = ("embedding.",)
+    def can_cache_trunk(self) -> bool:
+        """Whether only the embedding layer trains, so :meth:`trunk_features` can be cached."""
+        trains = [n for n, p in self.named_parameters() if p.requires_grad]
+        return all(n.startswith("embedding.") for n in trains)
 
     def trunk_features(self, images: torch.Tensor) -> torch.Tensor:
         """Pooled features ``[B, C]`` of the last stage: what the embedding layer takes."""

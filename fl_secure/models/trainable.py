@@ -17,7 +17,7 @@ pretrained file), so it is never masked, sent or accounted. Frozen batch-norm la
 keep their running statistics (:func:`keep_frozen_norms_in_eval`).
 
 When only the last layers train, a site may compute the frozen trunk's features once
-(:func:`feature_input_prefixes`): backbones that support it map a 2-D ``[N, D]`` input of
+(:func:`can_cache_trunk`): backbones that support it map a 2-D ``[N, D]`` input of
 trunk features straight through their tail (``FaceCNN``, ``DlibResNet``).
 """
 
@@ -139,27 +139,11 @@ def keep_frozen_norms_in_eval(module: nn.Module) -> None:
                 child.eval()
 
 
-def feature_input_prefixes(backbone: nn.Module) -> tuple[str, ...]:
-    """Parameter-name prefixes of the backbone's tail that takes 2-D trunk features, if any.
-
-    A backbone with ``FEATURE_INPUT_PREFIXES`` maps an ``[N, D]`` input through its tail
-    only; its ``trunk_features(images)`` computes that input.
-    """
-    return tuple(getattr(backbone, "FEATURE_INPUT_PREFIXES", ()))
-
-
 def can_cache_trunk(backbone: nn.Module) -> bool:
     """Whether every trainable parameter lies in the tail, so the trunk's features can be cached.
 
-    A backbone with its own ``can_cache_trunk()`` (``DlibResNet``: any frozen stem and first
-    blocks) decides; otherwise ``FEATURE_INPUT_PREFIXES`` names the tail.
+    The backbone decides through its ``can_cache_trunk()`` (``FaceCNN``: only the embedding
+    layer trains; ``DlibResNet``: any frozen stem and first blocks); one without it cannot.
     """
     own = getattr(backbone, "can_cache_trunk", None)
-    if callable(own):
-        return is_partly_frozen(backbone) and bool(own())
-    prefixes = feature_input_prefixes(backbone)
-    if not prefixes or not is_partly_frozen(backbone):
-        return False
-    return all(
-        name.startswith(prefixes) for name, p in backbone.named_parameters() if p.requires_grad
-    )
+    return callable(own) and is_partly_frozen(backbone) and bool(own())
