@@ -25,7 +25,12 @@ from fl_secure.data.folders import load_identity_folders
 from fl_secure.data.plan import degrade_for_run, plan_federation
 from fl_secure.data.splits import stratified_split
 from fl_secure.errors import ConfigError
-from fl_secure.training import FaceModel, build_run_model, with_trunk_features
+from fl_secure.training import (
+    FaceModel,
+    build_run_model,
+    private_head_seed,
+    with_trunk_features,
+)
 from privacy.client_round import ClientPrivacy
 from privacy.dp.identity_dpsgd import number_of_identities
 from privacy.dp.noise import seeded_source
@@ -156,7 +161,10 @@ def build_local_trainer(
             run_config.model, run_config.algorithm, image_size, run_config.run.seed
         )
     else:
-        model = build_run_model(run_config, classes, image_size=image_size)
+        head_seed = (
+            None if strategy.shares_head else private_head_seed(run_config.run.seed, client_id)
+        )
+        model = build_run_model(run_config, classes, image_size=image_size, head_seed=head_seed)
     local = strategy.local_data(train, test, identities)
     if not strategy.transforms_images:  # train.trainable froze the trunk: embed it once here
         local = with_trunk_features(model.backbone, local)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import math
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -73,18 +74,23 @@ def build_model(
     *,
     trainable: str = ALL,
     head_lr_scale: float = 1.0,
+    head_seed: int | None = None,
 ) -> FaceModel:
     """The run's model, initialised deterministically from ``seed`` (same on every party).
 
     ``trainable`` is the run's ``train.trainable``: the backbone parameters it does not
     select are frozen (:func:`fl_secure.models.trainable.apply_trainable`);
-    ``head_lr_scale`` is ``train.head_lr_scale`` (:func:`parameter_groups`).
+    ``head_lr_scale`` is ``train.head_lr_scale`` (:func:`parameter_groups`). ``head_seed``:
+    a private head's own seed (:func:`private_head_seed`); None draws the head from the
+    backbone's stream, as a shared head must be (the same on every party).
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         backbone = get_backbone(
             cfg.backbone, embedding_size=cfg.embedding_size, image_size=image_size
         )
+        if head_seed is not None:
+            torch.manual_seed(head_seed)
         if cfg.head == "softmax":
             head = make_head("softmax", num_classes, cfg.embedding_size)
         else:
@@ -95,11 +101,27 @@ def build_model(
     return FaceModel(backbone, head, head_lr_scale=head_lr_scale)
 
 
-def build_run_model(config: Config, num_classes: int, *, image_size: int = 0) -> FaceModel:
+def private_head_seed(run_seed: int, client_id: str) -> int:
+    """The seed of ``client_id``'s private head: its own, derived from the run seed and its id.
+
+    Private heads (FedPE, FedGC, FedFR, AdaFedFR, HF-MAML's local variant) drawn from the run
+    seed alone would start identical on every client (row ``i`` the same vector everywhere),
+    which is not how the papers start them and tilts every private-head comparison. The head
+    holds no data, so a seed the server could also derive reveals nothing; it keeps runs
+    reproducible.
+    """
+    digest = hashlib.sha256(f"{run_seed}:private-head:{client_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def build_run_model(
+    config: Config, num_classes: int, *, image_size: int = 0, head_seed: int | None = None
+) -> FaceModel:
     """:func:`build_model` set up by a run's config: seed, ``train.trainable``, head rate.
 
     Every party of a run builds its model here, so all of them freeze and share the same
-    parameters. ``image_size``: 0 for ``data.image_size``.
+    parameters. ``image_size``: 0 for ``data.image_size``; ``head_seed``: a client's private
+    head (:func:`private_head_seed`), None for a shared one.
     """
     return build_model(
         config.model,
@@ -108,6 +130,7 @@ def build_run_model(config: Config, num_classes: int, *, image_size: int = 0) ->
         config.run.seed,
         trainable=config.train.trainable,
         head_lr_scale=config.train.head_lr_scale,
+        head_seed=head_seed,
     )
 
 
