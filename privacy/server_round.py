@@ -8,8 +8,9 @@ stateless parts live in :mod:`privacy.dp.example_level`, :mod:`privacy.ledger.re
 
 Order of a round's release (what makes the ledger the source of truth):
 
-1. before the round: :meth:`ServerPrivacy.budget_stop` computes the epsilon the round would
-   bring and stops the run if it would pass ``privacy.target_epsilon``;
+1. before each attempt of the round (a retry too, after the sums the server saw in failed
+   attempts are composed): :meth:`ServerPrivacy.budget_stop` computes the epsilon the attempt
+   would bring and stops the run if it would pass ``privacy.target_epsilon``;
 2. after aggregation: :meth:`ServerPrivacy.round_entries` computes the round's ledger
    entries, which the coordinator stores in the round's checkpoint state;
 3. :meth:`ServerPrivacy.commit` appends and syncs them to ``ledger.sqlite``;
@@ -140,15 +141,20 @@ class ServerPrivacy:
             raise PrivacyError("no client-level plan")
         return self.plan.event()
 
-    def budget_stop(self, round_: int) -> str | None:
-        """Why round ``round_`` must not run (it would pass the budget), or ``None``."""
+    def budget_stop(self, round_: int, attempt: int = 0) -> str | None:
+        """Why attempt ``attempt`` of round ``round_`` must not run (past the budget), or None.
+
+        Each attempt may release the round (:meth:`discard_sum`), so a retry is held against
+        the budget left after the failed attempts' releases, composed like rounds.
+        """
         target = self.cfg.target_epsilon
         if target <= 0:
             return None
+        what = f"round {round_}" if attempt == 0 else f"round {round_} attempt {attempt}"
         if self.unit == "client":
             after = self._epsilon_of([*self._client_history, self._client_event()])
             if after > target * (1 + _BUDGET_SLACK):
-                return self._stop_message(round_, after, "the federation")
+                return self._stop_message(round_, after, what, "the federation")
             return None
         worst, who = 0.0, ""
         for party, history in self._example_history.items():
@@ -158,7 +164,7 @@ class ServerPrivacy:
             if after > worst:
                 worst, who = after, party
         if worst > target * (1 + _BUDGET_SLACK):
-            return self._stop_message(round_, worst, f"client {who}")
+            return self._stop_message(round_, worst, what, f"client {who}")
         return None
 
     def first_round_over_budget(self) -> float | None:
@@ -171,9 +177,9 @@ class ServerPrivacy:
             return None
         return self._epsilon_of([self._client_event()])
 
-    def _stop_message(self, round_: int, after: float, whose: str) -> str:
+    def _stop_message(self, round_: int, after: float, what: str, whose: str) -> str:
         return (
-            f"privacy budget reached: round {round_} would bring {whose}'s epsilon to "
+            f"privacy budget reached: {what} would bring {whose}'s epsilon to "
             f"{after:.4f} > target {self.cfg.target_epsilon:g} (delta {self.cfg.delta:g}, "
             f"{self.accountant_name} accountant, {self.adjacency} adjacency); stopped after "
             f"round {round_ - 1} with epsilon {up_to_places(self.epsilon, 4)}"

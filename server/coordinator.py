@@ -30,7 +30,7 @@ from privacy.secagg.stages import DECLINED, WITHDRAW_REASONS
 from server.attempt import Attempt, RoundBoard, UploadTicket
 from server.membership import Membership
 from server.records import RoundRecords, finite_or_none
-from server.release_accounting import ReleaseAccounting
+from server.release_accounting import BudgetStop, ReleaseAccounting
 from server.round import Evaluator, HeadStep, RoundState, ServerStep, vet_model
 from server.round_attempts import AttemptRunner
 from server.secure_relay import SecureRelay
@@ -305,9 +305,14 @@ class Coordinator:
             if self.completed_round == 0:
                 self._record_untrained()
             for number in range(self.completed_round + 1, s.rounds + 1):
-                if self._budget_exhausted(number):
+                try:
+                    # checked before the round, and before each of its retries (AttemptRunner)
+                    self.accounting.check_budget(number, 0)
+                    last = self._train_round(number)
+                except BudgetStop as exc:
+                    self.status = "budget_exhausted"
+                    self.stop_reason = str(exc)
                     break
-                last = self._train_round(number)
                 if on_round is not None:
                     on_round(last)
             if s.final_evaluation:
@@ -376,15 +381,6 @@ class Coordinator:
             rnd = self.attempts.run(0, TaskKind.EVALUATE, 1)
             record["clients"] = {c: h.metrics for c, h in sorted(rnd.received.items())}
         self.records.untrained(record)
-
-    def _budget_exhausted(self, number: int) -> bool:
-        """Stop before round ``number`` if it would pass the privacy budget."""
-        reason = self.accounting.budget_stop(number)
-        if reason is None:
-            return False
-        self.status = "budget_exhausted"
-        self.stop_reason = reason
-        return True
 
     def _vet_model(self, rnd: Attempt, params: Tensors) -> dict[str, Any] | None:
         """Round ``rnd.number``'s new global model scored, or the round refused as diverged.

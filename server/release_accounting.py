@@ -6,6 +6,12 @@ completes: updates received by an attempt that fails, a sum unmasked and then di
 sum of a round refused as diverged, what a stopped attempt saw. Each is composed like a round
 (ledger kind ``discarded_sum``, :meth:`privacy.server_round.ServerPrivacy.discard_sum`) before the
 run moves on. Without DP every method here does nothing.
+
+The budget (``privacy.target_epsilon``) is therefore held before every training attempt, not
+once a round: :meth:`ReleaseAccounting.check_budget` before a round's first attempt and again
+before each retry, which would release the round once more on top of the failed attempts'
+discarded sums. An attempt that would pass the budget is not started; the run stops
+(:class:`BudgetStop`, status ``budget_exhausted``, a ``note`` in the ledger).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import hashlib
 import logging
 from typing import TYPE_CHECKING, Any
 
+from fl_secure.errors import RoundAborted
 from fl_secure.messages import TaskKind
 
 if TYPE_CHECKING:
@@ -23,11 +30,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class BudgetStop(RoundAborted):
+    """The next training attempt would pass the privacy budget: the run stops before it."""
+
+
 class ReleaseAccounting:
     """The coordinator's side of the privacy ledger: releases, budget stops, round rows."""
 
     def __init__(self, privacy: ServerPrivacy | None) -> None:
         self.privacy = privacy
+        self._composed = 0  # releases composed through this object (rounds, discarded sums)
+        self._passed: tuple[int, int] | None = None  # (round, _composed) of the last pass
 
     def begin_attempt(self, number: int, attempt: int, kind: TaskKind, cohort_size: int) -> None:
         """Before any task of a training attempt goes out (and a secure round's clocks start)."""
@@ -39,16 +52,33 @@ class ReleaseAccounting:
         if self.privacy is not None:
             self.privacy.end_release()
 
-    def budget_stop(self, number: int) -> str | None:
-        """Why round ``number`` would pass the privacy budget (noted in the ledger), or None."""
-        if self.privacy is None:
-            return None
-        reason = self.privacy.budget_stop(number)
+    def check_budget(self, number: int, attempt: int) -> None:
+        """Before attempt ``attempt`` of round ``number``: stop if it would pass the budget.
+
+        Called before every attempt that may release the round (its first and each retry).
+        A retry after an attempt that released nothing (no update reached the server) is not
+        computed again: the accountant's state is the one that passed.
+
+        Raises:
+            BudgetStop: Naming the epsilon the attempt would bring and the target; the reason
+                is noted in the ledger first.
+        """
+        if self.privacy is None or self._passed == (number, self._composed):
+            return
+        reason = self.privacy.budget_stop(number, attempt)
         if reason is None:
-            return None
+            self._passed = (number, self._composed)
+            return
         log.warning("%s", reason)
         self.privacy.note(number, reason)
-        return reason
+        raise BudgetStop(reason)
+
+    def _discard(self, number: int, cohort: int, updates: int, attempt: int, why: str) -> bool:
+        """:meth:`ServerPrivacy.discard_sum`, counted for :meth:`check_budget`."""
+        assert self.privacy is not None
+        counted = self.privacy.discard_sum(number, cohort, updates, attempt, why)
+        self._composed += counted
+        return counted
 
     def stopped_attempt(self, rnd: Attempt) -> None:
         """Count what an attempt showed the server before a stop ended it.
@@ -71,7 +101,7 @@ class ReleaseAccounting:
             f"round {rnd.number} attempt {rnd.attempt}: the run was stopped after the server "
             f"had {'unmasked the sum' if rnd.secure is not None else 'received updates'}"
         )
-        if self.privacy.discard_sum(rnd.number, len(rnd.cohort), updates, rnd.attempt, reason):
+        if self._discard(rnd.number, len(rnd.cohort), updates, rnd.attempt, reason):
             log.warning("%s; counted in epsilon like a round", reason)
 
     def failed_attempt(self, rnd: Attempt, needed: int) -> None:
@@ -90,7 +120,7 @@ class ReleaseAccounting:
             f"round {number} attempt {attempt}: the server received {received} "
             f"update(s) and the attempt then failed (fewer than {needed})"
         )
-        if self.privacy.discard_sum(number, len(rnd.cohort), received, attempt, reason):
+        if self._discard(number, len(rnd.cohort), received, attempt, reason):
             log.warning("%s; counted in epsilon like a round", reason)
 
     def discarded_secure_sum(self, rnd: Attempt, reason: str) -> None:
@@ -98,7 +128,7 @@ class ReleaseAccounting:
         if self.privacy is None or rnd.secure is None:
             return
         survivors = len(rnd.secure.survivors())
-        if self.privacy.discard_sum(rnd.number, len(rnd.cohort), survivors, rnd.attempt, reason):
+        if self._discard(rnd.number, len(rnd.cohort), survivors, rnd.attempt, reason):
             how = "it is counted in epsilon like a round (ledger kind discarded_sum)"
         elif self.privacy.unit == "client":
             how = "under central noise the server is trusted with it"
@@ -116,7 +146,7 @@ class ReleaseAccounting:
         if self.privacy is None:
             return reason
         survivors = len(rnd.received)
-        if self.privacy.discard_sum(rnd.number, len(rnd.cohort), survivors, rnd.attempt, reason):
+        if self._discard(rnd.number, len(rnd.cohort), survivors, rnd.attempt, reason):
             reason += "; the server saw the round's sum, counted in epsilon like a round"
         self.privacy.note(rnd.number, reason)
         return reason
@@ -140,3 +170,4 @@ class ReleaseAccounting:
         """Sync the round's ledger entry (after its checkpoint, before its model is released)."""
         if self.privacy is not None:
             self.privacy.commit(number, rows)
+            self._composed += 1

@@ -4,7 +4,9 @@ An attempt ends at its deadline, when nothing is pending, or when the run stops;
 secure aggregation the survivors' sum is then unmasked. An attempt with too few results is
 recorded and retried (``server.max_retries``) with a fresh cohort and fresh nonces, except
 one whose secure sum the server already saw: one faulty client could otherwise force release
-after release.
+after release. Before each training attempt, retries included, the privacy budget is checked
+(:meth:`~server.release_accounting.ReleaseAccounting.check_budget`): a retry would release the
+round again on top of what the failed attempts showed the server.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class AttemptRunner:
         """Run round ``number`` with retries; the returned attempt has >= ``needed`` results.
 
         Raises:
+            BudgetStop: A training attempt would pass the privacy budget (it is not started).
             RoundAborted: Every attempt fell short, a secure sum was seen and discarded, too
                 few clients came online, or the run was asked to stop.
         """
@@ -70,6 +73,8 @@ class AttemptRunner:
         for attempt in range(retries + 1):
             then = "retrying" if attempt < retries else "aborting"
             self.accounting.end_attempt()  # the last attempt ended, what it showed accounted
+            if kind is TaskKind.TRAIN:  # after the failed attempts' releases are composed
+                self.accounting.check_budget(number, attempt)
             try:
                 online = self.membership.wait_for_clients(needed)
             except RoundAborted as exc:
