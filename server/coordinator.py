@@ -26,6 +26,7 @@ from fl_secure.checkpoints import CheckpointStore
 from fl_secure.errors import CheckpointError, ProtocolError, RoundAborted
 from fl_secure.evaluation import DegenerateEmbeddings
 from fl_secure.messages import JoinReply, Task, TaskKind, Tensors, TensorSpec, UpdateHeader
+from privacy.ledger.anchors import STATE_KEY as LEDGER_HEAD_KEY
 from privacy.secagg.stages import DECLINED, WITHDRAW_REASONS
 from server.attempt import Attempt, RoundBoard, UploadTicket
 from server.membership import Membership
@@ -349,6 +350,9 @@ class Coordinator:
         # Checkpoint (with the round's ledger rows and the clients' heads), then the ledger
         # entry is synced, and only then is the model released to the next cohort.
         state: dict[str, Any] = {"status": "running", "privacy_rows": rows}
+        signed = self.privacy.signed_head() if self.privacy is not None else None
+        if signed is not None:  # the ledger's signed head so far: a copy outside the ledger
+            state[LEDGER_HEAD_KEY] = signed
         if self.settings.config_sha256:
             state["config_sha256"] = self.settings.config_sha256
         if self.settings.run_id:  # the ledger's id, kept if the folder is renamed
