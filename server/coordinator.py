@@ -27,6 +27,7 @@ from fl_secure.errors import CheckpointError, ProtocolError, RoundAborted
 from fl_secure.evaluation import DegenerateEmbeddings
 from fl_secure.messages import JoinReply, Task, TaskKind, Tensors, TensorSpec, UpdateHeader
 from privacy.ledger.anchors import STATE_KEY as LEDGER_HEAD_KEY
+from privacy.ledger.entries import canonical_json
 from privacy.secagg.stages import DECLINED, WITHDRAW_REASONS
 from server.attempt import Attempt, RoundBoard, UploadTicket
 from server.membership import Membership
@@ -217,7 +218,13 @@ class Coordinator:
             deadline_unix_ms=int(time.time() * 1000) + remaining_ms,
             parameters_bytes=self.model.sent_bytes(client_id),
             secagg_setup=rnd.secure.setup.to_bytes() if rnd.secure is not None else b"",
+            ledger_head=self._ledger_head() if rnd.kind is TaskKind.TRAIN else b"",
         )
+
+    def _ledger_head(self) -> bytes:
+        """The signed ledger head a TRAIN task carries: each site keeps the ones it saw."""
+        signed = self.privacy.signed_head() if self.privacy is not None else None
+        return b"" if signed is None else canonical_json(signed).encode("utf-8")
 
     def parameters(self, client_id: str, round_: int, nonce: bytes) -> tuple[int, Tensors]:
         """Global parameters for a client of the current cohort (and its own head only)."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fl_secure.errors import CheckpointError
+from fl_secure.errors import CheckpointError, PrivacyError
 from fl_secure.runs import read_json_object
 from privacy.ledger.entries import Entry, LedgerError, genesis_hash
 from privacy.ledger.signed_head import SignedHead, head_path, read_head
@@ -61,8 +61,21 @@ def copy_in(state: Mapping[str, Any] | None, where: str) -> tuple[SignedHead | N
         return None, str(exc)
 
 
-def run_anchors(run: Path, ledger_path: Path, pinned_key: str | None = None) -> Anchors:
-    """The anchors found in run folder ``run`` for its ledger at ``ledger_path``."""
+def run_anchors(
+    run: Path,
+    ledger_path: Path,
+    pinned_key: str | None = None,
+    *,
+    sites: Sequence[Path] = (),
+    run_id: str = "",
+) -> Anchors:
+    """The anchors found in run folder ``run`` for its ledger at ``ledger_path``.
+
+    ``sites``: state folders of sites (``--state-dir``), whose newest head seen in run
+    ``run_id`` is checked too (:mod:`privacy.ledger.site_heads`).
+    """
+    from privacy.ledger.site_heads import SiteHeads
+
     problems: list[str] = []
     try:
         head = read_head(head_path(ledger_path))
@@ -86,6 +99,16 @@ def run_anchors(run: Path, ledger_path: Path, pinned_key: str | None = None) -> 
             copies[name] = found
         if problem is not None:
             problems.append(problem)
+    for site in sites:
+        try:
+            seen = SiteHeads(site, run_id).latest()
+        except PrivacyError as exc:
+            problems.append(str(exc))
+            continue
+        if seen is None:
+            problems.append(f"site {site}: it kept no ledger head of run {run_id!r}")
+        else:
+            copies[f"site {site}"] = seen
     return Anchors(head, copies, pinned_key, problems)
 
 

@@ -81,6 +81,7 @@ class Ledger:
         self._clock: Callable[[], datetime] = clock
         self.created = False  #: Ledger.open made the file (it did not exist before)
         self.signer = signer  #: signs the head after every commit (the server's key)
+        self._signed: SignedHead | None = None  # the head this process last signed
 
     @classmethod
     def open(
@@ -215,7 +216,8 @@ class Ledger:
                     (seq, kind, round, party, text, created_at, prev, digest),
                 )
             if self.signer is not None:  # after the commit: a crash leaves it unsigned, not lost
-                write_head(self.head_path, self.signer.sign(self.run_id, seq, digest))
+                self._signed = self.signer.sign(self.run_id, seq, digest)
+                write_head(self.head_path, self._signed)
         return Entry(seq, kind, round, party, stored, created_at, prev, digest)
 
     @staticmethod
@@ -269,8 +271,8 @@ class Ledger:
         return head_path(self.path)
 
     def signed_head(self) -> SignedHead | None:
-        """The signed head file as it is on disk (None: there is none)."""
-        return read_head(self.head_path)
+        """The head this process last signed, else the signed head file (None: neither)."""
+        return self._signed if self._signed is not None else read_head(self.head_path)
 
     def sign_head(self) -> SignedHead:
         """Sign the current head and write it beside the ledger (after a verified resume)."""
@@ -282,6 +284,7 @@ class Ledger:
             count, head = (0, genesis_hash(self.run_id)) if last is None else (last[0], last[1])
             signed = self.signer.sign(self.run_id, int(count), str(head))
             write_head(self.head_path, signed)
+            self._signed = signed
         return signed
 
     def verify(

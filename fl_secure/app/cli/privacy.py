@@ -121,6 +121,15 @@ def add_parser(sub: Subparsers) -> None:
         "folder holding it): the signed head must be signed by it. Without it the key the "
         "run folder names is used, which a forger of the whole folder could replace",
     )
+    g.add_argument(
+        "--site",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="STATE_DIR",
+        help="a site's --state-dir (repeatable): the newest signed head the server sent that "
+        "site must be part of the ledger (a copy outside the run folder)",
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     g.set_defaults(func=cmd_ledger)
 
@@ -188,8 +197,11 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     record, record_note = _recorded(args.run) if args.verify else (None, None)
     try:
         pinned = read_public_key(args.ledger_key) if args.ledger_key is not None else None
-        anchors = run_anchors(args.run, path, pinned) if args.verify else None
+        anchors = None
         with Ledger.read(path) as ledger:
+            if args.verify:
+                where = {"sites": args.site, "run_id": ledger.run_id}
+                anchors = run_anchors(args.run, path, pinned, **where)
             entries = ledger.entries()
             result = (
                 ledger.verify(recorded=record, anchors=anchors, recompute=True)

@@ -206,3 +206,72 @@ def test_a_discarded_sum_and_its_note_dropped_before_a_resume_are_refused(
     resumed = _server_privacy(honest)
     resumed.resume(3, [])
     assert resumed.epsilon == pytest.approx(spent) and resumed.discarded_sums == 1
+
+
+def test_a_site_refuses_a_head_that_lost_entries_or_changed_key(tmp_path: Path) -> None:
+    # Prepare: the heads a server signed after 3 and 5 entries, as its tasks carry them
+    from privacy.ledger.entries import canonical_json
+    from privacy.ledger.signed_head import HeadSigner
+    from privacy.ledger.site_heads import SiteHeads
+
+    server = HeadSigner.generate()
+    at = {
+        n: canonical_json(server.sign("run-1", n, f"{n:064x}").to_dict()).encode() for n in (3, 5)
+    }
+    site = SiteHeads(tmp_path / "state", "run-1")
+    assert site.accept(at[3], 3) is not None and site.accept(at[5], 5) is not None
+    # Execute / Assert: kept across a restart; an older head, another key, a bad signature,
+    # another hash at the same count and a missing head are each refused by name
+    again = SiteHeads(tmp_path / "state", "run-1")
+    assert [h.entries for h in again.heads] == [3, 5]
+    with pytest.raises(PrivacyError, match="covers 3 entries, but this site saw 5 before"):
+        again.accept(at[3], 6)
+    other = canonical_json(HeadSigner.generate().sign("run-1", 6, "ab" * 32).to_dict())
+    with pytest.raises(PrivacyError, match="signed by key .* not the server's"):
+        again.accept(other.encode(), 6)
+    forged = json.loads(at[5])
+    forged["entries"] = 9
+    with pytest.raises(PrivacyError, match="its signature does not verify"):
+        again.accept(json.dumps(forged).encode(), 6)
+    rewritten = canonical_json(server.sign("run-1", 5, "cd" * 32).to_dict()).encode()
+    with pytest.raises(PrivacyError, match="another hash at entry 5 .* rewritten"):
+        again.accept(rewritten, 6)
+    with pytest.raises(PrivacyError, match="ledger head is missing"):
+        again.accept(b"", 6)
+
+
+def test_an_old_signed_head_restored_with_a_truncated_ledger_is_caught_by_a_sites_copy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Prepare: the forger kept the genuinely signed head of round 3, and restores it with
+    # the ledger cut back to 3 rows and summary.json's copies rewritten to match; a site had
+    # been sent the head of round 5 with its task
+    from privacy.ledger.site_heads import SiteHeads
+
+    run = tmp_path / "run"
+    privacy = _run(run, rounds=3)
+    old_head = (run / "ledger.head.json").read_bytes()
+    metrics: dict[str, dict[str, float]] = {c: {} for c in sorted(ENROLLED)}
+    for r in (4, 5):
+        privacy.commit(r, privacy.round_entries(r, 2, metrics))
+    seen = json.loads((run / "ledger.head.json").read_text())
+    SiteHeads(tmp_path / "site-0", "run").accept(json.dumps(seen).encode(), 6)
+    _sql(run, "DELETE FROM entries WHERE seq > 3")
+    (run / "ledger.head.json").write_bytes(old_head)
+    # Execute: verified from the run folder alone, then with the site's state folder
+    assert _verify(run, capsys=capsys)[0] == 0  # the run folder alone cannot tell
+    code, out = _verify(run, "--site", str(tmp_path / "site-0"), capsys=capsys)
+    # Assert
+    assert code == 1
+    assert (
+        f"site {tmp_path / 'site-0'}: the server signed a ledger of 5 entries, but it holds 3 "
+        "(entries 4..5 dropped from the end)" in out
+    )
+
+
+def test_a_training_task_carries_the_signed_head_over_the_wire() -> None:
+    from fl_secure import serde
+    from fl_secure.messages import Task, TaskKind
+
+    task = Task(kind=TaskKind.TRAIN, round=2, nonce=b"n", ledger_head=b'{"entries":1}')
+    assert serde.task_from_proto(serde.task_to_proto(task)).ledger_head == b'{"entries":1}'
