@@ -275,3 +275,28 @@ def test_a_training_task_carries_the_signed_head_over_the_wire() -> None:
 
     task = Task(kind=TaskKind.TRAIN, round=2, nonce=b"n", ledger_head=b'{"entries":1}')
     assert serde.task_from_proto(serde.task_to_proto(task)).ledger_head == b'{"entries":1}'
+
+
+def test_the_checkpoints_copy_of_the_head_catches_a_restored_older_head(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Prepare: the head as round 5's checkpoint state keeps it (the coordinator stores the
+    # signed head there before it commits the round's rows), then an older head file and a
+    # ledger cut back to it restored
+    run = tmp_path / "run"
+    privacy = _run(run, rounds=2)
+    old_head = (run / "ledger.head.json").read_bytes()
+    metrics: dict[str, dict[str, float]] = {c: {} for c in sorted(ENROLLED)}
+    for r in (3, 4):
+        privacy.commit(r, privacy.round_entries(r, 2, metrics))
+    state = {"round": 5, "file": "round-000005.safetensors", "privacy_rows": []}
+    state["ledger_signed_head"] = privacy.signed_head()
+    atomic_write_json(run / "checkpoints" / "latest.json", state)
+    _sql(run, "DELETE FROM entries WHERE seq > 2")
+    (run / "ledger.head.json").write_bytes(old_head)
+    # Execute
+    code, out = _verify(run, capsys=capsys)
+    # Assert: the checkpoint's copy names the dropped entries and the older head file
+    assert code == 1
+    assert "checkpoints/latest.json: the server signed a ledger of 4 entries, but it holds 2" in out
+    assert "more than the 2 of ledger.head.json (an older head file restored)" in out
