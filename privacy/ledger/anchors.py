@@ -156,7 +156,8 @@ def _check_one(
         whose = "the pinned server key" if pinned else "the key of ledger.head.json"
         return [
             f"{where}: the ledger head is signed by key {signed.public_key[:16]}, not "
-            f"{whose} {key[:16]} (re-signed by someone else)"
+            f"{whose} {key[:16]} (re-signed by someone else, or the server's "
+            "ledger_signing.key replaced)"
         ]
     if not signed.signature_ok():
         return [f"{where}: the signature of the ledger head does not verify (head edited)"]
