@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,11 +48,11 @@ def test_printed_epsilon_and_calibrated_z_are_rounded_up(
 
 def _signed_ledger(run: Path) -> str:
     """Three rounds at PAYLOAD's parameters, their epsilons composed, the head signed."""
-    history: list[dict[str, object]] = []
+    history: list[dict[str, Any]] = []
     with Ledger.open(run / "ledger.sqlite", "run-1", signer=HeadSigner.generate()) as ledger:
         for r in (1, 2, 3):
             history.append(client_event(PAYLOAD))
-            payload = {**PAYLOAD, "epsilon": composed_epsilon("pld", history, 1e-5)}
+            payload: dict[str, Any] = {**PAYLOAD, "epsilon": composed_epsilon("pld", history, 1e-5)}
             ledger.append("client_level", round=r, party="server", payload=payload)
         return ledger.head()
 
