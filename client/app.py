@@ -23,7 +23,7 @@ from client.transport import RETRYABLE, Backoff, open_channel, rpc_details
 from fl_secure import __version__, serde
 from fl_secure.algorithms.registry import check_config
 from fl_secure.config import config_from_dict
-from fl_secure.errors import ConfigError, FlSecureError, ProtocolError, TlsError
+from fl_secure.errors import ConfigError, FlSecureError, PrivacyError, ProtocolError, TlsError
 from fl_secure.memory import retain_freed_memory
 from fl_secure.messages import (
     JoinRequest,
@@ -41,6 +41,7 @@ from fl_secure.v1 import transport_pb2_grpc as pb_grpc
 from privacy.ckks.keys import load_secret_context
 from privacy.ckks.round_setup import CkksSetup, is_ckks_setup
 from privacy.client_round import ClientPrivacy
+from privacy.ledger.site_heads import SiteHeads
 from privacy.ledger.site_ledger import SiteLedger
 from privacy.secagg.round_setup import RoundSetup, check_setup
 
@@ -87,6 +88,7 @@ class FlClient:
         self._run_config: Config | None = None
         self._run_config_toml: str | None = None
         self._run_id = ""
+        self._heads: SiteHeads | None = None  # the server's signed ledger heads seen
         self._unreachable_since: float | None = None  # start of the current outage
         self._metadata = conn.metadata
 
@@ -252,6 +254,8 @@ class FlClient:
         trainer = self.trainer
         if trainer is None:  # pragma: no cover - set in _session
             raise RuntimeError("no trainer")
+        if task.kind is TaskKind.TRAIN and not self._accept_ledger_head(task):
+            return
 
         def fetch() -> Tensors:
             chunks = stub.GetParameters(
@@ -316,6 +320,23 @@ class FlClient:
             raise
         self.last_round = task.round
         self.rounds_done += 1
+
+    def _accept_ledger_head(self, task: Task) -> bool:
+        """Check and keep the server's signed ledger head a training task carries.
+
+        A head the site cannot accept (:class:`~privacy.ledger.site_heads.SiteHeads`: a bad
+        signature, another key, fewer entries than one seen before) means the server's ledger
+        lost entries or was rewritten: the site does not train for it.
+        """
+        if self._heads is None or self._heads.run_id != self._run_id:
+            state = self.site.path.parent if self.site.path is not None else None
+            self._heads = SiteHeads(state, self._run_id)
+        try:
+            self._heads.accept(task.ledger_head, task.round)
+        except PrivacyError as exc:
+            log.error("round %d: refused: %s", task.round, exc)
+            return False
+        return True
 
     def _count_release(self, task: Task, metrics: dict[str, float] | None = None) -> None:
         """Count this training task's update in the site ledger, before it may leave.

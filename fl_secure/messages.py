@@ -79,6 +79,8 @@ class Task:
     message: str = ""
     parameters_bytes: int = 0
     secagg_setup: bytes = b""
+    #: the server's signed ledger head (canonical JSON) when the task was issued; b"": none
+    ledger_head: bytes = b""
 
 
 @dataclass(frozen=True)

@@ -408,6 +408,7 @@ def task_to_proto(task: Task) -> pb.Task:
         message=task.message,
         parameters_bytes=task.parameters_bytes,
         secagg_setup=task.secagg_setup,
+        ledger_head=task.ledger_head,
     )
 
 
@@ -429,6 +430,7 @@ def task_from_proto(msg: pb.Task) -> Task:
         message=msg.message,
         parameters_bytes=int(msg.parameters_bytes),
         secagg_setup=bytes(msg.secagg_setup),
+        ledger_head=bytes(msg.ledger_head),
     )
 
 

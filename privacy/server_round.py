@@ -43,10 +43,13 @@ from privacy.dp.client_level import (
 from privacy.dp.example_level import check_example_metrics, example_event, example_payload
 from privacy.dp.noise import NoiseSource, SecureGaussian
 from privacy.dp.rounding import up_to_places
+from privacy.ledger.anchors import STATE_KEY
 from privacy.ledger.entries import CLIENT_KINDS, Entry, check_payload
 from privacy.ledger.inflight import inflight_path, read_inflight, write_inflight
+from privacy.ledger.recompute import client_event
 from privacy.ledger.resume import check_same_sampling, resumable_entries
 from privacy.ledger.run_ledger import Ledger
+from privacy.ledger.signed_head import HeadSigner
 
 log = logging.getLogger(__name__)
 
@@ -355,17 +358,7 @@ class ServerPrivacy:
         if entry.kind in CLIENT_KINDS:  # a discarded sum composes like a round
             if entry.kind == "discarded_sum":
                 self.discarded_sums += 1
-            self._client_history.append(
-                {
-                    "noise_multiplier": payload["noise_multiplier"],
-                    "sample_rate": payload["sample_rate"],
-                    "num_steps": 1,
-                    "sampling": payload.get("sampling", "poisson"),
-                    "population": payload["population"]
-                    if payload.get("sampling") == "fixed_size"
-                    else None,
-                }
-            )
+            self._client_history.append(client_event(payload))
             self.epsilon = float(payload["epsilon"])  # type: ignore[arg-type]
         elif entry.kind == "example_level":
             self._example_history.setdefault(entry.party, []).extend(example_event(payload))
@@ -407,6 +400,7 @@ class ServerPrivacy:
                 "ledger": str(self.ledger.path.name),
                 "ledger_entries": len(self.ledger.entries()),
                 "ledger_head": self.ledger.head(),
+                STATE_KEY: self.signed_head(),
                 "covers": "every released global model; not the client-reported metrics",
             }
         )
@@ -431,6 +425,11 @@ class ServerPrivacy:
                 for party, h in sorted(self._example_history.items())
             }
         return out
+
+    def signed_head(self) -> dict[str, Any] | None:
+        """The ledger's signed head as the server last wrote it (kept in checkpoints, summary)."""
+        signed = self.ledger.signed_head()
+        return None if signed is None else signed.to_dict()
 
     # ------------------------------------------------------------ resume
     def resume(self, completed_round: int, pending: list[LedgerRow]) -> None:
@@ -494,8 +493,14 @@ def open_server_privacy(
     sample_rate: float,
     source: NoiseSource | None = None,
     min_survivors: int = 1,
+    signer: HeadSigner | None = None,
 ) -> ServerPrivacy | None:
-    """The run's :class:`ServerPrivacy`, or ``None`` for a non-private run."""
+    """The run's :class:`ServerPrivacy`, or ``None`` for a non-private run.
+
+    ``signer``: the server's ledger key (:mod:`privacy.ledger.signed_head`), which signs the
+    head after every commit and pins it on resume. The server always passes it
+    (:func:`server.bootstrap.build_server`); without it the ledger is not signed.
+    """
     if not cfg.enabled:
         return None
     plan = None
@@ -507,5 +512,5 @@ def open_server_privacy(
             clients_per_round=clients_per_round,
             sample_rate=sample_rate,
         )
-    ledger = Ledger.open(ledger_path, run_id)
+    ledger = Ledger.open(ledger_path, run_id, signer=signer)
     return ServerPrivacy(cfg, ledger, plan=plan, source=source, min_survivors=min_survivors)

@@ -34,6 +34,7 @@ from fl_secure.training import (
     set_tensors,
 )
 from privacy.dp.noise import NoiseSource, seeded_source
+from privacy.ledger.signed_head import HeadSigner
 from privacy.server_round import ServerPrivacy, open_server_privacy
 from server.coordinator import Coordinator
 from server.preflight import check_dpsgd_model, check_encoding_range
@@ -125,6 +126,11 @@ def build_server(
         sample_rate=s.sample_rate,
         source=noise or _noise_source(config, "server"),
         min_survivors=s.min_clients,
+        # the ledger's signing key lives with the server's TLS key, not in the run folder
+        # (an embedded or --insecure run keeps it in RUN_DIR/certs)
+        signer=HeadSigner.load_or_create(cert_dir or run_dir.certs)
+        if config.privacy.enabled
+        else None,
     )
     over = privacy.first_round_over_budget() if privacy is not None else None
     if over is not None:

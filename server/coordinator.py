@@ -26,6 +26,8 @@ from fl_secure.checkpoints import CheckpointStore
 from fl_secure.errors import CheckpointError, ProtocolError, RoundAborted
 from fl_secure.evaluation import DegenerateEmbeddings
 from fl_secure.messages import JoinReply, Task, TaskKind, Tensors, TensorSpec, UpdateHeader
+from privacy.ledger.anchors import STATE_KEY as LEDGER_HEAD_KEY
+from privacy.ledger.entries import canonical_json
 from privacy.secagg.stages import DECLINED, WITHDRAW_REASONS
 from server.attempt import Attempt, RoundBoard, UploadTicket
 from server.membership import Membership
@@ -216,7 +218,13 @@ class Coordinator:
             deadline_unix_ms=int(time.time() * 1000) + remaining_ms,
             parameters_bytes=self.model.sent_bytes(client_id),
             secagg_setup=rnd.secure.setup.to_bytes() if rnd.secure is not None else b"",
+            ledger_head=self._ledger_head() if rnd.kind is TaskKind.TRAIN else b"",
         )
+
+    def _ledger_head(self) -> bytes:
+        """The signed ledger head a TRAIN task carries: each site keeps the ones it saw."""
+        signed = self.privacy.signed_head() if self.privacy is not None else None
+        return b"" if signed is None else canonical_json(signed).encode("utf-8")
 
     def parameters(self, client_id: str, round_: int, nonce: bytes) -> tuple[int, Tensors]:
         """Global parameters for a client of the current cohort (and its own head only)."""
@@ -354,6 +362,9 @@ class Coordinator:
         # Checkpoint (with the round's ledger rows and the clients' heads), then the ledger
         # entry is synced, and only then is the model released to the next cohort.
         state: dict[str, Any] = {"status": "running", "privacy_rows": rows}
+        signed = self.privacy.signed_head() if self.privacy is not None else None
+        if signed is not None:  # the ledger's signed head so far: a copy outside the ledger
+            state[LEDGER_HEAD_KEY] = signed
         if self.settings.config_sha256:
             state["config_sha256"] = self.settings.config_sha256
         if self.settings.run_id:  # the ledger's id, kept if the folder is renamed

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66l_secure/v1/transport.proto\x12\x0c\x66l_secure.v1\"r\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.fl_secure.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\x0c\"\x8c\x01\n\x0eParameterChunk\x12\x34\n\nparameters\x18\x01 \x01(\x0b\x32\x1e.fl_secure.v1.ParametersHeaderH\x00\x12,\n\x06tensor\x18\x02 \x01(\x0b\x32\x1a.fl_secure.v1.TensorHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x03 \x01(\x0cH\x00\x42\x06\n\x04kind\"K\n\x10ParametersHeader\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\"=\n\x0bJoinRequest\x12\x18\n\x10software_version\x18\x01 \x01(\t\x12\x14\n\x0cnum_examples\x18\x02 \x01(\x04\"a\n\tJoinReply\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x18\n\x10software_version\x18\x03 \x01(\t\x12\x17\n\x0frun_config_toml\x18\x04 \x01(\t\"!\n\x0bPollRequest\x12\x12\n\nlast_round\x18\x01 \x01(\x04\"\xa0\x01\n\rLocalTraining\x12\x14\n\x0clocal_epochs\x18\x01 \x01(\r\x12\x13\n\x0blocal_steps\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x15\n\rlearning_rate\x18\x04 \x01(\x01\x12\x10\n\x08momentum\x18\x05 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x06 \x01(\x01\x12\x11\n\toptimizer\x18\x07 \x01(\t\"\xfa\x02\n\x04Task\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.fl_secure.v1.TaskKind\x12\r\n\x05round\x18\x02 \x01(\x04\x12\r\n\x05nonce\x18\x03 \x01(\x0c\x12\x11\n\talgorithm\x18\x04 \x01(\t\x12-\n\x08training\x18\x05 \x01(\x0b\x32\x1b.fl_secure.v1.LocalTraining\x12\x41\n\x10\x61lgorithm_params\x18\x06 \x03(\x0b\x32\'.fl_secure.v1.Task.AlgorithmParamsEntry\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x07 \x01(\x04\x12\x16\n\x0eretry_after_ms\x18\x08 \x01(\r\x12\x0f\n\x07message\x18\t \x01(\t\x12\x18\n\x10parameters_bytes\x18\n \x01(\x04\x12\x14\n\x0csecagg_setup\x18\x0b \x01(\x0c\x1a\x36\n\x14\x41lgorithmParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"1\n\x11ParametersRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\r\n\x05nonce\x18\x02 \x01(\x0c\"\xd6\x01\n\x0cUpdateHeader\x12\r\n\x05round\x18\x01 \x01(\x04\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\x14\n\x0cnum_examples\x18\x03 \x01(\x04\x12\x38\n\x07metrics\x18\x04 \x03(\x0b\x32\'.fl_secure.v1.UpdateHeader.MetricsEntry\x12\x13\n\x0bnum_tensors\x18\x05 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x81\x01\n\x0bUpdateChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.fl_secure.v1.UpdateHeaderH\x00\x12,\n\x06tensor\x18\x02 \x01(\x0b\x32\x1a.fl_secure.v1.TensorHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x03 \x01(\x0cH\x00\x42\x06\n\x04kind\"0\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x9f\x01\n\rSecAggMessage\x12\r\n\x05round\x18\x01 \x01(\x04\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12(\n\x05stage\x18\x03 \x01(\x0e\x32\x19.fl_secure.v1.SecAggStage\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x35\n\x0fwithdraw_reason\x18\x05 \x01(\x0e\x32\x1c.fl_secure.v1.WithdrawReason*\xbe\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT64\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06\x12\x0e\n\nDTYPE_BOOL\x10\x07\x12\x10\n\x0c\x44TYPE_UINT64\x10\x08\x12\x10\n\x0c\x44TYPE_UINT32\x10\t*~\n\x08TaskKind\x12\x19\n\x15TASK_KIND_UNSPECIFIED\x10\x00\x12\x12\n\x0eTASK_KIND_WAIT\x10\x01\x12\x13\n\x0fTASK_KIND_TRAIN\x10\x02\x12\x16\n\x12TASK_KIND_EVALUATE\x10\x03\x12\x16\n\x12TASK_KIND_FINISHED\x10\x04*\xd5\x01\n\x0bSecAggStage\x12\x1c\n\x18SECAGG_STAGE_UNSPECIFIED\x10\x00\x12\x1f\n\x1bSECAGG_STAGE_ADVERTISE_KEYS\x10\x01\x12\x1b\n\x17SECAGG_STAGE_SHARE_KEYS\x10\x02\x12\x17\n\x13SECAGG_STAGE_UNMASK\x10\x03\x12\x1d\n\x19SECAGG_STAGE_UNMASK_REPLY\x10\x04\x12\x19\n\x15SECAGG_STAGE_WITHDRAW\x10\x05\x12\x17\n\x13SECAGG_STAGE_ATTEND\x10\x06*\x9a\x02\n\x0eWithdrawReason\x12\x1f\n\x1bWITHDRAW_REASON_UNSPECIFIED\x10\x00\x12\"\n\x1eWITHDRAW_REASON_LOCAL_TRAINING\x10\x01\x12\"\n\x1eWITHDRAW_REASON_UPDATE_REFUSED\x10\x02\x12#\n\x1fWITHDRAW_REASON_MESSAGE_REFUSED\x10\x03\x12\"\n\x1eWITHDRAW_REASON_TOO_FEW_SHARES\x10\x04\x12\x1d\n\x19WITHDRAW_REASON_TRANSPORT\x10\x05\x12\x19\n\x15WITHDRAW_REASON_OTHER\x10\x06\x12\x1c\n\x18WITHDRAW_REASON_DECLINED\x10\x07\x32\xe7\x02\n\x08\x46lSecure\x12:\n\x04Join\x12\x19.fl_secure.v1.JoinRequest\x1a\x17.fl_secure.v1.JoinReply\x12\x39\n\x08PollTask\x12\x19.fl_secure.v1.PollRequest\x1a\x12.fl_secure.v1.Task\x12P\n\rGetParameters\x12\x1f.fl_secure.v1.ParametersRequest\x1a\x1c.fl_secure.v1.ParameterChunk0\x01\x12\x46\n\x0cSubmitUpdate\x12\x19.fl_secure.v1.UpdateChunk\x1a\x19.fl_secure.v1.SubmitReply(\x01\x12J\n\x0eSecAggExchange\x12\x1b.fl_secure.v1.SecAggMessage\x1a\x1b.fl_secure.v1.SecAggMessageb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66l_secure/v1/transport.proto\x12\x0c\x66l_secure.v1\"r\n\x0cTensorHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.fl_secure.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06sha256\x18\x05 \x01(\x0c\"\x8c\x01\n\x0eParameterChunk\x12\x34\n\nparameters\x18\x01 \x01(\x0b\x32\x1e.fl_secure.v1.ParametersHeaderH\x00\x12,\n\x06tensor\x18\x02 \x01(\x0b\x32\x1a.fl_secure.v1.TensorHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x03 \x01(\x0cH\x00\x42\x06\n\x04kind\"K\n\x10ParametersHeader\x12\r\n\x05round\x18\x01 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x02 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\"=\n\x0bJoinRequest\x12\x18\n\x10software_version\x18\x01 \x01(\t\x12\x14\n\x0cnum_examples\x18\x02 \x01(\x04\"a\n\tJoinReply\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x18\n\x10software_version\x18\x03 \x01(\t\x12\x17\n\x0frun_config_toml\x18\x04 \x01(\t\"!\n\x0bPollRequest\x12\x12\n\nlast_round\x18\x01 \x01(\x04\"\xa0\x01\n\rLocalTraining\x12\x14\n\x0clocal_epochs\x18\x01 \x01(\r\x12\x13\n\x0blocal_steps\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x15\n\rlearning_rate\x18\x04 \x01(\x01\x12\x10\n\x08momentum\x18\x05 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x06 \x01(\x01\x12\x11\n\toptimizer\x18\x07 \x01(\t\"\x8f\x03\n\x04Task\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.fl_secure.v1.TaskKind\x12\r\n\x05round\x18\x02 \x01(\x04\x12\r\n\x05nonce\x18\x03 \x01(\x0c\x12\x11\n\talgorithm\x18\x04 \x01(\t\x12-\n\x08training\x18\x05 \x01(\x0b\x32\x1b.fl_secure.v1.LocalTraining\x12\x41\n\x10\x61lgorithm_params\x18\x06 \x03(\x0b\x32\'.fl_secure.v1.Task.AlgorithmParamsEntry\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x07 \x01(\x04\x12\x16\n\x0eretry_after_ms\x18\x08 \x01(\r\x12\x0f\n\x07message\x18\t \x01(\t\x12\x18\n\x10parameters_bytes\x18\n \x01(\x04\x12\x14\n\x0csecagg_setup\x18\x0b \x01(\x0c\x12\x13\n\x0bledger_head\x18\x0c \x01(\x0c\x1a\x36\n\x14\x41lgorithmParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"1\n\x11ParametersRequest\x12\r\n\x05round\x18\x01 \x01(\x04\x12\r\n\x05nonce\x18\x02 \x01(\x0c\"\xd6\x01\n\x0cUpdateHeader\x12\r\n\x05round\x18\x01 \x01(\x04\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\x14\n\x0cnum_examples\x18\x03 \x01(\x04\x12\x38\n\x07metrics\x18\x04 \x03(\x0b\x32\'.fl_secure.v1.UpdateHeader.MetricsEntry\x12\x13\n\x0bnum_tensors\x18\x05 \x01(\r\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x81\x01\n\x0bUpdateChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.fl_secure.v1.UpdateHeaderH\x00\x12,\n\x06tensor\x18\x02 \x01(\x0b\x32\x1a.fl_secure.v1.TensorHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x03 \x01(\x0cH\x00\x42\x06\n\x04kind\"0\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x9f\x01\n\rSecAggMessage\x12\r\n\x05round\x18\x01 \x01(\x04\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12(\n\x05stage\x18\x03 \x01(\x0e\x32\x19.fl_secure.v1.SecAggStage\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x35\n\x0fwithdraw_reason\x18\x05 \x01(\x0e\x32\x1c.fl_secure.v1.WithdrawReason*\xbe\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT64\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06\x12\x0e\n\nDTYPE_BOOL\x10\x07\x12\x10\n\x0c\x44TYPE_UINT64\x10\x08\x12\x10\n\x0c\x44TYPE_UINT32\x10\t*~\n\x08TaskKind\x12\x19\n\x15TASK_KIND_UNSPECIFIED\x10\x00\x12\x12\n\x0eTASK_KIND_WAIT\x10\x01\x12\x13\n\x0fTASK_KIND_TRAIN\x10\x02\x12\x16\n\x12TASK_KIND_EVALUATE\x10\x03\x12\x16\n\x12TASK_KIND_FINISHED\x10\x04*\xd5\x01\n\x0bSecAggStage\x12\x1c\n\x18SECAGG_STAGE_UNSPECIFIED\x10\x00\x12\x1f\n\x1bSECAGG_STAGE_ADVERTISE_KEYS\x10\x01\x12\x1b\n\x17SECAGG_STAGE_SHARE_KEYS\x10\x02\x12\x17\n\x13SECAGG_STAGE_UNMASK\x10\x03\x12\x1d\n\x19SECAGG_STAGE_UNMASK_REPLY\x10\x04\x12\x19\n\x15SECAGG_STAGE_WITHDRAW\x10\x05\x12\x17\n\x13SECAGG_STAGE_ATTEND\x10\x06*\x9a\x02\n\x0eWithdrawReason\x12\x1f\n\x1bWITHDRAW_REASON_UNSPECIFIED\x10\x00\x12\"\n\x1eWITHDRAW_REASON_LOCAL_TRAINING\x10\x01\x12\"\n\x1eWITHDRAW_REASON_UPDATE_REFUSED\x10\x02\x12#\n\x1fWITHDRAW_REASON_MESSAGE_REFUSED\x10\x03\x12\"\n\x1eWITHDRAW_REASON_TOO_FEW_SHARES\x10\x04\x12\x1d\n\x19WITHDRAW_REASON_TRANSPORT\x10\x05\x12\x19\n\x15WITHDRAW_REASON_OTHER\x10\x06\x12\x1c\n\x18WITHDRAW_REASON_DECLINED\x10\x07\x32\xe7\x02\n\x08\x46lSecure\x12:\n\x04Join\x12\x19.fl_secure.v1.JoinRequest\x1a\x17.fl_secure.v1.JoinReply\x12\x39\n\x08PollTask\x12\x19.fl_secure.v1.PollRequest\x1a\x12.fl_secure.v1.Task\x12P\n\rGetParameters\x12\x1f.fl_secure.v1.ParametersRequest\x1a\x1c.fl_secure.v1.ParameterChunk0\x01\x12\x46\n\x0cSubmitUpdate\x12\x19.fl_secure.v1.UpdateChunk\x1a\x19.fl_secure.v1.SubmitReply(\x01\x12J\n\x0eSecAggExchange\x12\x1b.fl_secure.v1.SecAggMessage\x1a\x1b.fl_secure.v1.SecAggMessageb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,14 +35,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TASK_ALGORITHMPARAMSENTRY']._serialized_options = b'8\001'
   _globals['_UPDATEHEADER_METRICSENTRY']._loaded_options = None
   _globals['_UPDATEHEADER_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=1736
-  _globals['_DTYPE']._serialized_end=1926
-  _globals['_TASKKIND']._serialized_start=1928
-  _globals['_TASKKIND']._serialized_end=2054
-  _globals['_SECAGGSTAGE']._serialized_start=2057
-  _globals['_SECAGGSTAGE']._serialized_end=2270
-  _globals['_WITHDRAWREASON']._serialized_start=2273
-  _globals['_WITHDRAWREASON']._serialized_end=2555
+  _globals['_DTYPE']._serialized_start=1757
+  _globals['_DTYPE']._serialized_end=1947
+  _globals['_TASKKIND']._serialized_start=1949
+  _globals['_TASKKIND']._serialized_end=2075
+  _globals['_SECAGGSTAGE']._serialized_start=2078
+  _globals['_SECAGGSTAGE']._serialized_end=2291
+  _globals['_WITHDRAWREASON']._serialized_start=2294
+  _globals['_WITHDRAWREASON']._serialized_end=2576
   _globals['_TENSORHEADER']._serialized_start=46
   _globals['_TENSORHEADER']._serialized_end=160
   _globals['_PARAMETERCHUNK']._serialized_start=163
@@ -58,21 +58,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOCALTRAINING']._serialized_start=580
   _globals['_LOCALTRAINING']._serialized_end=740
   _globals['_TASK']._serialized_start=743
-  _globals['_TASK']._serialized_end=1121
-  _globals['_TASK_ALGORITHMPARAMSENTRY']._serialized_start=1067
-  _globals['_TASK_ALGORITHMPARAMSENTRY']._serialized_end=1121
-  _globals['_PARAMETERSREQUEST']._serialized_start=1123
-  _globals['_PARAMETERSREQUEST']._serialized_end=1172
-  _globals['_UPDATEHEADER']._serialized_start=1175
-  _globals['_UPDATEHEADER']._serialized_end=1389
-  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_start=1343
-  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_end=1389
-  _globals['_UPDATECHUNK']._serialized_start=1392
-  _globals['_UPDATECHUNK']._serialized_end=1521
-  _globals['_SUBMITREPLY']._serialized_start=1523
-  _globals['_SUBMITREPLY']._serialized_end=1571
-  _globals['_SECAGGMESSAGE']._serialized_start=1574
-  _globals['_SECAGGMESSAGE']._serialized_end=1733
-  _globals['_FLSECURE']._serialized_start=2558
-  _globals['_FLSECURE']._serialized_end=2917
+  _globals['_TASK']._serialized_end=1142
+  _globals['_TASK_ALGORITHMPARAMSENTRY']._serialized_start=1088
+  _globals['_TASK_ALGORITHMPARAMSENTRY']._serialized_end=1142
+  _globals['_PARAMETERSREQUEST']._serialized_start=1144
+  _globals['_PARAMETERSREQUEST']._serialized_end=1193
+  _globals['_UPDATEHEADER']._serialized_start=1196
+  _globals['_UPDATEHEADER']._serialized_end=1410
+  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_start=1364
+  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_end=1410
+  _globals['_UPDATECHUNK']._serialized_start=1413
+  _globals['_UPDATECHUNK']._serialized_end=1542
+  _globals['_SUBMITREPLY']._serialized_start=1544
+  _globals['_SUBMITREPLY']._serialized_end=1592
+  _globals['_SECAGGMESSAGE']._serialized_start=1595
+  _globals['_SECAGGMESSAGE']._serialized_end=1754
+  _globals['_FLSECURE']._serialized_start=2579
+  _globals['_FLSECURE']._serialized_end=2938
 # @@protoc_insertion_point(module_scope)

@@ -422,6 +422,7 @@ class Task(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     PARAMETERS_BYTES_FIELD_NUMBER: _builtins.int
     SECAGG_SETUP_FIELD_NUMBER: _builtins.int
+    LEDGER_HEAD_FIELD_NUMBER: _builtins.int
     kind: Global___TaskKind.ValueType
     round: _builtins.int
     nonce: _builtins.bytes
@@ -436,6 +437,11 @@ class Task(_message.Message):
     """Secure aggregation of this TRAIN round: privacy.secagg.round_setup.RoundSetup bytes (round
     id, cohort, threshold, neighbours, modulus, encoding; a CKKS round's
     privacy.ckks.round_setup.CkksSetup); empty when updates are sent in the clear.
+    """
+    ledger_head: _builtins.bytes
+    """The server's signed privacy-ledger head when the task was issued: the canonical JSON of
+    privacy.ledger.signed_head.SignedHead (run, entries, head hash, Ed25519 public key and
+    signature); empty for a run without DP. A site records it outside the run folder.
     """
     @_builtins.property
     def training(self) -> Global___LocalTraining: ...
@@ -455,10 +461,11 @@ class Task(_message.Message):
         message: _builtins.str = ...,
         parameters_bytes: _builtins.int = ...,
         secagg_setup: _builtins.bytes = ...,
+        ledger_head: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["training", b"training"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "algorithm_params", b"algorithm_params", "deadline_unix_ms", b"deadline_unix_ms", "kind", b"kind", "message", b"message", "nonce", b"nonce", "parameters_bytes", b"parameters_bytes", "retry_after_ms", b"retry_after_ms", "round", b"round", "secagg_setup", b"secagg_setup", "training", b"training"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["algorithm", b"algorithm", "algorithm_params", b"algorithm_params", "deadline_unix_ms", b"deadline_unix_ms", "kind", b"kind", "ledger_head", b"ledger_head", "message", b"message", "nonce", b"nonce", "parameters_bytes", b"parameters_bytes", "retry_after_ms", b"retry_after_ms", "round", b"round", "secagg_setup", b"secagg_setup", "training", b"training"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -2,7 +2,9 @@
 
 A server that resumes a run rebuilds its accountant from the ledger
 (:meth:`privacy.server_round.ServerPrivacy.resume`). Before it does, the ledger must exist
-where the run left it, verify, record no round after the last checkpoint
+where the run left it, verify (chain, every epsilon recomputed, and, opened with the server's
+key, the signed head and its copies in the run folder against that key), record no round
+after the last checkpoint
 (:func:`resumable_entries`), and account its rounds under a cohort sampling the next rounds
 compose with (:func:`check_same_sampling`).
 """
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from fl_secure.errors import PrivacyError
 from privacy.dp.accountants.accountant import ADJACENCY
+from privacy.ledger.anchors import run_anchors
 from privacy.ledger.entries import CLIENT_KINDS, Entry
 from privacy.ledger.run_ledger import Ledger
 
@@ -32,8 +35,9 @@ def resumable_entries(ledger: Ledger, completed_round: int) -> list[Entry]:
 
     Raises:
         PrivacyError: The ledger does not exist (after completed rounds), its chain is broken,
-            or it records rounds after the last checkpoint (it does not belong to this run's
-            checkpoints).
+            a row's epsilon is not what its parameters give, the signed head or a copy of it
+            does not match (a dropped tail, a rewritten chain, another key), or it records
+            rounds after the last checkpoint (it does not belong to this run's checkpoints).
     """
     if completed_round > 0 and ledger.created:
         ledger.close()  # the empty ledger made just now is not the run's record
@@ -43,12 +47,24 @@ def resumable_entries(ledger: Ledger, completed_round: int) -> list[Entry]:
             f"{ledger.path} does not exist (deleted or moved?); refusing to resume "
             "without it: restore it, or start a new run"
         )
-    check = ledger.verify()
+    anchors = None
+    if ledger.signer is not None:  # the server's own key: nothing in the run folder decides it
+        pinned = ledger.signer.public_key
+        anchors = run_anchors(ledger.path.parent, ledger.path, pinned_key=pinned)
+    check = ledger.verify(anchors=anchors, recompute=True)
     if not check.ok:
         raise PrivacyError(
             f"the privacy ledger {ledger.path} fails verification; refusing to resume "
             f"on it: {'; '.join(check.problems[:3])}"
         )
+    if anchors is not None and (check.unsigned_after or anchors.head is None):
+        if check.unsigned_after:
+            log.warning(
+                "the ledger's last %d entries were committed but not signed (the server "
+                "stopped in between); they verify, and are signed now",
+                check.unsigned_after,
+            )
+        ledger.sign_head()
     entries = ledger.entries()
     # a note (a budget stop) names the round that did not run: not a release
     # nor does a discarded sum of the round that aborted (it runs again on resume)

@@ -3,9 +3,11 @@
 ``RUN_DIR/ledger.sqlite`` holds one row per privacy-relevant event (:mod:`privacy.ledger.entries`).
 An entry is committed and synced to disk *before* the round's model is released, so the
 ledger never under-reports what has left the server; on resume it is the source of truth for
-which rounds have already been counted. Store :meth:`Ledger.head` with each checkpoint and
-pass it to :meth:`Ledger.verify` to detect a rewritten chain or a dropped tail
-(:mod:`privacy.ledger.verification`).
+which rounds have already been counted. Opened with the server's :class:`HeadSigner`, every
+commit also rewrites the signed head beside it (``ledger.head.json``,
+:mod:`privacy.ledger.signed_head`); :meth:`Ledger.verify` with the run's anchors
+(:mod:`privacy.ledger.anchors`) then detects a rewritten chain or a dropped tail, and
+recomputes every row's epsilon (:mod:`privacy.ledger.recompute`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from privacy.ledger.anchors import Anchors
 from privacy.ledger.entries import (
     FORMAT_VERSION,
     Entry,
@@ -31,7 +34,8 @@ from privacy.ledger.entries import (
     check_payload,
     genesis_hash,
 )
-from privacy.ledger.verification import VerifyResult, verify_chain
+from privacy.ledger.signed_head import HeadSigner, SignedHead, head_path, read_head, write_head
+from privacy.ledger.verification import VerifyResult, verify_ledger
 
 _SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -67,6 +71,7 @@ class Ledger:
         *,
         writable: bool,
         clock: Callable[[], datetime],
+        signer: HeadSigner | None = None,
     ) -> None:
         self._conn: sqlite3.Connection | None = conn
         self._lock = threading.Lock()
@@ -75,12 +80,24 @@ class Ledger:
         self._writable = writable
         self._clock: Callable[[], datetime] = clock
         self.created = False  #: Ledger.open made the file (it did not exist before)
+        self.signer = signer  #: signs the head after every commit (the server's key)
+        self._signed: SignedHead | None = None  # the head this process last signed
 
     @classmethod
     def open(
-        cls, path: Path, run_id: str, *, clock: Callable[[], datetime] | None = None
+        cls,
+        path: Path,
+        run_id: str,
+        *,
+        clock: Callable[[], datetime] | None = None,
+        signer: HeadSigner | None = None,
     ) -> Ledger:
-        """Create the ledger of run ``run_id`` at ``path``, or open it; refuse another run's."""
+        """Create the ledger of run ``run_id`` at ``path``, or open it; refuse another run's.
+
+        With ``signer`` each commit is followed by a signed head (``ledger.head.json``); a new
+        ledger gets the signed head of its empty chain at once. An existing ledger's head
+        file is left as it is until it has been verified (:meth:`sign_head`).
+        """
         if not run_id:
             raise LedgerError("a ledger needs a non-empty run id")
         path = Path(path)
@@ -124,8 +141,10 @@ class Ledger:
                 f"{path} is the ledger of run {meta.get('run_id')!r}, not of run {run_id!r}; "
                 "use a fresh run directory or resume the run it belongs to"
             )
-        ledger = cls(conn, path, run_id, writable=True, clock=clock or _utc_now)
+        ledger = cls(conn, path, run_id, writable=True, clock=clock or _utc_now, signer=signer)
         ledger.created = not existed
+        if signer is not None and not existed:
+            ledger.sign_head()
         return ledger
 
     @classmethod
@@ -196,6 +215,9 @@ class Ledger:
                     f"INSERT INTO entries({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",  # noqa: S608
                     (seq, kind, round, party, text, created_at, prev, digest),
                 )
+            if self.signer is not None:  # after the commit: a crash leaves it unsigned, not lost
+                self._signed = self.signer.sign(self.run_id, seq, digest)
+                write_head(self.head_path, self._signed)
         return Entry(seq, kind, round, party, stored, created_at, prev, digest)
 
     @staticmethod
@@ -243,10 +265,37 @@ class Ledger:
         newest = self.last()
         return genesis_hash(self.run_id) if newest is None else newest.hash
 
+    @property
+    def head_path(self) -> Path:
+        """The signed head file beside the ledger (``ledger.head.json``)."""
+        return head_path(self.path)
+
+    def signed_head(self) -> SignedHead | None:
+        """The head this process last signed, else the signed head file (None: neither)."""
+        return self._signed if self._signed is not None else read_head(self.head_path)
+
+    def sign_head(self) -> SignedHead:
+        """Sign the current head and write it beside the ledger (after a verified resume)."""
+        if self.signer is None:
+            raise LedgerError(f"ledger {self.path} was opened without a signing key")
+        with self._lock:
+            row = self._db().execute("SELECT seq, hash FROM entries ORDER BY seq DESC LIMIT 1")
+            last = row.fetchone()
+            count, head = (0, genesis_hash(self.run_id)) if last is None else (last[0], last[1])
+            signed = self.signer.sign(self.run_id, int(count), str(head))
+            write_head(self.head_path, signed)
+            self._signed = signed
+        return signed
+
     def verify(
-        self, expected_head: str | None = None, *, recorded: tuple[int, str] | None = None
+        self,
+        expected_head: str | None = None,
+        *,
+        recorded: tuple[int, str] | None = None,
+        anchors: Anchors | None = None,
+        recompute: bool = False,
     ) -> VerifyResult:
-        """Recheck meta and the whole chain; a head kept elsewhere also catches a dropped tail.
+        """Recheck meta, the whole chain and every epsilon; anchors catch a dropped tail.
 
         Args:
             expected_head: The hash the newest entry must have.
@@ -254,12 +303,17 @@ class Ledger:
                 the ledger must hold at least that many entries and its ``entries``-th must
                 have that hash. Entries after it are counted in ``after_record``, not flagged
                 (a resumed run appends to a ledger whose summary is older).
+            anchors: The signed head and its copies (:func:`privacy.ledger.anchors.run_anchors`).
+            recompute: Recompute every row's epsilon from its parameters (what ``--verify``,
+                a resume and the report do; off only for rows written by hand, as in tests).
         """
         with self._lock:
             conn = self._db()
             meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
             rows = conn.execute(f"SELECT {_COLUMNS} FROM entries ORDER BY seq").fetchall()  # noqa: S608
-        return verify_chain(meta, rows, self.run_id, expected_head, recorded)
+        return verify_ledger(
+            meta, rows, self.run_id, expected_head, recorded, anchors, recompute=recompute
+        )
 
 
 def _connect(path: Path, mode: str) -> sqlite3.Connection:

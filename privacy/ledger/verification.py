@@ -1,9 +1,10 @@
-"""Verifying a ledger's chain: every row's hash, its order, and the head recorded elsewhere.
+"""Verifying a ledger: every row's hash, its order, its epsilon, and the signed head.
 
 The chain makes edits, deletions and reorderings done without recomputing every later hash
 evident. It is not a signature: whoever can write the file can rewrite the whole chain, or
-drop its tail. The head stored with each checkpoint, and the ``(entries, head)`` a run's
-``summary.json`` records (:func:`recorded_head`), detect both.
+drop its tail. The server's signed head and its copies (:mod:`privacy.ledger.anchors`)
+detect both; every row's epsilon is recomputed from its parameters
+(:mod:`privacy.ledger.recompute`), so a rechained ledger with lowered figures fails too.
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from privacy.ledger.anchors import Anchors, check_anchors
 from privacy.ledger.entries import (
     FORMAT_VERSION,
+    Entry,
     LedgerError,
     canonical_json,
     chain_hash,
     check_payload,
     genesis_hash,
 )
+from privacy.ledger.recompute import recompute_problems
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,47 @@ class VerifyResult:
     head: str = ""
     #: entries appended after the recorded ``(entries, head)`` (a resumed run still going)
     after_record: int = 0
+    #: whether the anchors were checked (a signed head was given to check against)
+    signed: bool = False
+    #: entries after the signed head (the server stopped between a commit and its signature)
+    unsigned_after: int = 0
+
+
+def verify_ledger(
+    meta: Mapping[str, str],
+    rows: Sequence[Sequence[Any]],
+    run_id: str,
+    expected_head: str | None = None,
+    recorded: tuple[int, str] | None = None,
+    anchors: Anchors | None = None,
+    *,
+    recompute: bool = True,
+) -> VerifyResult:
+    """:func:`verify_chain`, every row's epsilon recomputed, and the ``anchors`` checked."""
+    result = verify_chain(meta, rows, run_id, expected_head, recorded)
+    try:
+        entries = [
+            Entry(int(s), str(k), int(r), str(p), json.loads(t), str(c), str(ph), str(h))
+            for s, k, r, p, t, c, ph, h in rows
+        ]
+    except (TypeError, ValueError):
+        return result  # verify_chain has named the malformed rows
+    if not all(isinstance(e.payload, dict) for e in entries):
+        return result
+    problems = list(result.problems) + (recompute_problems(entries) if recompute else [])
+    after = 0
+    if anchors is not None:
+        found, after = check_anchors(entries, run_id, anchors)
+        problems += found
+    return VerifyResult(
+        ok=not problems,
+        problems=problems,
+        entries=result.entries,
+        head=result.head,
+        after_record=result.after_record,
+        signed=anchors is not None and anchors.head is not None,
+        unsigned_after=after,
+    )
 
 
 def verify_chain(

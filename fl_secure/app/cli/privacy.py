@@ -19,10 +19,12 @@ from fl_secure.app.cli.common import Subparsers, number_arg, positive_int
 from fl_secure.errors import CheckpointError, PrivacyError
 from fl_secure.runs import RunDir
 from privacy.dp.rounding import round_up
+from privacy.ledger.anchors import run_anchors
 from privacy.ledger.entries import LedgerError
 from privacy.ledger.formatting import format_ledger, ledger_json
 from privacy.ledger.guarantee import released_model_of_run
 from privacy.ledger.run_ledger import Ledger
+from privacy.ledger.signed_head import read_public_key
 from privacy.ledger.verification import recorded_head
 
 # Imports that load torch, grpc or tenseal are inside the functions: `fl-secure --help` stays
@@ -107,9 +109,26 @@ def add_parser(sub: Subparsers) -> None:
     g.add_argument(
         "--verify",
         action="store_true",
-        help="check the hash chain, and against the entry count and head summary.json recorded "
-        "when the run ended (catches entries dropped from the end), and the latest parameters "
-        "file against the SHA-256 its round's rows name; exit 1 on any problem",
+        help="check the hash chain, recompute every row's epsilon from its parameters, check "
+        "the server's signed head (ledger.head.json) and its copies in checkpoints/latest.json "
+        "and summary.json (catches a dropped tail or a rewritten chain), and the latest "
+        "parameters file against the SHA-256 its round's rows name; exit 1 on any problem",
+    )
+    g.add_argument(
+        "--ledger-key",
+        type=Path,
+        help="the server's ledger public key (ledger_signing.pub, or the server's certificate "
+        "folder holding it): the signed head must be signed by it. Without it the key the "
+        "run folder names is used, which a forger of the whole folder could replace",
+    )
+    g.add_argument(
+        "--site",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="STATE_DIR",
+        help="a site's --state-dir (repeatable): the newest signed head the server sent that "
+        "site must be part of the ledger (a copy outside the run folder)",
     )
     g.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     g.set_defaults(func=cmd_ledger)
@@ -177,15 +196,32 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     path = args.run / "ledger.sqlite"
     record, record_note = _recorded(args.run) if args.verify else (None, None)
     try:
+        pinned = read_public_key(args.ledger_key) if args.ledger_key is not None else None
+        anchors = None
         with Ledger.read(path) as ledger:
+            if args.verify:
+                where = {"sites": args.site, "run_id": ledger.run_id}
+                anchors = run_anchors(args.run, path, pinned, **where)
             entries = ledger.entries()
-            result = ledger.verify(recorded=record) if args.verify else None
+            result = (
+                ledger.verify(recorded=record, anchors=anchors, recompute=True)
+                if args.verify
+                else None
+            )
             run_id = ledger.run_id
     except LedgerError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2
-    if result is not None and record_note is not None:
-        result = dataclasses.replace(result, ok=False, problems=[*result.problems, record_note])
+    notes = [record_note] if record_note is not None else []
+    if result is not None and result.unsigned_after:
+        signed = result.entries - result.unsigned_after
+        notes.append(
+            f"entries {signed + 1}..{result.entries} follow the signed head (the server "
+            "stopped before signing them, or they were added): resume the run to have them "
+            "checked and signed"
+        )
+    if result is not None and notes:
+        result = dataclasses.replace(result, ok=False, problems=[*result.problems, *notes])
     model = released_model_of_run(args.run, entries) if result is not None else None
     if result is not None and model is not None and model["problem"]:
         problems = [*result.problems, model["problem"]]
@@ -200,6 +236,14 @@ def cmd_ledger(args: argparse.Namespace) -> int:
                 if record is None
                 else {"entries": record[0], "head": record[1]},
                 "entries_after_summary": result.after_record,
+                "signed_head": None
+                if anchors is None or anchors.head is None
+                else {
+                    "entries": anchors.head.entries,
+                    "public_key": anchors.head.public_key,
+                    "key_pinned": pinned is not None,
+                    "copies_checked": list(anchors.copies),
+                },
                 "released_model": model,
             }
         sys.stdout.write(json.dumps(out) + "\n")
@@ -209,6 +253,13 @@ def cmd_ledger(args: argparse.Namespace) -> int:
             print("chain verified: OK" if result.ok else "chain BROKEN:")
             for problem in result.problems:
                 print(f"  {problem}")
+            if anchors is not None and anchors.head is not None:
+                how = "the pinned key" if pinned else "the key it names (pin with --ledger-key)"
+                copies = ", ".join(sorted(anchors.copies)) or "no copy found"
+                print(
+                    f"signed head: {anchors.head.entries} entries, key "
+                    f"{anchors.head.public_key[:16]}, checked against {how}; copies: {copies}"
+                )
             if record is not None:
                 print(
                     f"checked against summary.json: {record[0]} entries, head {record[1][:12]}"
@@ -218,7 +269,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
                         else ""
                     )
                 )
-            elif record_note is None:
+            elif record_note is None and not result.signed:
                 print(
                     "note: no summary.json with the ledger's head (the run has not ended): "
                     "entries dropped from the end cannot be detected"

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fl_secure.runs import RunDir
+from privacy.ledger.anchors import run_anchors
 from privacy.ledger.entries import CLIENT_KINDS
 from privacy.ledger.guarantee import ledger_guarantee, released_model_of_run
 from privacy.ledger.run_ledger import Ledger
@@ -59,7 +60,9 @@ def ledger_section(path: Path, summary: dict[str, Any]) -> tuple[dict[str, Any],
             "source": "ledger.sqlite",
         }, []
     with Ledger.read(path) as ledger:
-        result = ledger.verify(recorded=recorded)
+        result = ledger.verify(
+            recorded=recorded, anchors=run_anchors(path.parent, path), recompute=True
+        )
         entries = list(ledger.entries())
     epsilon, delta = ledger_guarantee(entries)
     client_rows = [e for e in entries if e.kind == "client_level"]
@@ -83,6 +86,8 @@ def ledger_section(path: Path, summary: dict[str, Any]) -> tuple[dict[str, Any],
         "entries": result.entries,
         "head": result.head,
         "checked_against_summary": recorded is not None,
+        "signed_head": result.signed,
+        "entries_after_signed_head": result.unsigned_after,
         "entries_after_summary": result.after_record,
         # free-text events: a budget stop, a discarded sum the server had seen
         "notes": [

@@ -30,6 +30,7 @@ from fl_secure.errors import CheckpointError, FlSecureError
 from fl_secure.runs import RunDir
 from privacy.ledger.entries import Entry
 from privacy.ledger.run_ledger import Ledger
+from privacy.ledger.signed_head import HeadSigner
 from server.run_files import _first_data_manifest
 
 pytestmark = pytest.mark.slow
@@ -836,10 +837,10 @@ def test_the_ledgers_notes_are_in_the_report(tmp_path: Path) -> None:
     # a discarded sum the server had seen (or a budget stop) is a ledger note: the report
     # lists each, with its round, beside the verified chain
     path = tmp_path / "ledger.sqlite"
-    with Ledger.open(path, "run-1") as ledger:
+    with Ledger.open(path, "run-1", signer=HeadSigner.generate()) as ledger:
         ledger.append("note", round=3, party="server", payload={"message": "sum discarded"})
     section, entries = ledger_section(path, {})
-    assert section["verified"] and len(entries) == 1
+    assert section["verified"] and section["signed_head"] and len(entries) == 1
     assert section["notes"] == [{"round": 3, "message": "sum discarded"}]
 
 

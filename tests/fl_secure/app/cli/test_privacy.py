@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from fl_secure.app.cli import main
+from privacy.ledger.recompute import client_event, composed_epsilon
 from privacy.ledger.run_ledger import Ledger
+from privacy.ledger.signed_head import HeadSigner
 
 PAYLOAD = {
     "noise_multiplier": 1.1, "sample_rate": 0.5, "clip_norm": 1.0, "cohort_size": 4,
@@ -43,10 +46,19 @@ def test_printed_epsilon_and_calibrated_z_are_rounded_up(
     assert 1.15620 < z <= 1.1563  # what was printed is not below what was calibrated
 
 
-def test_ledger_view_and_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with Ledger.open(tmp_path / "ledger.sqlite", "run-1") as ledger:
+def _signed_ledger(run: Path) -> str:
+    """Three rounds at PAYLOAD's parameters, their epsilons composed, the head signed."""
+    history: list[dict[str, Any]] = []
+    with Ledger.open(run / "ledger.sqlite", "run-1", signer=HeadSigner.generate()) as ledger:
         for r in (1, 2, 3):
-            ledger.append("client_level", round=r, party="server", payload=PAYLOAD)
+            history.append(client_event(PAYLOAD))
+            payload: dict[str, Any] = {**PAYLOAD, "epsilon": composed_epsilon("pld", history, 1e-5)}
+            ledger.append("client_level", round=r, party="server", payload=payload)
+        return ledger.head()
+
+
+def test_ledger_view_and_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _signed_ledger(tmp_path)
     assert main(["privacy", "ledger", "--run", str(tmp_path), "--verify", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["entries"]) == 3 and out["verify"]["ok"] is True
@@ -60,13 +72,12 @@ def test_ledger_view_and_verify(tmp_path: Path, capsys: pytest.CaptureFixture[st
 def test_ledger_verify_checks_the_head_summary_json_recorded(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with Ledger.open(tmp_path / "ledger.sqlite", "run-1") as ledger:
-        for r in (1, 2, 3):
-            ledger.append("client_level", round=r, party="server", payload=PAYLOAD)
-        head = ledger.head()
+    head = _signed_ledger(tmp_path)
     verify = ["privacy", "ledger", "--run", str(tmp_path), "--verify"]
     assert main(verify) == 0
-    assert "entries dropped from the end cannot be detected" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "entries dropped from the end cannot be detected" not in out  # the head is signed
+    assert "signed head: 3 entries, key " in out and "(pin with --ledger-key)" in out
     summary = {"epsilon": 0.5, "privacy": {"ledger_entries": 3, "ledger_head": head}}
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     assert main(verify) == 0
@@ -78,7 +89,9 @@ def test_ledger_verify_checks_the_head_summary_json_recorded(
     assert out["verify"]["checked_against_summary"] == {"entries": 3, "head": head}
     assert out["verify"]["problems"] == [
         f"seq 2: the ledger has 2 entries but the run recorded 3 ending at {head[:12]} "
-        "(entries dropped from the end)"
+        "(entries dropped from the end)",
+        "ledger.head.json: the server signed a ledger of 3 entries, but it holds 2 (entry 3 "
+        "dropped from the end)",
     ]
     (tmp_path / "summary.json").write_text("{not json")
     assert main(verify) == 1
