@@ -44,6 +44,7 @@ from privacy.client_round import ClientPrivacy
 from privacy.ledger.site_heads import SiteHeads
 from privacy.ledger.site_ledger import SiteLedger
 from privacy.secagg.round_setup import RoundSetup, check_setup
+from privacy.site_figures import released_header
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import (
@@ -299,6 +300,10 @@ class FlClient:
         header = UpdateHeader(
             round=task.round, nonce=task.nonce, num_examples=examples, metrics=metrics
         )
+        # under DP only data-independent figures leave: no count, schedule or time
+        header = released_header(
+            header, unit=self._privacy_unit(), train=task.kind is TaskKind.TRAIN
+        )
         if task.kind is TaskKind.TRAIN:
             self._count_release(task, metrics)  # before it may leave: a failed upload too
         else:  # evaluation figures are not covered by DP: a run has two, each counted
@@ -337,6 +342,13 @@ class FlClient:
             log.error("round %d: refused: %s", task.round, exc)
             return False
         return True
+
+    def _privacy_unit(self) -> str:
+        """The run's ``privacy.unit`` (``none`` without DP): what may leave beside an update."""
+        privacy = getattr(self.trainer, "privacy", None)  # ClientPrivacy | None
+        if privacy is not None:
+            return str(privacy.cfg.unit)
+        return self._run_config.privacy.unit if self._run_config is not None else "none"
 
     def _count_release(self, task: Task, metrics: dict[str, float] | None = None) -> None:
         """Count this training task's update in the site ledger, before it may leave.

@@ -30,6 +30,7 @@ from privacy.ckks import client_round as ckks_client_round
 from privacy.ckks.round_setup import CKKS_TENSOR, check_ckks_setup
 from privacy.secagg import client_round as secagg_client_round
 from privacy.secagg.stages import MASKED, MASKED_TENSOR, wire_dtype
+from privacy.site_figures import released_header
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import (
@@ -44,7 +45,9 @@ if TYPE_CHECKING:
     from privacy.ckks.round_setup import CkksSetup
     from privacy.secagg.round_setup import RoundSetup
 
-#: Training metrics a secure round's upload may carry (besides ``dp_*``): not data-dependent.
+#: Training metrics a secure round's upload may carry besides ``dp_*`` (no loss or accuracy).
+#: Under DP not even these (:func:`privacy.site_figures.released_header`): the schedule is
+#: epochs x N / batch without ``train.local_steps``.
 SECURE_METRICS = frozenset({"local_steps"})
 
 
@@ -171,7 +174,8 @@ class SecureExchange:
         return update
 
     def _upload(self, vector: np.ndarray) -> None:
-        # The example count is not sent: the secure sum is an unweighted one.
+        # The example count is not sent: the secure sum is an unweighted one. Under DP
+        # neither are the schedule and the time (they grow with the site's data).
         task = self.task
         header = UpdateHeader(
             round=task.round,
@@ -179,6 +183,7 @@ class SecureExchange:
             num_examples=1,
             metrics={**self.metrics, "local_seconds": time.monotonic() - self.started},
         )
+        header = released_header(header, unit=self.run_config.privacy.unit, train=True)
         if self._setup is None:  # CKKS
             tensors = OrderedDict([(CKKS_TENSOR, vector.astype(np.uint8))])
         else:

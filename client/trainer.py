@@ -28,6 +28,7 @@ from fl_secure.algorithms.base import BROADCAST_PREFIX
 from fl_secure.errors import CheckpointError, ProtocolError
 from fl_secure.runs import atomic_write_bytes, run_keyed_path
 from fl_secure.training import FaceModel, LocalData, set_tensors
+from privacy.site_figures import PRIVATE_EXAMPLE_COUNT
 
 if TYPE_CHECKING:
     from fl_secure.algorithms import Strategy
@@ -90,10 +91,10 @@ class LocalTrainer:
         Its number of training images without DP; 1 under DP, where the count is part of
         what is protected (at the example level one image more or less is the neighbouring
         data set; at the client level it describes the site's data), and the DP and secure
-        means are unweighted, so the server has no use for it.
+        means are unweighted, so the server has no use for it (:mod:`privacy.site_figures`).
         """
         if self.privacy is not None:
-            return 1
+            return PRIVATE_EXAMPLE_COUNT
         return len(self.data.train)
 
     def _private_path(self) -> Path | None:

@@ -7,8 +7,9 @@ ledger (:mod:`privacy.ledger.site_ledger`), which the client keeps beside it.
 
 * Client level (``privacy.unit = "client"``): every update of the shared parameters is clipped
   to ``C`` and, with ``local`` (or ``distributed``) placement, noised before it leaves the
-  client (:mod:`privacy.dp.client_level`). Training metrics, which depend on the data, are not
-  sent, and the example count is hidden (the aggregate does not use it).
+  client (:mod:`privacy.dp.client_level`). Training metrics and the schedule, which depend on
+  the data, are not sent, and the example count is hidden (the aggregate does not use it;
+  :mod:`privacy.site_figures`).
 * Example level (``privacy.unit = "example"``): local training is DP-SGD
   (:mod:`privacy.dp.dpsgd`). The client keeps its own accountant for the run, persisted in its
   state folder under a name derived from the run id (a restarted client resumes the run's
@@ -342,8 +343,9 @@ class ClientPrivacy:
             if self.cfg.noise_placement == "distributed":
                 std = 0.0  # integer noise is added when encoding for secure aggregation
             noisy = add_gaussian(clipped, std, self.source) if std > 0 else clipped
-            # Loss, accuracy and the update norm depend on the data: they stay here.
-            return noisy, {"local_steps": metrics.get("local_steps", 0.0)}
+            # Loss, accuracy, the update norm and the schedule (epochs x N / batch) depend on
+            # the data: they stay here (privacy.site_figures).
+            return noisy, {}
         steps = int(metrics.get("local_steps", self.steps_per_round)) if trained else 0
         if steps > 0:  # the accountant is saved before the update is released
             self.accountant.step(
@@ -353,9 +355,9 @@ class ClientPrivacy:
             )
             self._save()
         # Loss and accuracy depend on the data and are not covered by DP: they stay here, and
-        # so does the image count (LocalTrainer.num_examples).
+        # so does the image count (LocalTrainer.num_examples); the steps go out as dp_steps,
+        # data-independent with privacy.sample_rate set (privacy.site_figures).
         out: dict[str, Any] = {
-            "local_steps": float(steps),
             "dp_epsilon": self.epsilon(),
             "dp_steps": float(steps),
             "dp_noise_multiplier": self.noise_multiplier,

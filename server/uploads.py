@@ -18,6 +18,7 @@ import numpy as np
 
 from fl_secure.errors import ProtocolError
 from fl_secure.messages import TaskKind, TensorSpec, UpdateHeader
+from privacy.site_figures import released_header
 from server.attempt import Attempt, RoundBoard, UploadTicket
 from server.round import RoundState, update_weight
 
@@ -157,7 +158,14 @@ class UploadDesk:
                     rnd.heads[ticket.client_id] = head
                 weight = update_weight(ticket.header.num_examples, private=self.privacy is not None)
                 rnd.aggregator.add(shared, weight)
-            rnd.received[ticket.client_id] = ticket.header
+            header = ticket.header
+            if self.privacy is not None:
+                # recorded as a private site may send it: an older client's count, schedule
+                # or time stays out of metrics.jsonl and the summary (privacy.site_figures)
+                header = released_header(
+                    header, unit=self.privacy.unit, train=rnd.kind is TaskKind.TRAIN
+                )
+            rnd.received[ticket.client_id] = header
             self.membership.heard_from(ticket.client_id)
             board.cv.notify_all()
 

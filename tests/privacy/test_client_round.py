@@ -35,7 +35,7 @@ def test_client_level_release_clips_noises_and_keeps_metrics_home() -> None:
     assert abs(out64.mean() - 2.0 / np.sqrt(d)) < 5 * 1.0 / np.sqrt(d)
     assert out64.std() == pytest.approx(0.5 * 2.0, rel=0.02)
     assert update_norm(out) > 100  # noise of norm ~ sqrt(d): the signal is not released bare
-    assert metrics == {"local_steps": 10.0}
+    assert metrics == {}  # not even the schedule: epochs x N / batch tells N (site_figures)
 
 
 def test_example_level_accountant_persists_and_stops_at_the_budget(tmp_path: Path) -> None:
@@ -165,13 +165,15 @@ def test_dp_keeps_the_example_count_home(unit: str) -> None:
         config, share.train, share.test, plan.train_identities, client_id="client-0",
         image_size=32,
     )  # fmt: skip
-    _, examples, _ = trainer.train(
-        trainer.shared_parameters(), LocalTraining(local_steps=1, batch_size=4)
+    _, examples, metrics = trainer.train(
+        trainer.shared_parameters(), LocalTraining(local_epochs=1, batch_size=4)
     )
     # Assert: the count sent at join and with updates is the image count without DP, 1 under
-    # DP (at the example level one image more or less is the neighbouring data set)
+    # DP (at the example level one image more or less is the neighbouring data set); so is
+    # the schedule, 16 / 4 batches (tests/privacy/test_site_figures.py: every figure sent)
     assert len(share.train) == 16
     assert trainer.num_examples == examples == (16 if unit == "none" else 1)
+    assert metrics.get("local_steps") == (4.0 if unit == "none" else None)
 
 
 def test_the_budget_check_charges_the_steps_the_task_asks_for() -> None:
