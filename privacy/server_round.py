@@ -304,8 +304,10 @@ class ServerPrivacy:
         """The ledger rows of a completed round (not yet committed).
 
         ``attempt``: how many attempts of the round failed before this one. A client-level
-        row records it: a cohort drawn again after a failed attempt is not exactly the draw
-        the accountant's amplification by sampling assumes (the report warns).
+        row records it: a cohort drawn again after a failed attempt is conditioned on that
+        failure, which the unamplified epsilon of Poisson cohorts bounds; the amplified
+        figure is then withdrawn (:mod:`privacy.dp.amplification`), and the report warns
+        for fixed-size cohorts.
         """
         if self.unit == "client":
             row = self._client_payload(cohort_size, len(client_metrics), attempt)
