@@ -31,8 +31,9 @@ from typing import Any
 from fl_secure.config import PrivacyConfig
 from fl_secure.errors import PrivacyError
 from fl_secure.messages import LocalTraining, Tensors, TensorSpec
-from privacy.dp.accountants.accountant import ADJACENCY, client_adjacency
+from privacy.dp.accountants.accountant import ADJACENCY, ZERO_OUT, client_adjacency
 from privacy.dp.accountants.registry import create_accountant
+from privacy.dp.amplification import amplification_statement
 from privacy.dp.client_level import (
     ClientLevelPlan,
     NoisyClippedSum,
@@ -80,6 +81,9 @@ class ServerPrivacy:
         self.accountant_name = cfg.accountant_name()
         self.min_survivors = min_survivors
         self._client_history: list[dict[str, Any]] = []  # rounds and discarded sums
+        # the same releases at the drawn rate (the figure that trusts the server's sampling)
+        self._amplified_history: list[dict[str, Any]] = []
+        self._redrawn_rounds: set[int] = set()  # released by an attempt after a failed one
         self.discarded_sums = 0
         self._example_history: dict[str, list[dict[str, Any]]] = {}
         self.epsilon = 0.0
@@ -97,8 +101,15 @@ class ServerPrivacy:
 
     @property
     def adjacency(self) -> str:
-        """Neighbouring relation the guarantee is stated under (see ``client_adjacency``)."""
+        """Neighbouring relation the guarantee is stated under (see ``client_adjacency``).
+
+        Poisson cohorts: zero-out whatever the placement. The enrolled clients and each
+        round's cohort are published, so add/remove (a client absent from the run) would be
+        told apart by the client ids alone.
+        """
         if self.plan is not None:
+            if self.plan.sampling == "poisson":
+                return ZERO_OUT
             return client_adjacency(self.plan.sampling, self.plan.placement)
         return ADJACENCY["poisson"]
 
@@ -197,7 +208,10 @@ class ServerPrivacy:
         return {
             "noise_multiplier": p.noise_multiplier,
             "clip_norm": p.clip_norm,
-            "sample_rate": p.sample_rate,
+            # the rate the epsilon is accounted at (1 for Poisson: no amplification, the
+            # cohort is published); the rate the server drew the cohort at beside it
+            "sample_rate": p.accounted_rate,
+            "cohort_sample_rate": p.sample_rate,
             "sampling": p.sampling,
             "population": p.population,
             "cohort_size": cohort_size,
@@ -299,8 +313,10 @@ class ServerPrivacy:
         """The ledger rows of a completed round (not yet committed).
 
         ``attempt``: how many attempts of the round failed before this one. A client-level
-        row records it: a cohort drawn again after a failed attempt is not exactly the draw
-        the accountant's amplification by sampling assumes (the report warns).
+        row records it: a cohort drawn again after a failed attempt is conditioned on that
+        failure, which the unamplified epsilon of Poisson cohorts bounds; the amplified
+        figure is then withdrawn (:mod:`privacy.dp.amplification`), and the report warns
+        for fixed-size cohorts.
         """
         if self.unit == "client":
             row = self._client_payload(cohort_size, len(client_metrics), attempt)
@@ -358,7 +374,12 @@ class ServerPrivacy:
         if entry.kind in CLIENT_KINDS:  # a discarded sum composes like a round
             if entry.kind == "discarded_sum":
                 self.discarded_sums += 1
-            self._client_history.append(client_event(payload))
+            event = client_event(payload)
+            self._client_history.append(event)
+            drawn = payload.get("cohort_sample_rate", payload["sample_rate"])
+            self._amplified_history.append({**event, "sample_rate": drawn})
+            if int(payload.get("attempt") or 0) > 0:  # type: ignore[arg-type]
+                self._redrawn_rounds.add(entry.round)
             self.epsilon = float(payload["epsilon"])  # type: ignore[arg-type]
         elif entry.kind == "example_level":
             self._example_history.setdefault(entry.party, []).extend(example_event(payload))
@@ -419,6 +440,7 @@ class ServerPrivacy:
             )
             if self.placement == "distributed":  # t of the noise shares, not Shamir's t
                 out["noise_shares_required"] = self.min_survivors
+            out.update(self._amplification())
         else:
             out["clients_epsilon"] = {
                 party: self._epsilon_of(h) if h else 0.0
@@ -430,6 +452,19 @@ class ServerPrivacy:
         """The ledger's signed head as the server last wrote it (kept in checkpoints, summary)."""
         signed = self.ledger.signed_head()
         return None if signed is None else signed.to_dict()
+
+    def _amplification(self) -> dict[str, Any]:
+        """The stated figure's sampling and the amplified one beside it (summary keys)."""
+        p = self.plan
+        assert p is not None
+        redrawn = sorted(self._redrawn_rounds)
+        poisson = p.sampling == "poisson" and p.sample_rate < 1.0
+        amplified = (
+            self._epsilon_of(self._amplified_history)
+            if poisson and self._amplified_history and not redrawn
+            else None
+        )
+        return amplification_statement(p, amplified, redrawn)
 
     # ------------------------------------------------------------ resume
     def resume(self, completed_round: int, pending: list[LedgerRow]) -> None:

@@ -42,6 +42,7 @@ from fl_secure.aggregation import StreamingSum
 from fl_secure.config import PrivacyConfig
 from fl_secure.errors import PrivacyError, ProtocolError, UpdateError
 from fl_secure.messages import Tensors, TensorSpec
+from privacy.dp.amplification import accounted_sample_rate
 from privacy.dp.calibration import calibrate_noise
 from privacy.dp.noise import NoiseSource, gaussian_like
 
@@ -185,16 +186,28 @@ class ClientLevelPlan:
     target_epsilon: float
     rounds: int
     calibrated: bool
+    #: The inclusion probability the stated epsilon is accounted at: 1 for Poisson cohorts
+    #: (:func:`accounted_sample_rate`), ``sample_rate`` for fixed-size ones.
+    accounted_rate: float = 1.0
+
+    @property
+    def amplified(self) -> bool:
+        """Whether the stated epsilon takes amplification by the server's cohort sampling."""
+        return self.accounted_rate < 1.0
 
     def event(self, noise_multiplier: float | None = None) -> dict[str, Any]:
-        """One round's accountant event (``noise_multiplier`` overrides ``z`` if given)."""
+        """One round's accountant event, at the accounted rate (``noise_multiplier``: ``z``)."""
         return {
             "noise_multiplier": noise_multiplier or self.noise_multiplier,
-            "sample_rate": self.sample_rate,
+            "sample_rate": self.accounted_rate,
             "num_steps": 1,
             "sampling": self.sampling,
             "population": self.population if self.sampling == "fixed_size" else None,
         }
+
+    def amplified_event(self) -> dict[str, Any]:
+        """One round's event at the drawn rate: the figure trusting the server's sampling."""
+        return {**self.event(), "sample_rate": self.sample_rate}
 
 
 def plan_client_level(
@@ -225,11 +238,12 @@ def plan_client_level(
             f"analysed by the 'pld' accountant, not {accountant!r}; set privacy.accountant = "
             "'pld' or use Poisson cohorts (server.sample_rate)"
         )
+    accounted = accounted_sample_rate(sampling, q)
     calibrated = noise_multiplier == 0
     if calibrated:
         noise_multiplier = calibrate_noise(
             target_epsilon=target_epsilon,
-            sample_rate=q,
+            sample_rate=accounted,
             steps=rounds,
             delta=delta,
             accountant=accountant,
@@ -249,6 +263,7 @@ def plan_client_level(
         target_epsilon=target_epsilon,
         rounds=rounds,
         calibrated=calibrated,
+        accounted_rate=accounted,
     )
 
 

@@ -266,6 +266,10 @@ def _privacy(
         "sampling": p.get("client_sampling"),
         "sample_rate": rate,
         "sampling_assumption": _sampling_note(p),
+        # the rate epsilon is accounted at (1: no amplification), and the amplified figure
+        "accounted_sample_rate": p.get("accounted_sample_rate"),
+        "epsilon_amplified": p.get("epsilon_amplified"),
+        "epsilon_amplified_trusts": p.get("epsilon_amplified_trusts"),
         "rounds_accounted": rounds,
         "accountant": summary.get("accountant"),
         # the ledger is the record; summary.json's copy is kept beside it (a warning if apart)
@@ -307,9 +311,18 @@ def _sampling_note(p: dict[str, Any]) -> str | None:
             "held: every client takes part in every round (sampling rate 1), so the "
             "accountant uses no amplification by sampling"
         )
+    if sampling == "poisson" and p.get("accounted_sample_rate") == 1.0:
+        return (
+            f"poisson sampling at rate {rate}, accounted without amplification: each "
+            "round's cohort is published and known to the server (and a draw below "
+            "min_clients is drawn again), so epsilon counts every client in every round and "
+            "holds against the server too; epsilon_amplified trusts the server to draw the "
+            "cohorts honestly and in secret"
+        )
     return (
         f"{sampling} sampling at rate {rate}: amplification assumes the cohort is drawn "
-        "as the accountant models it; resampled cohorts (too few clients online) break it"
+        "as the accountant models it and kept secret; resampled cohorts (too few clients "
+        "online) break it, and it does not hold against the server, which draws it"
     )
 
 
@@ -368,9 +381,10 @@ def site_figures(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
         "(the server knows whom it sampled), exact composition of the Gaussian releases, "
         "and only the noise the protocol guarantees (the site's own under local noise, the "
         "threshold's shares under distributed noise); 'colluding peers': the site's own "
-        "noise share alone. The run's epsilon above is lower when clients are sampled: it "
-        "takes amplification by the server's own sampling; with every client in every round "
-        "the two agree (the run's is the PLD accountant's, a hair above the exact figure). "
+        "noise share alone. The run's epsilon above takes no amplification by the server's "
+        "sampling either (its epsilon_amplified does, trusting the server), so the two agree "
+        "but for the noise the site counts (the run's is the PLD accountant's, a hair above "
+        "the exact figure). "
         "'One image': the site's epsilon for one of its training images (add/remove one "
         "image) over the same releases, with honest and with colluding peers: a client-level "
         "release counts as a Gaussian of sensitivity 2 C (of the noise as above), an "

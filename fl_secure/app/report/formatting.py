@@ -59,4 +59,4 @@ def fmt_measure(key: str, value: Any) -> str:
 
 
 #: Rows shown with :func:`fmt_bound`: a statement must not round a bound down.
-BOUNDS = frozenset({"epsilon", "delta", "target_epsilon"})
+BOUNDS = frozenset({"epsilon", "delta", "target_epsilon", "epsilon_amplified"})

@@ -222,7 +222,10 @@ def report_warnings(
         w += derived
     redrawn = [m["round"] for m in metrics or [] if m.get("round") and m.get("attempt")]
     rate = p.get("sample_rate")
-    if p["privacy_unit"] == "client" and rate is not None and rate < 1 and redrawn:
+    # Poisson cohorts accounted without amplification (rate 1) are bounded whatever was
+    # drawn; fixed-size cohorts (and ledgers of older versions) take amplification
+    amplified = p.get("sampling") != "poisson" or (p.get("accounted_sample_rate") or 0.0) < 1
+    if p["privacy_unit"] == "client" and rate is not None and rate < 1 and redrawn and amplified:
         w.append(
             {
                 "code": "cohort-redrawn",

@@ -71,6 +71,8 @@ PRIVACY_ROWS = (
     ("accountant", "Accountant"),
     ("epsilon", "Epsilon"),
     ("delta", "Delta"),
+    ("epsilon_amplified", "Epsilon with amplification by the server's Poisson sampling"),
+    ("epsilon_amplified_trusts", "That figure trusts"),
     ("population", "Population N"),
     ("population_of", "N counts"),
     ("delta_below_one_over_population", "delta < 1/N"),
