@@ -147,6 +147,8 @@ def build_server(
         max_retries=s.max_retries,
         max_concurrent_uploads=s.max_concurrent_uploads,
         upload_idle_timeout=s.upload_idle_timeout,
+        upload_min_rate=s.upload_min_rate,
+        handshake_timeout=s.handshake_timeout,
         max_upload_factor=s.max_upload_factor,
         algorithm=strategy.name,
         training=rules.training,

@@ -230,9 +230,9 @@ class Coordinator:
         """Check an update header and take an upload slot (:meth:`UploadDesk.open`)."""
         return self.uploads.open(client_id, header, cancel)
 
-    def upload_progress(self, ticket: UploadTicket) -> None:
-        """Data of ``ticket``'s upload arrived (resets its idle time)."""
-        self.uploads.progress(ticket)
+    def upload_progress(self, ticket: UploadTicket, num_bytes: int) -> None:
+        """``num_bytes`` tensor bytes of an upload arrived (:meth:`UploadDesk.progress`)."""
+        self.uploads.progress(ticket, num_bytes)
 
     def commit_upload(self, ticket: UploadTicket, tensors: Mapping[str, np.ndarray]) -> None:
         """Fold a fully validated update into the round's aggregate."""

@@ -191,8 +191,8 @@ class AttemptRunner:
                 secure_error = self.relay.unmask(rnd)
             board.current = None
             rnd.wake_attendants()  # their round is over: answer them
-            for cancel, _ in rnd.streaming.values():  # too late to count: free the slots
-                cancel()
+            for flow in rnd.streaming.values():  # too late to count: free the slots
+                flow.cancel()
             board.cv.notify_all()
         return secure_error
 

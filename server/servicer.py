@@ -170,7 +170,8 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
             reader = serde.TensorStreamReader(ticket.expected, max_bytes=ticket.max_bytes)
             for chunk in request_iterator:
                 reader.feed(chunk)
-                self.coordinator.upload_progress(ticket)
+                data = len(chunk.data) if chunk.WhichOneof("kind") == "data" else 0
+                self.coordinator.upload_progress(ticket, data)
             tensors = reader.finish()
             self.coordinator.commit_upload(ticket, tensors)
         except FlSecureError as exc:  # a bad upload, or its secure round aborted meanwhile
