@@ -200,7 +200,7 @@ class Coordinator:
 
     def _task_for(self, client_id: str) -> Task:
         if self.board.finished:
-            return Task(kind=TaskKind.FINISHED, message=self.stop_reason or "run finished")
+            return Task(kind=TaskKind.FINISHED, message=self._finished_message(client_id))
         rnd = self.board.current
         if rnd is None or client_id not in rnd.pending or client_id in rnd.uploading:
             return Task(kind=TaskKind.WAIT, retry_after_ms=500, message="no task for you now")
@@ -217,6 +217,35 @@ class Coordinator:
             parameters_bytes=self.model.sent_bytes(client_id),
             secagg_setup=rnd.secure.setup.to_bytes() if rnd.secure is not None else b"",
         )
+
+    def _finished_message(self, client_id: str) -> str:
+        """How the run ended, as ``client_id`` may learn it: its own status, no one else's.
+
+        The stop reason of an aborted run names the other clients of its last attempt and
+        why each failed; that stays in the server's log and ``metrics.jsonl``.
+        """
+        if self.status == "completed":
+            text = f"run completed: {self.completed_round} rounds"
+        elif self.status == "budget_exhausted":  # the run's own budget: no client's doing
+            text = f"run ended after round {self.completed_round}: privacy budget exhausted"
+        elif self.status == "aborted":
+            text = (
+                f"run aborted after round {self.completed_round} (too few updates, or a secure "
+                "round failed; the server operator has the details)"
+            )
+        else:
+            text = f"run stopped by the server after round {self.completed_round}"
+        mine = [e for e in self.records.events if client_id in e["cohort"]]
+        if mine:
+            last = mine[-1]
+            where = f"round {last['round']} attempt {last['attempt']}"
+            if client_id in last["failed"]:
+                text += f"; your update in {where} failed: {last['failed'][client_id]}"
+            elif client_id in last["received"]:
+                text += f"; your update in {where} was received"
+            else:
+                text += f"; your update in {where} did not arrive before its deadline"
+        return text
 
     def parameters(self, client_id: str, round_: int, nonce: bytes) -> tuple[int, Tensors]:
         """Global parameters for a client of the current cohort (and its own head only)."""

@@ -72,9 +72,7 @@ class ServerConfig:
             TIMEOUT_RANGE,
         )
         check(self.upload_min_rate >= 0, "server.upload_min_rate", "a number >= 0 (bytes/s)")
-        check(
-            0 < self.handshake_timeout <= MAX_TIMEOUT, "server.handshake_timeout", TIMEOUT_RANGE
-        )
+        check(0 < self.handshake_timeout <= MAX_TIMEOUT, "server.handshake_timeout", TIMEOUT_RANGE)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 
 import grpc
+import numpy as np
+import pytest
 
 from fl_secure import serde
 from fl_secure.messages import UpdateHeader
@@ -108,3 +111,125 @@ def test_two_trickling_clients_cannot_hold_the_upload_slots(grpc_run_factory, sm
     assert record["failed"]["client-3"].startswith("upload too slow: ")
     assert "below the minimum of 65536 bytes/s" in record["failed"]["client-3"]
     assert outcome == {"client-2": grpc.StatusCode.CANCELLED, "client-3": grpc.StatusCode.CANCELLED}
+
+
+# ------------------------------------------------------------------------ total_bytes
+
+
+@pytest.mark.parametrize(
+    ("announced", "match"),
+    [
+        (10, "upload sends more than the 10 bytes (total_bytes) its header announced"),
+        (66, "upload header announced total_bytes = 66, its tensors have 64 bytes"),
+    ],
+)
+def test_an_upload_must_be_the_size_its_header_announced(
+    announced: int, match: str, grpc_run_factory, small_params
+) -> None:
+    # Prepare: an honest update of 64 tensor bytes whose header announces another size
+    run = grpc_run_factory(small_params, clients=3, min_clients=2, round_timeout=20)
+    good = [run.start_client(f"client-{i}", EchoTrainer(shift=1.0)) for i in range(2)]
+    liar = _stub(run, "client-2")
+    chunks = _update(_task(liar), small_params)
+    assert chunks[0].header.total_bytes == 64
+    chunks[0].header.total_bytes = announced
+    # Execute / Assert: refused by name; the round goes on with the others and records why
+    with pytest.raises(grpc.RpcError) as err:
+        liar.SubmitUpdate(iter(chunks), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == match
+    _join_all(good)
+    assert run.coordinator.status == "completed"
+    record = run.coordinator.run_dir.read_metrics()[-1]
+    assert record["num_updates"] == 2
+    assert record["failed"] == {"client-2": match}
+
+
+# ------------------------------------------------------------------------- FINISHED
+
+
+def test_finished_tells_each_client_its_own_status_only(grpc_run_factory, small_params) -> None:
+    # Prepare: three clients, all three needed, no retry; client-1 sends a NaN update,
+    # client-2 sends nothing: the round aborts naming both in the server's own records
+    run = grpc_run_factory(small_params, clients=3, min_clients=3, round_timeout=3, max_retries=0)
+    stubs = [_stub(run, f"client-{i}") for i in range(3)]
+    for stub in stubs:
+        stub.Join(pb.JoinRequest(num_examples=5), timeout=10)
+    tasks = [_task(stub) for stub in stubs]
+    stubs[0].SubmitUpdate(iter(_update(tasks[0], small_params)), timeout=10)
+    bad = OrderedDict((k, v.copy()) for k, v in small_params.items())
+    bad["w"][0, 0] = np.nan
+    with pytest.raises(grpc.RpcError):
+        stubs[1].SubmitUpdate(iter(_update(tasks[1], bad)), timeout=10)
+    run.driver.join(timeout=30)
+    assert run.coordinator.status == "aborted"
+    assert "client-1" in run.coordinator.stop_reason  # the operator's record names them all
+    # Execute: each polls and hears FINISHED
+    finished = {}
+    for i, stub in enumerate(stubs):
+        task = stub.PollTask(pb.PollRequest(), timeout=10)
+        assert task.kind == pb.TASK_KIND_FINISHED
+        finished[i] = task.message
+    # Assert: no client hears another's id or failure
+    for i, message in finished.items():
+        others = [f"client-{j}" for j in range(3) if j != i]
+        assert not any(o in message for o in others), message
+        assert message.startswith("run aborted after round 0")
+    assert finished[0].endswith("your update in round 1 attempt 0 was received")
+    assert "your update in round 1 attempt 0 failed: tensor 'w' contains NaN or Inf" in finished[1]
+    assert finished[2].endswith("in round 1 attempt 0 did not arrive before its deadline")
+
+
+# ------------------------------------------------------------------ the config sent
+
+
+def test_join_sends_only_the_config_a_client_reads(tmp_path) -> None:
+    import tomllib
+
+    from fl_secure.config import config_from_dict
+    from fl_secure.runs import RunDir
+    from fl_secure.tls import init_certificates
+    from server.app import start_server
+    from server.bootstrap import build_server
+
+    # Prepare: a server whose config holds data paths and its listening address
+    table = {
+        "data": {"path": "/srv/site-secrets/faces", "identities_file": "/srv/ids.txt",
+                 "attributes_file": "/srv/attrs.txt", "num_identities": 30,
+                 "held_out_identities": 10, "images_per_identity": 4},
+        "partition": {"num_clients": 2},
+        "model": {"backbone": "cnn-small", "embedding_size": 8},
+        "train": {"rounds": 3, "lr": 0.05},
+        "server": {"address": "10.20.30.40:50051", "round_timeout": 123.0, "min_clients": 2},
+    }  # fmt: skip
+    config = config_from_dict(table)
+    certs = tmp_path / "certs"
+    init_certificates(certs, clients=["client-0", "client-1"])
+    side = build_server(
+        config, RunDir(tmp_path / "run"), enrolled={"client-0", "client-1"}, cert_dir=certs
+    )
+    server, port = start_server(side.coordinator, "127.0.0.1:0", cert_dir=certs)
+    try:
+        # Execute: a client joins over mTLS and reads what it was sent
+        stub = pb_grpc.FlSecureStub(
+            grpc.secure_channel(f"localhost:{port}", channel_credentials(certs, "client-0"))
+        )
+        sent = stub.Join(pb.JoinRequest(num_examples=5), timeout=10).run_config_toml
+    finally:
+        server.stop(grace=None)
+    # Assert: no path, no address, no server-only section or key; what a client reads is there
+    for secret in ("/srv/", "10.20.30.40", "round_timeout", "held_out_identities", "[eval]"):
+        assert secret not in sent, secret
+    table_sent = tomllib.loads(sent)
+    assert sorted(table_sent) == sorted(
+        ["run", "data", "partition", "model", "algorithm", "train", "server", "privacy",
+         "secure_aggregation"]
+    )  # fmt: skip
+    assert table_sent["server"] == {"min_clients": 2, "max_retries": 2}
+    assert table_sent["data"] == {
+        "image_size": 64, "min_images_per_identity": 2, "center_crop": 0, "degrade": ""
+    }  # fmt: skip
+    got = config_from_dict(table_sent)
+    assert (got.model, got.algorithm, got.train, got.privacy, got.secure_aggregation) == (
+        config.model, config.algorithm, config.train, config.privacy, config.secure_aggregation
+    )  # fmt: skip
