@@ -18,8 +18,8 @@ from fl_secure.tls import (
     server_credentials,
     warn_insecure,
 )
-from fl_secure.v1 import transport_pb2_grpc as pb_grpc
 from server.servicer import MAX_CALLS_PER_CLIENT, Authenticator, FlSecureServicer
+from server.wire import add_servicer
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -120,7 +120,7 @@ def start_server(
         port = _bind(address, lambda: server.add_secure_port(address, credentials))
     if port == 0:
         raise ConfigError(f"could not bind the server to {address}")
-    pb_grpc.add_FlSecureServicer_to_server(FlSecureServicer(coordinator, authenticate), server)
+    add_servicer(server, FlSecureServicer(coordinator, authenticate))
     server.start()
     log.info("serving on port %d (%s)", port, "INSECURE" if insecure else "mutual TLS")
     return server, port

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from fl_secure.checkpoints import CheckpointStore
 from fl_secure.errors import CheckpointError, ProtocolError, RoundAborted
 from fl_secure.evaluation import DegenerateEmbeddings
+from fl_secure.logsafe import safe
 from fl_secure.messages import JoinReply, Task, TaskKind, Tensors, TensorSpec, UpdateHeader
 from privacy.secagg.stages import DECLINED, WITHDRAW_REASONS
 from server.attempt import Attempt, RoundBoard, UploadTicket
@@ -310,7 +311,7 @@ class Coordinator:
 
     def _declined(self, rnd: Attempt, client_id: str, why: str) -> None:
         if rnd.fail(client_id, f"declined the task ({why})"):
-            log.warning("round %d: %s declined its task: %s", rnd.number, client_id, why)
+            log.warning("round %d: %s declined its task: %s", rnd.number, safe(client_id), why)
             self.board.cv.notify_all()
 
     def online_clients(self) -> list[str]:
@@ -350,7 +351,7 @@ class Coordinator:
             self.accounting.end_attempt()
             self.status = "aborted" if not self.board.stopping else "stopped"
             self.stop_reason = str(exc)
-            log.error("%s", exc)
+            log.error("%s", safe(exc))
         finally:
             with self.board.cv:
                 self.board.finished = True

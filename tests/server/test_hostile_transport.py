@@ -233,3 +233,141 @@ def test_join_sends_only_the_config_a_client_reads(tmp_path) -> None:
     assert (got.model, got.algorithm, got.train, got.privacy, got.secure_aggregation) == (
         config.model, config.algorithm, config.train, config.privacy, config.secure_aggregation
     )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the log
+
+FORGED = "client-1\n11/27/2026 12:00:00:CRITICAL:forged line \x1b[2J\x1b[31m"
+
+
+def _is_one_printable_line(text: str) -> bool:
+    return all(ch.isprintable() for ch in text)
+
+
+def test_a_secagg_client_id_with_newline_and_escape_codes_is_logged_escaped(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from fl_secure.config import SecureAggregationConfig
+    from fl_secure.runs import RunDir
+    from fl_secure.tls import init_certificates
+    from fl_secure.tls.identity import load_signing_registry
+    from privacy.secagg.messages import AdvertiseKeys
+    from server.app import load_enrollment, start_server
+    from server.coordinator import Coordinator
+    from server.settings import CoordinatorSettings
+
+    # Prepare: a SecAgg run of three clients; client-0 advertises keys under a forged id
+    certs = tmp_path / "certs"
+    init_certificates(certs, clients=3)
+    settings = CoordinatorSettings(
+        rounds=1, min_clients=2, round_timeout=5, max_retries=0, poll_wait=0.5,
+        final_evaluation=False, run_id="log", secure_aggregation=SecureAggregationConfig(
+            scheme="secagg", clip_range=4.0, stage_timeout=5.0),
+    )  # fmt: skip
+    coord = Coordinator(
+        settings,
+        OrderedDict([("w", np.zeros(8, np.float32))]),
+        enrolled=set(load_enrollment(certs).fingerprints),
+        run_dir=RunDir(tmp_path / "run"),
+        server_step=lambda p, u, r: p,
+        signing_registry=load_signing_registry(certs),
+    )
+    server, port = start_server(coord, "127.0.0.1:0", cert_dir=certs)
+    driver = threading.Thread(target=coord.run, daemon=True)
+    driver.start()
+    try:
+        stubs = [
+            pb_grpc.FlSecureStub(
+                grpc.secure_channel(f"localhost:{port}", channel_credentials(certs, f"client-{i}"))
+            )
+            for i in range(3)
+        ]
+        for stub in stubs:
+            stub.Join(pb.JoinRequest(num_examples=5), timeout=10)
+        task = _task(stubs[0])
+        advert = AdvertiseKeys(FORGED, b"r" * 16, b"c" * 32, b"s" * 32, b"g" * 64)
+        # Execute
+        with caplog.at_level(logging.WARNING), pytest.raises(grpc.RpcError) as err:
+            stubs[0].SecAggExchange(
+                pb.SecAggMessage(
+                    round=task.round, nonce=task.nonce, stage=pb.SECAGG_STAGE_ADVERTISE_KEYS,
+                    payload=advert.to_bytes(),
+                ),
+                timeout=10,
+            )  # fmt: skip
+    finally:
+        coord.stop("test teardown")
+        server.stop(grace=None)
+        driver.join(timeout=10)
+    # Assert: refused; the log line names the forged id escaped, on one printable line
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    refused = [r.getMessage() for r in caplog.records if "advertisement of" in r.getMessage()]
+    assert refused, [r.getMessage() for r in caplog.records]
+    assert all(_is_one_printable_line(m) for m in refused), refused
+    assert "client-1\\n11/27/2026 12:00:00:CRITICAL:forged line \\x1b[2J" in refused[0]
+
+
+def _undecodable(run, client_id: str, count: int) -> list[grpc.StatusCode]:
+    """``count`` Join calls whose request bytes are not a JoinRequest."""
+    join = _channel(run, client_id).unary_unary("/fl_secure.v1.FlSecure/Join")
+    codes = []
+    for _ in range(count):
+        with pytest.raises(grpc.RpcError) as err:
+            join(b"\xff\xff\xff\xff", timeout=5)  # field 31, a truncated varint
+        codes.append(err.value.code())
+    return codes
+
+
+def test_undecodable_messages_are_refused_with_one_line_no_traceback(
+    grpc_run_factory, small_params, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    run = grpc_run_factory(small_params, clients=2, min_clients=2)
+    # Execute: 50 messages that do not parse, from one enrolled client
+    with caplog.at_level(logging.DEBUG):
+        codes = _undecodable(run, "client-1", 50)
+        reply = _stub(run, "client-0").Join(pb.JoinRequest(num_examples=1), timeout=5)
+    # Assert: each refused as INVALID_ARGUMENT; one log line for the lot, and no traceback
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 50
+    assert reply.client_id == "client-0"  # the others are still served
+    assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and r.name.startswith(("server", "grpc"))
+    ]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("message from client-1 refused: the message could not be decoded")
+
+
+def test_refusal_lines_are_one_per_peer_per_interval() -> None:
+    import logging
+
+    from fl_secure.logsafe import RefusalLog
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("test.refusals")
+    logger.addHandler(Keep())
+    logger.propagate = False
+    now = [0.0]
+    refusals = RefusalLog(logger, interval=10.0, clock=lambda: now[0])
+    # Execute: 100 refusals of one peer and 1 of another within 10 s, then one more later
+    written = [refusals.warn("a", "refused %s: %s", "a", FORGED) for _ in range(100)]
+    written.append(refusals.warn("b", "refused %s", "b"))
+    now[0] = 10.0
+    written.append(refusals.warn("a", "refused %s: %s", "a", "again"))
+    # Assert: three lines, the last counts what was held back, all escaped
+    assert written.count(True) == 3 and written[0] and written[100] and written[101]
+    assert records[0] == "refused a: " + FORGED.replace("\n", "\\n").replace("\x1b", "\\x1b")
+    assert records[1] == "refused b"
+    assert (
+        records[2] == "refused a: again (99 more refusals of this peer in the last 10 s unlogged)"
+    )
