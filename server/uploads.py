@@ -25,6 +25,7 @@ import numpy as np
 from fl_secure.errors import ProtocolError
 from fl_secure.logsafe import safe
 from fl_secure.messages import TaskKind, TensorSpec, UpdateHeader
+from fl_secure.serde import quoted_name
 from server.attempt import Attempt, RoundBoard, UploadFlow, UploadTicket
 from server.round import RoundState, update_weight
 
@@ -36,6 +37,24 @@ if TYPE_CHECKING:
     from server.settings import CoordinatorSettings
 
 log = logging.getLogger(__name__)
+
+
+#: Metric names a client reports that are rates (a TAR, an accuracy, an AUC, an EER): a value
+#: outside [0, 1] is not a measurement, whatever a client's own evaluation code says.
+RATE_PREFIXES = ("tar_at_far_", "roc_tar_at_far_", "rank1", "roc_auc", "eer")
+RATE_SUFFIXES = ("accuracy",)
+
+
+def check_reported_rates(metrics: Mapping[str, float]) -> None:
+    """Refuse a self-reported rate outside [0, 1] (it would skew the run's per-client figures).
+
+    Raises:
+        ProtocolError: Naming the metric and its value.
+    """
+    for name, value in metrics.items():
+        rate = name.startswith(RATE_PREFIXES) or name.endswith(RATE_SUFFIXES)
+        if rate and not 0.0 <= value <= 1.0:
+            raise ProtocolError(f"metric {quoted_name(name)} = {value:g} is a rate outside [0, 1]")
 
 
 class UploadDesk:
@@ -100,6 +119,7 @@ class UploadDesk:
             raise ProtocolError(
                 f"num_examples must be {'positive' if train else '>= 0'}, got {header.num_examples}"
             )
+        check_reported_rates(header.metrics)
         if train and self.privacy is not None:  # before aggregation, not in the ledger
             self.privacy.check_upload_metrics(client_id, header.metrics, self.settings.training)
         stated = self.membership.stated_examples(client_id)

@@ -371,3 +371,68 @@ def test_refusal_lines_are_one_per_peer_per_interval() -> None:
     assert (
         records[2] == "refused a: again (99 more refusals of this peer in the last 10 s unlogged)"
     )
+
+
+# ------------------------------------------------------------ connections before TLS
+
+
+def _closed_by_peer(sock, wait: float) -> bool:
+    import select
+
+    ready, _, _ = select.select([sock], [], [], wait)
+    if not ready:
+        return False
+    try:
+        return sock.recv(1) == b""
+    except OSError:  # reset
+        return True
+
+
+def test_connections_that_never_handshake_are_capped_and_closed(
+    grpc_run_factory, small_params
+) -> None:
+    import socket
+
+    from server.app import MIN_CONNECTIONS
+
+    # Prepare: a server that gives a TLS handshake 1 s
+    run = grpc_run_factory(small_params, clients=2, min_clients=2, handshake_timeout=1.0)
+    # Execute: MIN_CONNECTIONS + 40 TCP connections that never send a byte
+    socks = [
+        socket.create_connection(("127.0.0.1", run.port), timeout=5)
+        for _ in range(MIN_CONNECTIONS + 40)
+    ]
+    try:
+        time.sleep(0.3)
+        early = sum(_closed_by_peer(s, 0.0) for s in socks)
+        # Assert: those past the cap were closed at once, every one after the handshake timeout
+        assert early >= 40, early
+        assert all(_closed_by_peer(s, 3.0) for s in socks)
+        # and an honest client is served afterwards
+        reply = _stub(run, "client-0").Join(pb.JoinRequest(num_examples=1), timeout=10)
+        assert reply.client_id == "client-0"
+    finally:
+        for s in socks:
+            s.close()
+
+
+# ------------------------------------------------------------ self-reported metrics
+
+
+def test_a_self_reported_rate_outside_0_1_is_refused(grpc_run_factory, small_params) -> None:
+    # Prepare: client-2 reports a rank-1 rate of 7 with an otherwise honest update
+    run = grpc_run_factory(small_params, clients=3, min_clients=2, round_timeout=20)
+    good = [run.start_client(f"client-{i}", EchoTrainer(shift=1.0)) for i in range(2)]
+    liar = _stub(run, "client-2")
+    task = _task(liar)
+    header = UpdateHeader(task.round, task.nonce, 5, metrics={"rank1": 7.0, "loss": 9.0})
+    # Execute / Assert: refused by name; the others' round completes without it
+    with pytest.raises(grpc.RpcError) as err:
+        liar.SubmitUpdate(serde.update_to_chunks(header, small_params), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "metric 'rank1' = 7 is a rate outside [0, 1]"
+    _join_all(good)
+    assert run.coordinator.status == "completed"
+    assert run.coordinator.run_dir.read_metrics()[-1]["failed"] == {
+        "client-2": "metric 'rank1' = 7 is a rate outside [0, 1]"
+    }
