@@ -18,8 +18,8 @@ from fl_secure.tls import (
     server_credentials,
     warn_insecure,
 )
-from fl_secure.v1 import transport_pb2_grpc as pb_grpc
 from server.servicer import MAX_CALLS_PER_CLIENT, Authenticator, FlSecureServicer
+from server.wire import add_servicer
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -28,6 +28,14 @@ if TYPE_CHECKING:
     from server.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
+
+#: Open connections one enrolled client's share allows (handshaking or not); see
+#: :func:`connection_options`.
+CONNECTIONS_PER_CLIENT = 8
+#: Connections the server holds at least, whatever the enrollment.
+MIN_CONNECTIONS = 256
+#: A connection with no call open for this long is closed (GOAWAY; a client reconnects).
+MAX_CONNECTION_IDLE_MS = 5 * 60 * 1000
 
 #: Metadata key naming the client on an ``--insecure`` connection (no certificate to read).
 INSECURE_ID_HEADER = "x-fl-secure-client-id"
@@ -76,6 +84,26 @@ def check_address(address: str) -> None:
         )
 
 
+def connection_options(coordinator: Coordinator) -> list[tuple[str, int]]:
+    """Options of gRPC core that bound what peers can hold before and between calls.
+
+    A TCP connection that does not finish its TLS handshake within ``handshake_timeout`` is
+    closed (gRPC's default keeps it 120 s); at most ``max(MIN_CONNECTIONS,
+    CONNECTIONS_PER_CLIENT * enrolled)`` connections are open at once, handshaking ones
+    included (past it a new one is closed at accept); a connection without a call for
+    ``MAX_CONNECTION_IDLE_MS`` is closed.
+    """
+    enrolled = max(len(coordinator.enrolled), 1)
+    return [
+        ("grpc.server_handshake_timeout_ms", int(coordinator.settings.handshake_timeout * 1000)),
+        (
+            "grpc.max_allowed_incoming_connections",
+            max(MIN_CONNECTIONS, CONNECTIONS_PER_CLIENT * enrolled),
+        ),
+        ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
+    ]
+
+
 def _bind(address: str, add_port: Callable[[], int]) -> int:
     try:
         return add_port()
@@ -105,6 +133,7 @@ def start_server(
             ("grpc.so_reuseport", 0),
             # the largest unary message a client sends: a CKKS decryptor's float64 sum
             ("grpc.max_receive_message_length", max(4 << 20, 8 * _num_values(coordinator) + 65536)),
+            *connection_options(coordinator),
         ],
     )
     if insecure:
@@ -120,7 +149,7 @@ def start_server(
         port = _bind(address, lambda: server.add_secure_port(address, credentials))
     if port == 0:
         raise ConfigError(f"could not bind the server to {address}")
-    pb_grpc.add_FlSecureServicer_to_server(FlSecureServicer(coordinator, authenticate), server)
+    add_servicer(server, FlSecureServicer(coordinator, authenticate))
     server.start()
     log.info("serving on port %d (%s)", port, "INSECURE" if insecure else "mutual TLS")
     return server, port

@@ -37,6 +37,23 @@ class UploadTicket:
 
 
 @dataclass
+class UploadFlow:
+    """An upload holding a slot: how to end its call, and what it delivered when.
+
+    ``window_start``/``window_bytes`` are the current rate window (see
+    :meth:`server.uploads.UploadDesk.cancel_idle`); ``received`` counts the tensor bytes
+    of the whole upload, ``announced`` is its header's ``total_bytes``.
+    """
+
+    cancel: Callable[[], None]
+    last_data: float
+    window_start: float
+    announced: int
+    window_bytes: int = 0
+    received: int = 0
+
+
+@dataclass
 class Attempt:
     """An attempt of round ``number``: its cohort and what each member did."""
 
@@ -49,8 +66,8 @@ class Attempt:
     received: dict[str, UpdateHeader] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     uploading: set[str] = field(default_factory=set)
-    # uploads holding a slot: client -> (cancel its call, when its last data arrived)
-    streaming: dict[str, tuple[Callable[[], None], float]] = field(default_factory=dict)
+    # uploads holding a slot: client -> its call's cancel and its delivery so far
+    streaming: dict[str, UploadFlow] = field(default_factory=dict)
     # open attendance calls of a secure round: client -> the event that wakes its handler
     attending: dict[str, threading.Event] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)

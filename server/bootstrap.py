@@ -21,7 +21,7 @@ from fl_secure.algorithms.fedaffect import (
     build_fedaffect_model,
     make_expression_evaluator,
 )
-from fl_secure.config import Config, config_fingerprint, config_to_toml
+from fl_secure.config import Config, config_fingerprint, config_sections_to_toml
 from fl_secure.data.plan import FederatedData, plan_federation
 from fl_secure.data.types import FaceDataset
 from fl_secure.errors import ConfigError, PrivacyError
@@ -153,13 +153,15 @@ def build_server(
         max_retries=s.max_retries,
         max_concurrent_uploads=s.max_concurrent_uploads,
         upload_idle_timeout=s.upload_idle_timeout,
+        upload_min_rate=s.upload_min_rate,
+        handshake_timeout=s.handshake_timeout,
         max_upload_factor=s.max_upload_factor,
         algorithm=strategy.name,
         training=rules.training,
         lr_schedule=rules.lr_schedule,
         secure_aggregation=config.secure_aggregation,
         run_id=run_id,
-        run_config_toml=config_to_toml(sent),
+        run_config_toml=config_sections_to_toml(sent),  # what clients read, no more
         config_sha256=config_fingerprint(config),
         head_specs=rules.head_specs,
         max_head_rows=rules.max_head_rows,
@@ -225,7 +227,11 @@ def _noise_source(config: Config, party: str) -> NoiseSource | None:
 
 
 def _config_for_clients(config: Config, privacy: ServerPrivacy | None) -> Config:
-    """The run config clients receive: with the client-level noise the server calibrated."""
+    """The run config clients receive: with the client-level noise the server calibrated.
+
+    Only the sections and keys a client reads are sent
+    (:data:`fl_secure.config.to_toml.CLIENT_KEYS`): never the server's data paths.
+    """
     if privacy is None or privacy.plan is None:
         return config
     p = privacy.plan

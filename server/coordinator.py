@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from fl_secure.checkpoints import CheckpointStore
 from fl_secure.errors import CheckpointError, ProtocolError, RoundAborted
 from fl_secure.evaluation import DegenerateEmbeddings
+from fl_secure.logsafe import safe
 from fl_secure.messages import JoinReply, Task, TaskKind, Tensors, TensorSpec, UpdateHeader
 from privacy.ledger.anchors import STATE_KEY as LEDGER_HEAD_KEY
 from privacy.ledger.entries import canonical_json
@@ -202,7 +203,7 @@ class Coordinator:
 
     def _task_for(self, client_id: str) -> Task:
         if self.board.finished:
-            return Task(kind=TaskKind.FINISHED, message=self.stop_reason or "run finished")
+            return Task(kind=TaskKind.FINISHED, message=self._finished_message(client_id))
         rnd = self.board.current
         if rnd is None or client_id not in rnd.pending or client_id in rnd.uploading:
             return Task(kind=TaskKind.WAIT, retry_after_ms=500, message="no task for you now")
@@ -226,6 +227,35 @@ class Coordinator:
         signed = self.privacy.signed_head() if self.privacy is not None else None
         return b"" if signed is None else canonical_json(signed).encode("utf-8")
 
+    def _finished_message(self, client_id: str) -> str:
+        """How the run ended, as ``client_id`` may learn it: its own status, no one else's.
+
+        The stop reason of an aborted run names the other clients of its last attempt and
+        why each failed; that stays in the server's log and ``metrics.jsonl``.
+        """
+        if self.status == "completed":
+            text = f"run completed: {self.completed_round} rounds"
+        elif self.status == "budget_exhausted":  # the run's own budget: no client's doing
+            text = f"run ended after round {self.completed_round}: privacy budget exhausted"
+        elif self.status == "aborted":
+            text = (
+                f"run aborted after round {self.completed_round} (too few updates, or a secure "
+                "round failed; the server operator has the details)"
+            )
+        else:
+            text = f"run stopped by the server after round {self.completed_round}"
+        mine = [e for e in self.records.events if client_id in e["cohort"]]
+        if mine:
+            last = mine[-1]
+            where = f"round {last['round']} attempt {last['attempt']}"
+            if client_id in last["failed"]:
+                text += f"; your update in {where} failed: {last['failed'][client_id]}"
+            elif client_id in last["received"]:
+                text += f"; your update in {where} was received"
+            else:
+                text += f"; your update in {where} did not arrive before its deadline"
+        return text
+
     def parameters(self, client_id: str, round_: int, nonce: bytes) -> tuple[int, Tensors]:
         """Global parameters for a client of the current cohort (and its own head only)."""
         with self.board.cv:
@@ -238,9 +268,9 @@ class Coordinator:
         """Check an update header and take an upload slot (:meth:`UploadDesk.open`)."""
         return self.uploads.open(client_id, header, cancel)
 
-    def upload_progress(self, ticket: UploadTicket) -> None:
-        """Data of ``ticket``'s upload arrived (resets its idle time)."""
-        self.uploads.progress(ticket)
+    def upload_progress(self, ticket: UploadTicket, num_bytes: int) -> None:
+        """``num_bytes`` tensor bytes of an upload arrived (:meth:`UploadDesk.progress`)."""
+        self.uploads.progress(ticket, num_bytes)
 
     def commit_upload(self, ticket: UploadTicket, tensors: Mapping[str, np.ndarray]) -> None:
         """Fold a fully validated update into the round's aggregate."""
@@ -289,7 +319,7 @@ class Coordinator:
 
     def _declined(self, rnd: Attempt, client_id: str, why: str) -> None:
         if rnd.fail(client_id, f"declined the task ({why})"):
-            log.warning("round %d: %s declined its task: %s", rnd.number, client_id, why)
+            log.warning("round %d: %s declined its task: %s", rnd.number, safe(client_id), why)
             self.board.cv.notify_all()
 
     def online_clients(self) -> list[str]:
@@ -334,7 +364,7 @@ class Coordinator:
             self.accounting.end_attempt()
             self.status = "aborted" if not self.board.stopping else "stopped"
             self.stop_reason = str(exc)
-            log.error("%s", exc)
+            log.error("%s", safe(exc))
         finally:
             with self.board.cv:
                 self.board.finished = True

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from fl_secure import __version__
 from fl_secure.errors import RoundAborted
+from fl_secure.logsafe import safe
 from fl_secure.messages import JoinReply, TaskKind
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ class Membership:
             self._last_seen[client_id] = self.board.clock()
             self._examples[client_id] = num_examples
             self.board.cv.notify_all()
-        log.info("client %s joined (%d examples)", client_id, num_examples)
+        log.info("client %s joined (%d examples)", safe(client_id), num_examples)
         return JoinReply(
             client_id=client_id,
             run_id=self.settings.run_id,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from fl_secure.aggregation import Aggregator, StreamingMean
 from fl_secure.errors import RoundAborted
+from fl_secure.logsafe import safe
 from fl_secure.messages import TaskKind, Tensors
 from server.attempt import Attempt, RoundBoard
 from server.records import RoundRecords, describe_shortfall
@@ -97,7 +98,7 @@ class AttemptRunner:
                     secure = self.relay.start(number, attempt, cohort)
                 except RoundAborted as exc:  # e.g. no graph fits this cohort's size: redraw
                     last_secure_error, last_shortfall = str(exc), ""
-                    log.warning("round %d attempt %d: %s; %s", number, attempt, exc, then)
+                    log.warning("round %d attempt %d: %s; %s", number, attempt, safe(exc), then)
                     self.records.failed_attempt(number, attempt, kind, str(exc))
                     continue
             elif kind is TaskKind.TRAIN:
@@ -135,7 +136,9 @@ class AttemptRunner:
             if secure_error:
                 last_secure_error = secure_error
                 last_shortfall = describe_shortfall(rnd.failed, [])
-                log.warning("round %d attempt %d: %s; %s", number, attempt, secure_error, then)
+                log.warning(
+                    "round %d attempt %d: %s; %s", number, attempt, safe(secure_error), then
+                )
                 self.records.failed_attempt(number, attempt, kind, secure_error, event)
                 continue
             if len(rnd.received) >= needed:
@@ -196,8 +199,8 @@ class AttemptRunner:
                 secure_error = self.relay.unmask(rnd)
             board.current = None
             rnd.wake_attendants()  # their round is over: answer them
-            for cancel, _ in rnd.streaming.values():  # too late to count: free the slots
-                cancel()
+            for flow in rnd.streaming.values():  # too late to count: free the slots
+                flow.cancel()
             board.cv.notify_all()
         return secure_error
 

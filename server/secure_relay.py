@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fl_secure.errors import PrivacyError, ProtocolError, RoundAborted
+from fl_secure.logsafe import safe
 from privacy.secagg.round_setup import make_setup
 from privacy.secagg.server_round import ServerSecureRound
 from privacy.secagg.stages import ADVERTISE, SHARE, STAGE_NAMES, UNMASK, WITHDRAW_REASONS
@@ -215,7 +216,9 @@ class SecureRelay:
             return
         sec.mark_gone(client_id)
         rnd.fail(client_id, f"secure aggregation: {how}")
-        log.warning("round %d: %s left secure aggregation: %s", rnd.number, client_id, how)
+        log.warning(
+            "round %d: %s left secure aggregation: %s", rnd.number, safe(client_id), safe(how)
+        )
         self.board.cv.notify_all()
 
     # ------------------------------------------------------------ the driver

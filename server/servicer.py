@@ -1,7 +1,10 @@
 """Thin gRPC servicer: identity from the TLS certificate, messages in and out of the coordinator.
 
 Every refusal names its reason; a bad message from one client (wrong digest, shape, dtype,
-NaN/Inf, oversize) is answered with ``INVALID_ARGUMENT`` and the round goes on for the others.
+NaN/Inf, oversize, a message that does not parse) is answered with ``INVALID_ARGUMENT`` and
+the round goes on for the others. Refusals are logged one line per client per interval, with
+client-chosen text escaped (:class:`fl_secure.logsafe.RefusalLog`): no peer floods or forges
+the operator's log.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ import grpc
 
 from fl_secure import serde
 from fl_secure.errors import FlSecureError, ProtocolError, RoundAborted
+from fl_secure.logsafe import RefusalLog, safe
 from fl_secure.v1 import transport_pb2 as pb
 from fl_secure.v1 import transport_pb2_grpc as pb_grpc
+from server.wire import Undecodable, decoded
 
 if TYPE_CHECKING:
     from server.coordinator import Coordinator
@@ -43,9 +48,15 @@ class CallLimiter:
     more threads than its share.
     """
 
-    def __init__(self, authenticate: Authenticator, limit: int = MAX_CALLS_PER_CLIENT) -> None:
+    def __init__(
+        self,
+        authenticate: Authenticator,
+        limit: int = MAX_CALLS_PER_CLIENT,
+        refusals: RefusalLog | None = None,
+    ) -> None:
         self._authenticate = authenticate
         self._limit = limit
+        self.refusals = refusals or RefusalLog(log)
         self._open: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -58,7 +69,9 @@ class CallLimiter:
             if count < self._limit:
                 self._open[client_id] = count + 1
         if count >= self._limit:
-            log.warning("client %s has %d calls running; refusing another", client_id, count)
+            self.refusals.warn(
+                client_id, "client %s has %d calls running; refusing another", client_id, count
+            )
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"client {client_id} already has {count} calls open (the limit)",
@@ -87,16 +100,20 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
 
     def __init__(self, coordinator: Coordinator, authenticate: Authenticator) -> None:
         self.coordinator = coordinator
-        self.limiter = CallLimiter(authenticate)
+        #: Refusals: one line per client per interval, client-chosen text escaped.
+        self.refusals = RefusalLog(log)
+        self.limiter = CallLimiter(authenticate, refusals=self.refusals)
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:  # noqa: N802
         """Register the calling client."""
         with self.limiter.admit(context) as client_id:
+            self._refuse_undecodable(client_id, request, context)
             return self._join(client_id, request)
 
     def PollTask(self, request: pb.PollRequest, context: grpc.ServicerContext) -> pb.Task:  # noqa: N802
         """Long poll for the caller's next task."""
         with self.limiter.admit(context) as client_id:
+            self._refuse_undecodable(client_id, request, context)
             return self._poll(client_id, request)
 
     def GetParameters(  # noqa: N802
@@ -104,6 +121,7 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
     ) -> Iterator[pb.ParameterChunk]:
         """Stream the global shared parameters to a cohort member."""
         with self.limiter.admit(context) as client_id:  # held until the stream is done
+            self._refuse_undecodable(client_id, request, context)
             yield from self._parameters(client_id, request, context)
 
     def SubmitUpdate(  # noqa: N802
@@ -111,14 +129,23 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
     ) -> pb.SubmitReply:
         """Receive, validate and aggregate one client's update."""
         with self.limiter.admit(context) as client_id:
-            return self._submit(client_id, request_iterator, context)
+            return self._submit(client_id, decoded(request_iterator), context)
 
     def SecAggExchange(  # noqa: N802
         self, request: pb.SecAggMessage, context: grpc.ServicerContext
     ) -> pb.SecAggMessage:
         """One secure-aggregation stage; answers when the stage has closed for the cohort."""
         with self.limiter.admit(context) as client_id:
+            self._refuse_undecodable(client_id, request, context)
             return self._secagg(client_id, request, context)
+
+    def _refuse_undecodable(
+        self, client_id: str, request: object, context: grpc.ServicerContext
+    ) -> None:
+        """Abort the call if its request did not parse (one log line per client per interval)."""
+        if isinstance(request, Undecodable):
+            self.refusals.warn(client_id, "message from %s refused: %s", client_id, str(request))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request))
 
     def _join(self, client_id: str, request: pb.JoinRequest) -> pb.JoinReply:
         reply = self.coordinator.join(client_id, int(request.num_examples))
@@ -136,7 +163,7 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
                 client_id, int(request.round), bytes(request.nonce)
             )
         except ProtocolError as exc:
-            log.warning("GetParameters from %s refused: %s", client_id, exc)
+            self.refusals.warn(client_id, "GetParameters from %s refused: %s", client_id, str(exc))
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         yield from serde.parameters_to_chunks(version, params)
 
@@ -146,20 +173,21 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
         request_iterator: Iterator[pb.UpdateChunk],
         context: grpc.ServicerContext,
     ) -> pb.SubmitReply:
-        first = next(request_iterator, None)
+        first: pb.UpdateChunk | None = None
         try:
+            first = next(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "header":
                 raise ProtocolError("an update stream must start with its header")
             header = serde.update_header_from_proto(first.header)
             ticket = self.coordinator.open_upload(client_id, header, cancel=context.cancel)
         except ProtocolError as exc:
-            log.warning("update from %s refused: %s", client_id, exc)
+            self.refusals.warn(client_id, "update from %s refused: %s", client_id, str(exc))
             if first is not None and first.WhichOneof("kind") == "header":
                 head = first.header
                 self.coordinator.record_failure(client_id, int(head.round), head.nonce, str(exc))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except Exception as exc:  # a server fault on this header: this client alone is refused
-            log.exception("update header from %s could not be checked", client_id)
+            log.exception("update header from %s could not be checked", safe(client_id))
             why = f"the server could not check this update's header ({type(exc).__name__})"
             if first is not None and first.WhichOneof("kind") == "header":
                 head = first.header
@@ -170,19 +198,24 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
             reader = serde.TensorStreamReader(ticket.expected, max_bytes=ticket.max_bytes)
             for chunk in request_iterator:
                 reader.feed(chunk)
-                self.coordinator.upload_progress(ticket)
+                data = len(chunk.data) if chunk.WhichOneof("kind") == "data" else 0
+                self.coordinator.upload_progress(ticket, data)
             tensors = reader.finish()
             self.coordinator.commit_upload(ticket, tensors)
         except FlSecureError as exc:  # a bad upload, or its secure round aborted meanwhile
             error = str(exc)
         except grpc.RpcError:  # cancelled: it stalled, or its round ended first
             error = "upload cancelled before it completed (it stalled, or its round ended)"
-            log.warning("update from %s in round %d: %s", client_id, header.round, error)
+            self.refusals.warn(
+                client_id, "update from %s in round %d: %s", client_id, header.round, error
+            )
             raise
         finally:
             self.coordinator.release_upload(ticket, error)
         if error is not None:
-            log.warning("update from %s in round %d rejected: %s", client_id, header.round, error)
+            self.refusals.warn(
+                client_id, "update from %s in round %d rejected: %s", client_id, header.round, error
+            )
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         return pb.SubmitReply(accepted=True, message=f"round {header.round} update accepted")
 
@@ -218,7 +251,9 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
         except RoundAborted as exc:
             context.abort(grpc.StatusCode.ABORTED, str(exc))
         except FlSecureError as exc:  # malformed, unsigned, out of order: this client drops
-            log.warning("secure aggregation message from %s refused: %s", client_id, exc)
+            self.refusals.warn(
+                client_id, "secure aggregation message from %s refused: %s", client_id, str(exc)
+            )
             self.coordinator.record_failure(client_id, round_, nonce, str(exc))
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return pb.SecAggMessage(

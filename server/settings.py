@@ -25,6 +25,10 @@ class CoordinatorSettings:
     max_concurrent_uploads: int = 2
     max_upload_factor: float = 1.05
     upload_idle_timeout: float = 60.0  # an upload silent this long is cancelled
+    # bytes/s an upload must deliver over each upload_idle_timeout window (server.uploads)
+    upload_min_rate: float = 65536.0
+    # seconds a TCP connection may take to finish its TLS handshake (server.app)
+    handshake_timeout: float = 10.0
     algorithm: str = "fedpe"
     training: LocalTraining = field(default_factory=LocalTraining)
     algorithm_params: dict[str, float] = field(default_factory=dict)

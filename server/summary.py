@@ -85,6 +85,9 @@ def build_summary(
         ),
         "clients": per_client,
         "clients_summary": per_client_summary(per_client) if per_client else {},
+        # the server checks the rates are in [0, 1] and nothing else: a client could report
+        # any figure of its own test images, so the headline figures are the held-out ones
+        "clients_self_reported": True,
         **_privacy(coordinator),
         "secure_aggregation": _secure_aggregation(config, metrics, heads=strategy.uploads_head),
         "version": __version__,

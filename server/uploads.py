@@ -1,15 +1,21 @@
 """Upload admission: header checks, a bounded number of slots, stalls, and the fold-in.
 
 Server memory is bounded by the slots: at most ``max_concurrent_uploads`` updates stream at
-once, each checked against what its header may announce before a byte of it is read. An
-upload that sends nothing for ``upload_idle_timeout`` is cancelled, so a stalled client
-cannot hold a slot the others need. A complete, validated update is folded into the open
+once, each checked against what its header may announce before a byte of it is read. A slot
+is kept by delivering bytes, not messages: an upload that sends no tensor bytes for
+``upload_idle_timeout``, or fewer than ``upload_min_rate`` bytes/s over a window of that
+length, is cancelled and its client named as the cause, so neither a stalled nor a trickling
+client (an empty chunk every few seconds) can hold a slot the others need. A slot is thus
+held for at most ``upload_idle_timeout + max_bytes / upload_min_rate`` seconds. The bytes
+that arrive must be the ``total_bytes`` the header announced, no more and no fewer. A
+complete, validated update is folded into the open
 attempt at once (its aggregate, or its secure sum); the head of a ``server-sees-heads``
 upload is kept apart (:meth:`server.round.RoundState.split_upload`).
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 from typing import TYPE_CHECKING
@@ -17,9 +23,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fl_secure.errors import ProtocolError
+from fl_secure.logsafe import safe
 from fl_secure.messages import TaskKind, TensorSpec, UpdateHeader
+from fl_secure.serde import quoted_name
 from privacy.site_figures import released_header
-from server.attempt import Attempt, RoundBoard, UploadTicket
+from server.attempt import Attempt, RoundBoard, UploadFlow, UploadTicket
 from server.round import RoundState, update_weight
 
 if TYPE_CHECKING:
@@ -28,6 +36,26 @@ if TYPE_CHECKING:
     from privacy.server_round import ServerPrivacy
     from server.membership import Membership
     from server.settings import CoordinatorSettings
+
+log = logging.getLogger(__name__)
+
+
+#: Metric names a client reports that are rates (a TAR, an accuracy, an AUC, an EER): a value
+#: outside [0, 1] is not a measurement, whatever a client's own evaluation code says.
+RATE_PREFIXES = ("tar_at_far_", "roc_tar_at_far_", "rank1", "roc_auc", "eer")
+RATE_SUFFIXES = ("accuracy",)
+
+
+def check_reported_rates(metrics: Mapping[str, float]) -> None:
+    """Refuse a self-reported rate outside [0, 1] (it would skew the run's per-client figures).
+
+    Raises:
+        ProtocolError: Naming the metric and its value.
+    """
+    for name, value in metrics.items():
+        rate = name.startswith(RATE_PREFIXES) or name.endswith(RATE_SUFFIXES)
+        if rate and not 0.0 <= value <= 1.0:
+            raise ProtocolError(f"metric {quoted_name(name)} = {value:g} is a rate outside [0, 1]")
 
 
 class UploadDesk:
@@ -53,8 +81,8 @@ class UploadDesk:
     ) -> UploadTicket:
         """Check an update header and take an upload slot (bounded server memory).
 
-        ``cancel`` ends the upload's call: the attempt calls it when the upload stalls for
-        ``upload_idle_timeout`` (see :meth:`progress`) or the attempt ends first.
+        ``cancel`` ends the upload's call: the attempt calls it when the upload stalls or
+        trickles (:meth:`cancel_idle`) or the attempt ends first.
 
         Raises:
             ProtocolError: The header is refused, or no slot freed before the deadline.
@@ -75,7 +103,8 @@ class UploadDesk:
                 self._slots.release()
                 raise ProtocolError(f"round {rnd.number} closed before the upload could start")
             if cancel is not None:
-                rnd.streaming[client_id] = (cancel, board.clock())
+                now = board.clock()
+                rnd.streaming[client_id] = UploadFlow(cancel, now, now, header.total_bytes)
         return UploadTicket(client_id, header.round, header, expected, max_bytes)
 
     def _admit(
@@ -91,6 +120,7 @@ class UploadDesk:
             raise ProtocolError(
                 f"num_examples must be {'positive' if train else '>= 0'}, got {header.num_examples}"
             )
+        check_reported_rates(header.metrics)
         if train and self.privacy is not None:  # before aggregation, not in the ledger
             self.privacy.check_upload_metrics(client_id, header.metrics, self.settings.training)
         stated = self.membership.stated_examples(client_id)
@@ -120,23 +150,61 @@ class UploadDesk:
             )
         return expected, max_bytes
 
-    def progress(self, ticket: UploadTicket) -> None:
-        """Data of ``ticket``'s upload arrived (resets its idle time; no lock: one store)."""
-        rnd = self.board.current
-        entry = rnd.streaming.get(ticket.client_id) if rnd is not None else None
-        if rnd is not None and entry is not None and rnd.owns(ticket):
-            rnd.streaming[ticket.client_id] = (entry[0], self.board.clock())
+    def progress(self, ticket: UploadTicket, num_bytes: int) -> None:
+        """``num_bytes`` tensor bytes of ``ticket``'s upload arrived (0: a message without any).
+
+        Only bytes count: a message that carries none (an empty data chunk) neither resets
+        the idle time nor adds to the rate window.
+
+        Raises:
+            ProtocolError: The upload sent more bytes than its header announced.
+        """
+        if num_bytes <= 0:
+            return
+        with self.board.cv:
+            rnd = self.board.current
+            flow = rnd.streaming.get(ticket.client_id) if rnd is not None else None
+            if rnd is None or flow is None or not rnd.owns(ticket):
+                return
+            flow.last_data = self.board.clock()
+            flow.window_bytes += num_bytes
+            flow.received += num_bytes
+            if flow.received > flow.announced:
+                raise ProtocolError(
+                    f"upload sends more than the {flow.announced} bytes (total_bytes) its "
+                    "header announced"
+                )
 
     def cancel_idle(self, rnd: Attempt) -> None:
-        """Cancel uploads that sent nothing for ``upload_idle_timeout`` (under the cv)."""
-        limit = self.settings.upload_idle_timeout
+        """Cancel the uploads that stall or trickle, naming the client (under the cv).
+
+        Stalled: no tensor bytes for ``upload_idle_timeout``. Trickling: fewer than
+        ``upload_min_rate * upload_idle_timeout`` bytes in a window of ``upload_idle_timeout``
+        seconds while announced bytes are still missing.
+        """
+        window, rate = self.settings.upload_idle_timeout, self.settings.upload_min_rate
         now = self.board.clock()
-        for client, (cancel, last) in list(rnd.streaming.items()):
-            if now - last > limit:
+        for client, flow in list(rnd.streaming.items()):
+            if client in rnd.received:  # committed; its slot is being freed
+                continue
+            reason = ""
+            if now - flow.last_data > window:
+                reason = f"upload stalled: no data for {window:g} s"
+            elif now - flow.window_start > window:
+                if flow.received < flow.announced and flow.window_bytes < rate * window:
+                    reason = (
+                        f"upload too slow: {flow.window_bytes} bytes in {window:g} s, below "
+                        f"the minimum of {rate:g} bytes/s (server.upload_min_rate)"
+                    )
+                flow.window_start, flow.window_bytes = now, 0
+            if reason:
                 del rnd.streaming[client]
                 rnd.uploading.discard(client)
-                rnd.failed.setdefault(client, f"upload stalled: no data for {limit:g} s")
-                cancel()
+                rnd.failed.setdefault(client, reason)
+                log.warning(
+                    "round %d: upload of %s cancelled: %s", rnd.number, safe(client), reason
+                )
+                flow.cancel()
 
     def commit(self, ticket: UploadTicket, tensors: Mapping[str, np.ndarray]) -> None:
         """Fold a fully validated update into the attempt's aggregate (or secure sum).
@@ -149,6 +217,12 @@ class UploadDesk:
             rnd = board.current
             if rnd is None or not rnd.owns(ticket) or ticket.client_id not in rnd.pending:
                 raise ProtocolError(f"round {ticket.round} closed before the upload completed")
+            got = sum(int(a.nbytes) for a in tensors.values())
+            if got != ticket.header.total_bytes:
+                raise ProtocolError(
+                    f"upload header announced total_bytes = {ticket.header.total_bytes}, its "
+                    f"tensors have {got} bytes"
+                )
             if rnd.secure is not None:
                 (vector,) = tensors.values()  # the upload spec names the one tensor
                 rnd.secure.add_masked(ticket.client_id, np.asarray(vector))

@@ -13,7 +13,12 @@ from fl_secure.config.learning import AlgorithmConfig, EvalConfig, ModelConfig, 
 from fl_secure.config.loading import config_from_dict, load_config, parse_override
 from fl_secure.config.protection import PrivacyConfig, SecureAggregationConfig
 from fl_secure.config.run import Config, RunConfig, ServerConfig
-from fl_secure.config.to_toml import config_fingerprint, config_to_toml
+from fl_secure.config.to_toml import (
+    CLIENT_KEYS,
+    config_fingerprint,
+    config_sections_to_toml,
+    config_to_toml,
+)
 from fl_secure.config.values import (
     MAX_TIMEOUT,
     MIN_NOISE_MULTIPLIER,
@@ -30,6 +35,7 @@ from fl_secure.config.values import (
 )
 
 __all__ = [
+    "CLIENT_KEYS",
     "MAX_TIMEOUT",
     "MIN_NOISE_MULTIPLIER",
     "AccountantName",
@@ -55,6 +61,7 @@ __all__ = [
     "TrainConfig",
     "config_fingerprint",
     "config_from_dict",
+    "config_sections_to_toml",
     "config_to_toml",
     "load_config",
     "parse_override",

@@ -44,6 +44,13 @@ class ServerConfig:
     # seconds an upload may send nothing before it is cancelled (a stalled client would
     # otherwise hold one of the max_concurrent_uploads slots); uploads also end with the round
     upload_idle_timeout: float = 60.0
+    # bytes/s an upload must deliver, measured over windows of upload_idle_timeout seconds:
+    # a client that trickles (an empty or 1-byte message every few seconds) is cancelled and
+    # named, so a slot is held at most upload_idle_timeout + the upload's size / this rate
+    upload_min_rate: float = 65536.0
+    # seconds a TCP connection may take to complete its TLS handshake before it is closed
+    # (connections that never handshake would otherwise be kept for gRPC's default 120 s)
+    handshake_timeout: float = 10.0
     # rows a client's uploaded head may have (FedGC: one per identity it trains on); 0 = the
     # identities of the server's own data plan, right for the embedded mode; a standalone
     # server whose sites bring their own data sets it to their largest identity count
@@ -64,6 +71,8 @@ class ServerConfig:
             "server.upload_idle_timeout",
             TIMEOUT_RANGE,
         )
+        check(self.upload_min_rate >= 0, "server.upload_min_rate", "a number >= 0 (bytes/s)")
+        check(0 < self.handshake_timeout <= MAX_TIMEOUT, "server.handshake_timeout", TIMEOUT_RANGE)
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,28 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fl_secure.config.run import Config
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+#: What a client reads of the run config it is sent at join (client/trainer_factory.py,
+#: client/app.py, and privacy's client side: its accounting, site ledger and secure-round
+#: checks): these sections whole (None), and of the others only the keys named. Never the
+#: server's data paths, its data set's shape or its listening address.
+CLIENT_KEYS: dict[str, tuple[str, ...] | None] = {
+    "run": ("seed",),
+    "data": ("image_size", "center_crop", "min_images_per_identity", "degrade"),
+    "partition": ("num_clients",),  # server.min_clients is checked against it
+    "model": None,
+    "algorithm": None,
+    "train": None,
+    "server": ("min_clients", "max_retries"),
+    "privacy": None,
+    "secure_aggregation": None,
+}
 
 
 def _toml_value(value: Any) -> str:
@@ -30,6 +49,25 @@ def config_to_toml(config: Config) -> str:
         sub = getattr(config, section.name)
         for f in fields(sub):
             lines.append(f"{f.name} = {_toml_value(getattr(sub, f.name))}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def config_sections_to_toml(
+    config: Config, keep: Mapping[str, tuple[str, ...] | None] = CLIENT_KEYS
+) -> str:
+    """Part of ``config`` as TOML: the sections of ``keep``, each whole (None) or some keys.
+
+    What is left out reads as its default when the text is loaded again
+    (:func:`~fl_secure.config.loading.config_from_dict`).
+    """
+    lines: list[str] = []
+    for section, keys in keep.items():
+        sub = getattr(config, section)
+        lines.append(f"[{section}]")
+        for f in fields(sub):
+            if keys is None or f.name in keys:
+                lines.append(f"{f.name} = {_toml_value(getattr(sub, f.name))}")
         lines.append("")
     return "\n".join(lines)
 

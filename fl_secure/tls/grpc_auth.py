@@ -19,6 +19,7 @@ import grpc
 from cryptography.hazmat.primitives import serialization
 
 from fl_secure.errors import TlsError
+from fl_secure.logsafe import RefusalLog
 from fl_secure.tls.certs import (
     CertifiedKey,
     check_issued_by,
@@ -29,6 +30,8 @@ from fl_secure.tls.enrollment import EnrollmentList
 from fl_secure.tls.layout import CertificateSet, validate_client_id
 
 logger = logging.getLogger(__name__)
+#: Refused peers, one line per address per interval (a loop of refused calls is no flood).
+_refusals = RefusalLog(logger)
 
 
 class InsecureTransportWarning(RuntimeWarning):
@@ -142,6 +145,7 @@ def warn_insecure(what: str = "this connection") -> None:
 
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
     """Log and abort the call; ``context.abort`` raises, the final raise is a safety net."""
-    logger.warning("refused peer %s: %s", context.peer(), message)
+    peer = context.peer()
+    _refusals.warn(peer.rpartition(":")[0] or peer, "refused peer %s: %s", peer, message)
     context.abort(code, message)
     raise TlsError(message)

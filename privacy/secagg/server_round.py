@@ -107,7 +107,7 @@ class ServerSecureRound(StagedRound):
         if stage == ADVERTISE:
             advert = AdvertiseKeys.from_bytes(payload)
             if advert.client_id != client_id:
-                raise ProtocolError(f"{client_id} sent the advertisement of {advert.client_id}")
+                raise ProtocolError(f"{client_id} sent the advertisement of {advert.client_id!r}")
             self.server.add_advert(advert)
         elif stage == SHARE:
             shares = [EncryptedShare.from_bytes(b) for b in unpack(payload, "shares")]
@@ -115,7 +115,7 @@ class ServerSecureRound(StagedRound):
         elif stage == UNMASK:
             response = UnmaskResponse.from_bytes(payload)
             if response.client_id != client_id:
-                raise ProtocolError(f"{client_id} sent the unmask reply of {response.client_id}")
+                raise ProtocolError(f"{client_id} sent the unmask reply of {response.client_id!r}")
             self.server.add_unmask_response(response)
         else:
             raise ProtocolError(f"no messages are taken at {STAGE_NAMES.get(stage, stage)}")

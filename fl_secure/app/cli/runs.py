@@ -120,7 +120,7 @@ def print_summary(summary: dict[str, Any], run_dir: Path, as_json: bool) -> int:
             extra = f"   ({initial}: {before:.4f})" if isinstance(before, float) else ""
             print(
                 f"per-client {key}: {cs[f'{key}_mean']:.4f} ± {cs[f'{key}_std']:.4f} "
-                f"(mean ± std across clients, own test images){extra}"
+                f"(mean ± std across clients, own test images, self-reported){extra}"
             )
     if summary.get("privacy_unit") not in (None, "none"):
         eps = summary["epsilon"]
