@@ -285,3 +285,30 @@ def test_a_config_file_sets_the_bounds() -> None:
     assert (config.server.max_examples, config.server.examples_factor) == (1000, 10.0)
     with pytest.raises(ConfigError, match=re.escape("server.examples_factor: invalid value")):
         config_from_dict({"server": {"examples_factor": 1}})
+
+
+@pytest.mark.parametrize("attempt", [0, 2])
+def test_a_diverged_secure_sum_is_retried_with_a_fresh_cohort_while_retries_last(
+    tmp_path: Path, attempt: int
+) -> None:
+    from fl_secure.errors import RoundAborted
+    from server.attempt import Attempt
+
+    # Prepare: a securely aggregated attempt (its session stands in: only its presence is
+    # read) whose sum made the model non-finite; no update of it was seen, so none is named
+    coord = _coordinator(tmp_path, {"c0", "c1", "c2"})
+    cohort = dict.fromkeys(("c0", "c1", "c2"), b"n")
+    rnd = Attempt(1, TaskKind.TRAIN, attempt, cohort, 0.0, None, secure=object())  # type: ignore[arg-type]
+    diverged = OrderedDict([("w", np.full((2, 2), np.inf, np.float32)), ("b", np.zeros(3))])
+    # Execute / Assert: attempts 0 and 1 are retried; the last (server.max_retries = 2) stops
+    if attempt == 2:
+        with pytest.raises(RoundAborted, match="only their sum could be vetted"):
+            coord._vet_model(rnd, diverged)
+        return
+    assert coord._vet_model(rnd, diverged) == (False, None)
+    (record,) = RunDir(tmp_path).read_metrics()
+    assert record["reason"].startswith("round 1: the aggregate made the global model non-finite")
+    assert record["reason"].endswith(
+        "the updates were masked, so only their sum could be vetted: a client's update or "
+        "train.lr is to blame; the round is retried with a fresh cohort"
+    )
