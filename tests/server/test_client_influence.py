@@ -312,3 +312,62 @@ def test_a_diverged_secure_sum_is_retried_with_a_fresh_cohort_while_retries_last
         "the updates were masked, so only their sum could be vetted: a client's update or "
         "train.lr is to blame; the round is retried with a fresh cohort"
     )
+
+
+def test_under_local_noise_the_dropped_attempt_is_counted_and_the_round_completes(
+    tmp_path: Path,
+) -> None:
+    from fl_secure.config import PrivacyConfig
+    from privacy.dp.calibration import epsilon_for
+    from privacy.dp.noise import SeededGaussian
+    from privacy.ledger.run_ledger import Ledger
+    from privacy.server_round import open_server_privacy
+
+    # Prepare: client-level DP with local noise (the server sees each noised update, and
+    # adds nothing); c3 sends 3e38 everywhere in place of its clipped, noised update
+    clients = ("c0", "c1", "c2", "c3")
+    cfg = PrivacyConfig(unit="client", noise_placement="local", noise_multiplier=2.0)
+    privacy = open_server_privacy(
+        cfg, tmp_path / "ledger.sqlite", "test-run", rounds=1, population=4,
+        clients_per_round=0, sample_rate=0.0, source=SeededGaussian(0),
+    )  # fmt: skip
+    settings = CoordinatorSettings(
+        rounds=1, min_clients=3, round_timeout=100.0, poll_wait=0.05, final_evaluation=False
+    )
+    coord = Coordinator(
+        settings,
+        _initial(),
+        enrolled=set(clients),
+        run_dir=RunDir(tmp_path),
+        server_step=_add,
+        evaluator=_embeddings_norm,
+        clock=FakeClock(),
+        privacy=privacy,
+    )
+    for c in clients:
+        coord.join(c, 10)
+    # Execute
+    _run(coord, {"c0": (0.1, 1), "c1": (0.2, 1), "c2": (0.3, 1), "c3": (ATTACK, 1)})
+    # Assert: completed without c3; the sum of the others over the plan's denominator
+    assert coord.status == "completed", coord.stop_reason
+    assert privacy.plan is not None
+    expected = np.float32((0.1 + 0.2 + 0.3) / privacy.plan.denominator)
+    np.testing.assert_allclose(coord.params["w"], np.full((2, 2), expected), rtol=1e-6)
+    # the dropped attempt's updates were seen: composed like a round before the round's row
+    privacy.ledger.close()
+    with Ledger.read(tmp_path / "ledger.sqlite") as ledger:
+        assert ledger.verify().ok
+        entries = ledger.entries()
+    assert [(e.kind, e.round) for e in entries if e.kind != "note"] == [
+        ("discarded_sum", 1),
+        ("client_level", 1),
+    ]
+    assert "the updates of c3 (7.94e+38)" in entries[0].payload["message"]
+
+    def eps(steps: int) -> float:
+        return epsilon_for(
+            accountant="pld", noise_multiplier=2.0, sample_rate=1.0, steps=steps, delta=1e-5
+        )
+
+    client_level = [e for e in entries if e.kind == "client_level"][0]
+    assert client_level.payload["epsilon"] == pytest.approx(eps(2), rel=1e-9)
