@@ -8,6 +8,7 @@ condition, when a client asks for its task, downloads, uploads or runs a secure 
 
 from __future__ import annotations
 
+import math
 import secrets
 import threading
 import time
@@ -73,6 +74,11 @@ class Attempt:
     started: float = field(default_factory=time.monotonic)
     secure: ServerSecureRound | ServerCkksRound | None = None
     heads: dict[str, Tensors] = field(default_factory=dict)  # uploaded heads (FedGC)
+    # bounded client influence (server.influence), plain attempts: the most an update may
+    # weigh, the L2 norm of each update folded in, and the weights that were capped
+    weight_cap: float = math.inf
+    norms: dict[str, float] = field(default_factory=dict)
+    capped: dict[str, float] = field(default_factory=dict)
 
     @property
     def pending(self) -> set[str]:

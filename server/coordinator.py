@@ -31,6 +31,7 @@ from privacy.ledger.anchors import STATE_KEY as LEDGER_HEAD_KEY
 from privacy.ledger.entries import canonical_json
 from privacy.secagg.stages import DECLINED, WITHDRAW_REASONS
 from server.attempt import Attempt, RoundBoard, UploadTicket
+from server.influence import describe_norms, diverged_offenders
 from server.membership import Membership
 from server.records import RoundRecords, finite_or_none
 from server.release_accounting import BudgetStop, ReleaseAccounting
@@ -374,9 +375,14 @@ class Coordinator:
     def _train_round(self, number: int) -> dict[str, Any]:
         """Round ``number``: aggregate, step, vet, record, checkpoint, then release."""
         self.model.prepare_broadcast(number)
-        rnd = self.attempts.run(number, TaskKind.TRAIN, self.settings.min_clients)
-        params = self.model.step(number, self.attempts.mean_update(rnd))
-        held = self._vet_model(rnd, params)  # a diverged model is never released
+        first = 0
+        while True:
+            rnd = self.attempts.run(number, TaskKind.TRAIN, self.settings.min_clients, first)
+            params = self.model.step(number, self.attempts.mean_update(rnd))
+            accepted, held = self._vet_model(rnd, params)  # a diverged one is never released
+            if accepted:
+                break
+            first = rnd.attempt + 1  # retried without the updates it was blamed on
         heads = self.model.step_heads(number, rnd.heads)
         encoded = self.store.encode(number, params)  # hashed for the ledger, written
         rows = self.accounting.ledger_rows(rnd, encoded)
@@ -423,16 +429,22 @@ class Coordinator:
             record["clients"] = {c: h.metrics for c, h in sorted(rnd.received.items())}
         self.records.untrained(record)
 
-    def _vet_model(self, rnd: Attempt, params: Tensors) -> dict[str, Any] | None:
-        """Round ``rnd.number``'s new global model scored, or the round refused as diverged.
+    def _vet_model(self, rnd: Attempt, params: Tensors) -> tuple[bool, dict[str, Any] | None]:
+        """Round ``rnd.number``'s new global model scored, or the attempt refused as diverged.
 
         A diverged model (:func:`server.round.vet_model`) is neither checkpointed nor
-        released; the last checkpoint stays the run's model. The server did see the round's
-        updates (or their sum), so under client-level DP with local or distributed noise
-        that view is accounted like any discarded sum before the run stops.
+        released; the previous round's model stays the run's. The server did see the
+        attempt's updates (or their sum), so under client-level DP with local or distributed
+        noise that view is accounted like any discarded sum. The round is then retried, while
+        ``server.max_retries`` allows: without the plain updates the divergence is blamed on
+        (:func:`server.influence.diverged_offenders`, named), or, securely aggregated, with a
+        fresh cohort (a masked update cannot be told from the others: only the sum is
+        vetted). A plain attempt whose updates are all alike diverged by the run's own
+        settings, and a retry would diverge again: the run stops.
 
         Returns:
-            The held-out metrics (NaN scores as None), or None without an evaluator.
+            Whether the model is accepted, and its held-out metrics (NaN scores as None; None
+            without an evaluator, or when the round is to be retried).
 
         Raises:
             RoundAborted: Naming what diverged, after the attempt is recorded and accounted.
@@ -440,8 +452,37 @@ class Coordinator:
         held, reason = vet_model(rnd.number, params, self.evaluator)
         if not reason:
             scored: dict[str, Any] | None = finite_or_none(held)
-            return scored
+            return True, scored
+        offenders: list[str] = []
+        if rnd.secure is None and not self.attempts.clips_updates():
+            offenders = diverged_offenders(rnd.norms, self.settings.update_norm_factor)
+        retry = rnd.attempt < self.settings.max_retries and (
+            bool(offenders) or rnd.secure is not None
+        )
+        if offenders:
+            blamed = describe_norms(offenders, rnd.norms)
+            reason += (
+                f"; blamed on the update(s) of {blamed}, over server.update_norm_factor = "
+                f"{self.settings.update_norm_factor:g} times the median L2 norm of the others"
+            )
+            for client in offenders:
+                rnd.failed[client] = f"update dropped: the aggregate with it diverged ({blamed})"
+            self.membership.leave_out(rnd.number, offenders)
+        elif rnd.secure is not None:
+            reason += (
+                "; the updates were masked, so only their sum could be vetted: a client's "
+                "update or train.lr is to blame"
+            )
+        if retry:
+            reason += (
+                "; the round is retried without them"
+                if offenders
+                else "; the round is retried with a fresh cohort"
+            )
         reason = self.accounting.diverged(rnd, reason)
         event = self.records.last_event(rnd.number)
         self.records.failed_attempt(rnd.number, rnd.attempt, TaskKind.TRAIN, reason, event)
-        raise RoundAborted(reason)
+        if not retry:
+            raise RoundAborted(reason)
+        log.warning("%s", reason)
+        return False, None

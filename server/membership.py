@@ -10,6 +10,7 @@ from fl_secure import __version__
 from fl_secure.errors import RoundAborted
 from fl_secure.logsafe import safe
 from fl_secure.messages import JoinReply, TaskKind
+from server.influence import weight_cap
 
 if TYPE_CHECKING:
     from privacy.server_round import ServerPrivacy
@@ -38,6 +39,8 @@ class Membership:
         self._rng = secrets.SystemRandom()  # cohort sampling is privacy-relevant (amplification)
         #: Clients that declined a round's task (their own policy): not drawn again for it.
         self._declined: dict[int, set[str]] = {}
+        #: Clients whose update of a round was dropped (server.influence): left out of it.
+        self._left_out: dict[int, set[str]] = {}
 
     def join(self, client_id: str, num_examples: int) -> JoinReply:
         """Register a client as online (identity already checked by mTLS + enrollment)."""
@@ -79,9 +82,29 @@ class Membership:
         """``client_id`` declined round ``number``'s task: not drawn again for that round."""
         self._declined.setdefault(number, set()).add(client_id)
 
+    def leave_out(self, number: int, clients: list[str]) -> None:
+        """Round ``number``'s later attempts go on without ``clients``.
+
+        Their updates were dropped (:mod:`server.influence`). They are not drawn again, and
+        where a draw is from every enrolled client (fixed-size cohorts under client-level DP)
+        one drawn all the same fails at once (:meth:`left_out_of`).
+        """
+        self._left_out.setdefault(number, set()).update(clients)
+
+    def left_out_of(self, number: int) -> set[str]:
+        """The clients whose update of round ``number`` was dropped (:meth:`leave_out`)."""
+        return set(self._left_out.get(number, set()))
+
+    def weight_cap(self) -> float:
+        """The most one plain update may weigh now (:func:`server.influence.weight_cap`)."""
+        s = self.settings
+        with self.board.cv:
+            stated = [n for c, n in self._examples.items() if c in self.enrolled]
+        return weight_cap(stated, s.max_examples, s.examples_factor)
+
     def candidates(self, number: int, online: list[str]) -> list[str]:
-        """The online clients that did not decline round ``number``."""
-        declined = self._declined.get(number, set())
+        """The online clients that did not decline round ``number``, nor were left out of it."""
+        declined = self._declined.get(number, set()) | self._left_out.get(number, set())
         return [c for c in online if c not in declined]
 
     def sample_cohort(self, online: list[str], kind: TaskKind = TaskKind.TRAIN) -> list[str]:

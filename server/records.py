@@ -38,6 +38,8 @@ class RoundRecords:
             "failed": rnd.failed,
             "dropped": sorted(rnd.pending),
         }
+        if rnd.capped:  # the server's cap on an update's weight (server.influence)
+            event["weights_capped"] = dict(sorted(rnd.capped.items()))
         if secure_record is not None:
             event["secure_aggregation"] = secure_record
         self.events.append(event)
@@ -72,6 +74,8 @@ class RoundRecords:
             "duration_s": round(time.monotonic() - rnd.started, 3),
             "clients": {c: h.metrics for c, h in sorted(rnd.received.items())},
         }
+        if rnd.capped:
+            record["weights_capped"] = dict(sorted(rnd.capped.items()))
         if secure is not None:
             record["secure_aggregation"] = secure
         if bytes_per_client is not None:

@@ -244,11 +244,12 @@ class RoundState:
         self.heads = dict(heads)
 
 
-def update_weight(num_examples: int, *, private: bool) -> float:
+def update_weight(num_examples: float, *, private: bool) -> float:
     """An update's weight in the mean: its example count, or 1 under differential privacy.
 
     Under DP a client's image count is part of what is protected (one image more or less, at
-    example level): the mean is unweighted, as a secure sum is.
+    example level): the mean is unweighted, as a secure sum is. The coordinator passes the
+    count within the server's cap (:func:`server.influence.weight_cap`).
     """
     return 1.0 if private else float(num_examples)
 
@@ -273,8 +274,8 @@ def vet_model(
     if bad:
         return None, (
             f"round {number}: the aggregate made the global model non-finite in {bad} (updates "
-            "too large: lower train.lr, or clip them with privacy.unit = 'client'); the model "
-            f"of round {number - 1} is kept"
+            "too large: one client's, or all: lower train.lr, or clip them with privacy.unit = "
+            f"'client'); the model of round {number - 1} is kept"
         )
     if evaluator is None:
         return None, ""

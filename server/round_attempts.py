@@ -12,6 +12,7 @@ round again on top of what the failed attempts showed the server.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ from fl_secure.errors import RoundAborted
 from fl_secure.logsafe import safe
 from fl_secure.messages import TaskKind, Tensors
 from server.attempt import Attempt, RoundBoard
+from server.influence import describe_norms, norm_outliers
 from server.records import RoundRecords, describe_shortfall
 
 if TYPE_CHECKING:
@@ -60,8 +62,13 @@ class AttemptRunner:
         self.records = records
         self.privacy = privacy
 
-    def run(self, number: int, kind: TaskKind, needed: int) -> Attempt:
+    def run(self, number: int, kind: TaskKind, needed: int, first: int = 0) -> Attempt:
         """Run round ``number`` with retries; the returned attempt has >= ``needed`` results.
+
+        ``first``: the attempt to start at (a round whose aggregate was refused goes on with
+        the next; the retries are the round's, ``server.max_retries`` in all). A plain
+        training attempt's updates far over its median norm are dropped, their clients
+        named, and the round retried without them (:func:`server.influence.norm_outliers`).
 
         Raises:
             BudgetStop: A training attempt would pass the privacy budget (it is not started).
@@ -71,7 +78,7 @@ class AttemptRunner:
         retries = self.settings.max_retries
         last_secure_error = ""
         last_shortfall = ""
-        for attempt in range(retries + 1):
+        for attempt in range(first, retries + 1):
             then = "retrying" if attempt < retries else "aborting"
             self.accounting.end_attempt()  # the last attempt ended, what it showed accounted
             if kind is TaskKind.TRAIN:  # after the failed attempts' releases are composed
@@ -111,6 +118,7 @@ class AttemptRunner:
                 deadline=self.board.clock() + self.settings.round_timeout,
                 aggregator=aggregator,
                 secure=secure,
+                weight_cap=self.membership.weight_cap() if aggregator is not None else math.inf,
             )
             secure_error = self._hold(rnd, online)
             if self.board.stopping:
@@ -141,8 +149,15 @@ class AttemptRunner:
                 )
                 self.records.failed_attempt(number, attempt, kind, secure_error, event)
                 continue
-            if len(rnd.received) >= needed:
+            outliers = self._norm_outliers(rnd) if len(rnd.received) >= needed else ""
+            if len(rnd.received) >= needed and not outliers:
                 return rnd
+            if outliers:  # the server saw these updates: accounted like a refused aggregate
+                last_secure_error, last_shortfall = outliers, ""
+                reason = self.accounting.diverged(rnd, f"{outliers}; {then}")
+                self.records.failed_attempt(number, attempt, kind, reason, event)
+                log.warning("%s", reason)
+                continue
             last_secure_error = ""
             last_shortfall = describe_shortfall(rnd.failed, sorted(rnd.pending))
             shortfall = f"{len(rnd.received)} of {needed} needed updates arrived"
@@ -165,6 +180,37 @@ class AttemptRunner:
             f"round {number} aborted: fewer than {needed} updates after {tries}{why}"
         )
 
+    def clips_updates(self) -> bool:
+        """Whether the server clips each plain update itself (client-level DP, central noise).
+
+        Then no update can move the mean by more than the clip norm, and dropping one by how
+        it compares with the others' norms would make one client's inclusion depend on
+        another's data, which the accountant does not cover: the norm screens are off.
+        """
+        p = self.privacy
+        return p is not None and p.unit == "client" and p.placement == "central"
+
+    def _norm_outliers(self, rnd: Attempt) -> str:
+        """Drop a plain attempt's updates far over its median norm: why, or "" if none."""
+        if rnd.kind is not TaskKind.TRAIN or rnd.secure is not None or self.clips_updates():
+            return ""
+        factor = self.settings.update_norm_factor
+        outliers, median = norm_outliers(rnd.norms, factor)
+        if not outliers:
+            return ""
+        self.membership.leave_out(rnd.number, outliers)
+        for client in outliers:
+            rnd.failed[client] = (
+                f"update dropped: its L2 norm {rnd.norms[client]:.4g} is over "
+                f"server.update_norm_factor = {factor:g} times the attempt's median {median:.4g}"
+            )
+        return (
+            f"round {rnd.number} attempt {rnd.attempt}: the updates of "
+            f"{describe_norms(outliers, rnd.norms)} are over server.update_norm_factor = "
+            f"{factor:g} times the median L2 norm {median:.4g} of the attempt's "
+            f"{len(rnd.norms)} updates: dropped (left out of the round's later attempts)"
+        )
+
     def _aggregator(self) -> Aggregator:
         """A plain attempt's aggregator: the DP one (central noise), or the streaming mean."""
         dp = self.privacy.make_aggregator(self.model.specs) if self.privacy else None
@@ -174,13 +220,17 @@ class AttemptRunner:
         """Post ``rnd`` on the board and wait until it ends; return a secure abort's reason.
 
         Members drawn while offline (a fixed-size cohort under DP is drawn from the enrolled
-        clients) drop out at once. When the attempt ends, its attendance calls are answered
-        and uploads still streaming are cancelled: too late to count, they free their slots.
+        clients), or left out of the round (their update was dropped), drop out at once. When
+        the attempt ends, its attendance calls are answered and uploads still streaming are
+        cancelled: too late to count, they free their slots.
         """
         board = self.board
         with board.cv:
-            for c in sorted(set(rnd.cohort) - set(online)):
-                rnd.failed[c] = "offline when the cohort was drawn"
+            gone = dict.fromkeys(set(rnd.cohort) - set(online), "offline when the cohort was drawn")
+            for c in set(rnd.cohort) & self.membership.left_out_of(rnd.number):
+                gone.setdefault(c, "left out of the round: its update was dropped")
+            for c, why in sorted(gone.items()):
+                rnd.failed[c] = why
                 if rnd.secure is not None:
                     rnd.secure.mark_gone(c)
             board.current = rnd

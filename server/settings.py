@@ -46,6 +46,13 @@ class CoordinatorSettings:
     # client's head may have (server.round.RoundRules, with rounds, training, lr_schedule)
     head_specs: tuple[TensorSpec, ...] = ()
     max_head_rows: int = 0
+    # bounded client influence (server.influence): an update's L2 norm bound (0: none) and
+    # the factor of its attempt's median norm over which it is dropped (0: off); an update's
+    # weight cap (0: none) and the factor of the clients' median stated count (0: off)
+    max_update_norm: float = 0.0
+    update_norm_factor: float = 10.0
+    max_examples: int = 0
+    examples_factor: float = 10.0
     # secure_aggregation.scheme = "ckks": the server's CKKS context (no key: it cannot decrypt)
     ckks_public_context: bytes = b""
 

@@ -10,7 +10,8 @@ held for at most ``upload_idle_timeout + max_bytes / upload_min_rate`` seconds. 
 that arrive must be the ``total_bytes`` the header announced, no more and no fewer. A
 complete, validated update is folded into the open
 attempt at once (its aggregate, or its secure sum); the head of a ``server-sees-heads``
-upload is kept apart (:meth:`server.round.RoundState.split_upload`).
+upload is kept apart (:meth:`server.round.RoundState.split_upload`). A plain update's norm and
+weight are bounded by the server's policy first (:mod:`server.influence`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from fl_secure.messages import TaskKind, TensorSpec, UpdateHeader
 from fl_secure.serde import quoted_name
 from privacy.site_figures import released_header
 from server.attempt import Attempt, RoundBoard, UploadFlow, UploadTicket
+from server.influence import norm_refusal, update_norm
 from server.round import RoundState, update_weight
 
 if TYPE_CHECKING:
@@ -228,10 +230,15 @@ class UploadDesk:
                 rnd.secure.add_masked(ticket.client_id, np.asarray(vector))
             elif rnd.aggregator is not None:
                 shared, head = self.model.split_upload(ticket.client_id, tensors)
+                norm = update_norm(shared)
+                refusal = norm_refusal(ticket.client_id, norm, self.settings.max_update_norm)
+                if refusal:
+                    raise ProtocolError(refusal)
+                weight = self._weight(rnd, ticket)
                 if head:
                     rnd.heads[ticket.client_id] = head
-                weight = update_weight(ticket.header.num_examples, private=self.privacy is not None)
                 rnd.aggregator.add(shared, weight)
+                rnd.norms[ticket.client_id] = norm
             header = ticket.header
             if self.privacy is not None:
                 # recorded as a private site may send it: an older client's count, schedule
@@ -242,6 +249,20 @@ class UploadDesk:
             rnd.received[ticket.client_id] = header
             self.membership.heard_from(ticket.client_id)
             board.cv.notify_all()
+
+    def _weight(self, rnd: Attempt, ticket: UploadTicket) -> float:
+        """An update's weight in the mean: its example count within the attempt's cap.
+
+        The count was checked against the client's statement at join (:meth:`_admit`); the
+        cap is the server's own (:func:`server.influence.weight_cap`). Under DP every update
+        weighs 1 (:func:`server.round.update_weight`).
+        """
+        private = self.privacy is not None
+        claimed = ticket.header.num_examples
+        if private or claimed <= rnd.weight_cap:
+            return update_weight(claimed, private=private)
+        rnd.capped[ticket.client_id] = rnd.weight_cap
+        return update_weight(rnd.weight_cap, private=False)
 
     def release(self, ticket: UploadTicket, error: str | None = None) -> None:
         """Free the upload slot; record a failed upload (the round goes on without it)."""

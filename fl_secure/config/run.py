@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from fl_secure.config.data import DataConfig, PartitionConfig
@@ -55,6 +56,18 @@ class ServerConfig:
     # identities of the server's own data plan, right for the embedded mode; a standalone
     # server whose sites bring their own data sets it to their largest identity count
     max_head_rows: int = 0
+    # Bounded client influence (plain updates; a masked update is seen only in its sum).
+    # An update whose L2 norm (shared tensors) is over max_update_norm is refused (0 = no
+    # absolute bound; a non-finite norm always is); one over update_norm_factor times the
+    # median norm of its attempt's updates is dropped by name and the round retried without
+    # it (0 = off; not under central client-level DP, whose clipping bounds every update).
+    max_update_norm: float = 0.0
+    update_norm_factor: float = 10.0
+    # An update's weight in the mean is its example count, capped: at most what the client
+    # stated at join, at most max_examples (0 = no absolute cap), and at most
+    # examples_factor times the median count the enrolled clients stated at join (0 = off)
+    max_examples: int = 0
+    examples_factor: float = 10.0
 
     def __post_init__(self) -> None:
         """Check ranges."""
@@ -66,6 +79,22 @@ class ServerConfig:
         check(self.max_retries >= 0, "server.max_retries", "an integer >= 0")
         check(self.max_concurrent_uploads >= 1, "server.max_concurrent_uploads", "an integer >= 1")
         check(self.max_upload_factor >= 1, "server.max_upload_factor", "a number >= 1")
+        check(
+            math.isfinite(self.max_update_norm) and self.max_update_norm >= 0,
+            "server.max_update_norm",
+            "a finite number >= 0 (0: no absolute bound on an update's L2 norm)",
+        )
+        for key, factor in (
+            ("update_norm_factor", self.update_norm_factor),
+            ("examples_factor", self.examples_factor),
+        ):
+            check(
+                factor == 0 or (math.isfinite(factor) and factor >= 2),
+                f"server.{key}",
+                "0 (off) or a finite number >= 2 (a smaller factor refuses honest clients "
+                "that merely differ from the median)",
+            )
+        check(self.max_examples >= 0, "server.max_examples", "an integer >= 0 (0: no cap)")
         check(
             0 < self.upload_idle_timeout <= MAX_TIMEOUT,
             "server.upload_idle_timeout",
