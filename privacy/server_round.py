@@ -204,10 +204,12 @@ class ServerPrivacy:
             "epsilon": epsilon,
             "delta": self.cfg.delta,
             "noise_placement": p.placement,
-            # distributed shares are integers under secure aggregation (KLS21)
-            "noise_distribution": "discrete_gaussian"
-            if p.placement == "distributed"
-            else "gaussian",
+            # distributed shares are integers under secure aggregation (KLS21); local noise is
+            # integer noise on a grid; both are accounted by their zCDP bound
+            "noise_distribution": p.noise,
+            "epsilon_bound": "zCDP of the discrete Gaussian (CKS20, KLS21), no amplification"
+            if p.noise == "discrete_gaussian"
+            else f"{self.accountant_name} accountant, continuous Gaussian",
             "adjacency": self.adjacency,
             "privacy_unit": "client",
             "noise_secure": bool(self.source.secure),
@@ -358,6 +360,9 @@ class ServerPrivacy:
                     "population": payload["population"]
                     if payload.get("sampling") == "fixed_size"
                     else None,
+                    # rows before integer noise was accounted by zCDP say "gaussian" for local
+                    # noise, "discrete_gaussian" for distributed noise (accounted by zCDP now)
+                    "noise": payload.get("noise_distribution", "gaussian"),
                 }
             )
             self.epsilon = float(payload["epsilon"])  # type: ignore[arg-type]
