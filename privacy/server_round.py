@@ -37,6 +37,7 @@ from privacy.dp.client_level import (
     NoisyClippedSum,
     client_level_plan,
     effective_noise_multiplier,
+    placement_noise,
     server_aggregator,
 )
 from privacy.dp.example_level import check_example_metrics, example_event, example_payload
@@ -360,9 +361,10 @@ class ServerPrivacy:
                     "population": payload["population"]
                     if payload.get("sampling") == "fixed_size"
                     else None,
-                    # rows before integer noise was accounted by zCDP say "gaussian" for local
-                    # noise, "discrete_gaussian" for distributed noise (accounted by zCDP now)
-                    "noise": payload.get("noise_distribution", "gaussian"),
+                    # by placement, not by the row's noise_distribution: a row written before
+                    # local noise was integer says "gaussian", and a Gaussian of z has the same
+                    # zCDP bound, so a resumed run composes its rows with the new ones
+                    "noise": placement_noise(str(payload.get("noise_placement", "central"))),
                 }
             )
             self.epsilon = float(payload["epsilon"])  # type: ignore[arg-type]

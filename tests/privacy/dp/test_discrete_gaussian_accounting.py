@@ -130,3 +130,36 @@ def test_a_distributed_noise_whose_tau_term_is_not_negligible_is_refused() -> No
         check_ddg((0.3, 1.0, 1), cfg, 3, 1)
     # the quickstart's sigma (scale_bits 20) is far from it
     assert check_ddg((2.86, 1.0, 3), SecureAggregationConfig(scheme="secagg"), 4, D)[0] > 1e6
+
+
+def test_a_run_resumed_over_rows_of_float_local_noise_composes_them_by_zcdp(
+    tmp_path: Path,
+) -> None:
+    from fl_secure.config import PrivacyConfig
+    from privacy.server_round import open_server_privacy
+
+    # Prepare: local noise z = 1.5; round 1's row as a version with float local noise wrote
+    # it ("gaussian"), then a restart
+    cfg = PrivacyConfig(unit="client", noise_placement="local", noise_multiplier=1.5)
+
+    def server() -> ServerPrivacy:
+        opened = open_server_privacy(
+            cfg, tmp_path / "ledger.sqlite", "run", rounds=5, population=2,
+            clients_per_round=0, sample_rate=0.0,
+        )  # fmt: skip
+        assert opened is not None
+        return opened
+
+    first = server()
+    rows = first.round_entries(1, 2, {"c0": {}, "c1": {}})
+    assert rows[0]["payload"]["noise_distribution"] == "discrete_gaussian"
+    rows[0]["payload"]["noise_distribution"] = "gaussian"
+    first.commit(1, rows)
+    first.ledger.close()
+    # Execute
+    again = server()
+    again.resume(1, [])
+    again.commit(2, again.round_entries(2, 2, {"c0": {}, "c1": {}}))
+    # Assert: both rounds by the zCDP bound (a Gaussian of z has the same bound)
+    assert again.epsilon == pytest.approx(_zcdp_epsilon(2 / (2 * 1.5**2), 1e-5), abs=1e-5)
+    again.ledger.close()
