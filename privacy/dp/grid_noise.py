@@ -5,8 +5,8 @@ showed that noise sampled in floating point and added in floating point leaks th
 set of floating-point outputs a given input can reach has holes, which differ from input to
 input, so the low-order bits of one output can tell two inputs apart with certainty. A
 client's ``local`` noise reaches the server on each plain update, so it is drawn on a grid
-instead (the discretisation of Kairouz, Liu & Steinke, ICML 2021, Algorithm 1, for one
-client):
+instead, with integer noise (the client step of Kairouz, Liu & Steinke's distributed
+discrete Gaussian, ICML 2021, without its random rotation, for one client's own noise):
 
 1. ``Lambda``: a power of two with ``sqrt(d) Lambda <= 2^-10 C`` (:func:`grid_step`);
 2. the clipped update ``x`` (``||x||_2 <= C``) in grid units, ``v = x / Lambda`` (exact: a
