@@ -402,7 +402,7 @@ class ServerPrivacy:
                 "clip_norm": self.cfg.clip_norm,
                 "noise_secure": bool(self.source.secure),
                 "noise_generator": self.source.description
-                if self.placement != "distributed"
+                if self.plan is None or self.plan.noise != "discrete_gaussian"
                 else "each client: discrete Gaussian (Canonne, Kamath & Steinke 2020, Alg. 3) on "
                 f"uniforms of its own source of the same kind ({self.source.description})",
                 "ledger": str(self.ledger.path.name),
