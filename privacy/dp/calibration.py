@@ -56,7 +56,7 @@ def epsilon_for(
     """Epsilon spent by ``steps`` subsampled-Gaussian releases, at ``delta``.
 
     ``noise = "discrete_gaussian"``: integer noise, accounted by its zCDP bound
-    (:mod:`privacy.dp.accountants.zcdp`) whichever ``accountant`` is named.
+    (:mod:`privacy.dp.zcdp`) whichever ``accountant`` is named.
 
     Raises:
         PrivacyError: Unknown accountant, a value out of range, or a sampling scheme the

@@ -103,7 +103,7 @@ def placement_noise(placement: str) -> str:
     ``distributed``: the distributed discrete Gaussian (secure aggregation over integers);
     ``local``: each client's update on a grid plus discrete Gaussian noise
     (:func:`privacy.dp.grid_noise.add_grid_discrete_gaussian`). Both are accounted by their
-    zCDP bound (:mod:`privacy.dp.accountants.zcdp`).
+    zCDP bound (:mod:`privacy.dp.zcdp`).
     """
     return "gaussian" if placement == "central" else "discrete_gaussian"
 

@@ -22,7 +22,7 @@ The rigorous form is integer noise:
   ``sigma >> 1`` (``sigma`` is in units of ``gamma``), ``tau`` underflows to 0 and the bound
   is the zCDP bound of a Gaussian with noise multiplier ``sqrt(m) sigma / D2``. It is a
   zCDP bound, not the Gaussian's privacy curve: the run accounts it as such
-  (:mod:`privacy.dp.accountants.zcdp`; quickstart: epsilon 8.59 where the continuous
+  (:mod:`privacy.dp.zcdp`; quickstart: epsilon 8.59 where the continuous
   Gaussian's PLD would state 7.99 for the same noise).
 
 The rejection steps compare floating-point uniforms with ``exp(.)``, so this is the
@@ -42,7 +42,7 @@ from privacy.dp.noise import NoiseSource
 
 ZCDP_SLACK = 1e-9
 """Relative allowance on the ``rho = 1 / (2 z^2)`` a discrete Gaussian release is charged
-(:mod:`privacy.dp.accountants.zcdp`): it covers KLS21's ``tau`` term (:func:`check_ddg_slack`)
+(:mod:`privacy.dp.zcdp`): it covers KLS21's ``tau`` term (:func:`check_ddg_slack`)
 and the floating-point error of a clipped norm."""
 
 

@@ -18,8 +18,8 @@ update by up to ``2 C``), which compose exactly into one Gaussian, and DP-SGD re
 PLD accountant (the accountant of :mod:`privacy.dp.accountants.pld`, same grid).
 
 With ``discrete=True`` the Gaussian releases are integer (discrete Gaussian) noise, for
-which only a zCDP bound is proven (:mod:`privacy.dp.accountants.zcdp`): they are charged
-``rho = mu^2 / 2`` each; alone they convert by :func:`~privacy.dp.accountants.zcdp.zcdp_epsilon`,
+which only a zCDP bound is proven (:mod:`privacy.dp.zcdp`): they are charged
+``rho = mu^2 / 2`` each; alone they convert by :func:`~privacy.dp.zcdp.zcdp_epsilon`,
 with DP-SGD releases they compose in Rényi DP (the Poisson-subsampled Gaussian's RDP of
 Mironov, Talwar & Zhang 2019, as Opacus computes it, plus ``alpha rho``) over Opacus' orders.
 """
@@ -136,8 +136,8 @@ def _discrete_example_epsilon(
 ) -> float:
     """:func:`example_epsilon` when the Gaussian part is integer noise (zCDP, ``rho = mu^2/2``)."""
     # deferred imports: see example_epsilon
-    from privacy.dp.accountants.zcdp import zcdp_epsilon
     from privacy.dp.discrete_gaussian import ZCDP_SLACK
+    from privacy.dp.zcdp import zcdp_epsilon
 
     rho = mu2 / 2.0 * (1.0 + ZCDP_SLACK)
     if not steps:

@@ -25,7 +25,7 @@ and a mixture over them keeps the bound (joint quasi-convexity of the Rényi div
 float cast at the end is a function of the integers alone (post-processing): every released
 value is a multiple of ``Lambda`` whatever the input, and a value of magnitude ``2^24 Lambda``
 or more is a multiple of a larger power of two (still on the grid). The release is accounted
-by its zCDP bound (:mod:`privacy.dp.accountants.zcdp`), which does not depend on ``Lambda``.
+by its zCDP bound (:mod:`privacy.dp.zcdp`), which does not depend on ``Lambda``.
 
 The grid costs noise: ``sigma Lambda = z (C + sqrt(d) Lambda) <= (1 + 2^-10) z C``, at most
 0.1% more than the continuous Gaussian's ``z C``.

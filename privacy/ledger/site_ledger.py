@@ -11,7 +11,7 @@ it sampled: no amplification, each release a discrete Gaussian mechanism of sens
 ``C`` (zero-out adjacency, as the server's accountant) and noise ``z C`` on the grid of the
 update's integers (``local``: :mod:`privacy.dp.grid_noise`; ``distributed``: the distributed
 discrete Gaussian), so ``1 / (2 z^2)``-zCDP, composed by adding ``rho`` and converted by
-:func:`privacy.dp.accountants.zcdp.zcdp_epsilon` (a continuous Gaussian of ``z``, as an
+:func:`privacy.dp.zcdp.zcdp_epsilon` (a continuous Gaussian of ``z``, as an
 older client released, has the same zCDP bound).
 
 Two figures, by what the site trusts:
@@ -72,8 +72,8 @@ from typing import Any
 
 from fl_secure.config import Config, config_to_toml
 from fl_secure.errors import PrivacyError
-from privacy.dp.accountants.zcdp import composed_rho, zcdp_epsilon
 from privacy.dp.gdp import example_epsilon
+from privacy.dp.zcdp import composed_rho, zcdp_epsilon
 from privacy.ledger.site_file import SiteRecords, read_site_records, write_site_records
 from privacy.ledger.site_release import Release, release_for
 

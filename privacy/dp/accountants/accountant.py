@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal, get_args
 
 from fl_secure.errors import PrivacyError
-from privacy.dp.accountants.zcdp import release_rho, zcdp_epsilon
+from privacy.dp.zcdp import release_rho, zcdp_epsilon
 
 Sampling = Literal["poisson", "fixed_size"]
 SAMPLINGS: tuple[str, ...] = get_args(Sampling)
@@ -28,7 +28,7 @@ SAMPLINGS: tuple[str, ...] = get_args(Sampling)
 Noise = Literal["gaussian", "discrete_gaussian"]
 NOISES: tuple[str, ...] = get_args(Noise)
 """``gaussian``: continuous noise, analysed by each accountant's own (exact) Gaussian analysis;
-``discrete_gaussian``: integer noise, accounted by its zCDP bound (:mod:`.zcdp`)."""
+``discrete_gaussian``: integer noise, accounted by its zCDP bound (:mod:`privacy.dp.zcdp`)."""
 
 MIN_ACCOUNTED_NOISE = 0.05
 """Smallest noise multiplier accounted: below it epsilon is meaningless and PLD/PRV need GBs."""
@@ -251,7 +251,7 @@ class Accountant(ABC):
         return float(self._epsilon(delta))
 
     def discrete_rho(self) -> float:
-        """``rho`` (zCDP) of a history of discrete Gaussian releases (:mod:`.zcdp`)."""
+        """``rho`` (zCDP) of a history of discrete Gaussian releases (:mod:`privacy.dp.zcdp`)."""
         return sum(
             e.num_steps * release_rho(e.noise_multiplier, replace_one=e.sampling == "fixed_size")
             for e in self.history
