@@ -37,9 +37,10 @@ from fl_secure.runs import atomic_write_json, run_keyed_path
 from fl_secure.training import FaceModel, LocalData, local_training
 from privacy.dp.accountants.registry import create_accountant
 from privacy.dp.calibration import calibrate_noise
-from privacy.dp.client_level import add_gaussian, client_noise_std, clip_update
+from privacy.dp.client_level import clip_update
 from privacy.dp.dpsgd import DPSGDSettings, dpsgd_steps, train_local_dpsgd
 from privacy.dp.example_level import MAX_DP_STEPS_PER_ROUND, MIN_DP_SAMPLE_RATE
+from privacy.dp.grid_noise import add_grid_discrete_gaussian
 from privacy.dp.identity_dpsgd import train_local_identity_dpsgd
 from privacy.dp.noise import NoiseSource, SecureGaussian
 
@@ -334,15 +335,13 @@ class ClientPrivacy:
         """The update and metrics that may leave this client (it goes out with weight 1)."""
         if self.cfg.unit == "client":
             clipped, _ = clip_update(update, self.cfg.clip_norm)
-            std = client_noise_std(
-                self.cfg.noise_placement,
-                self.cfg.noise_multiplier,
-                self.cfg.clip_norm,
-                self.min_survivors,
-            )
-            if self.cfg.noise_placement == "distributed":
-                std = 0.0  # integer noise is added when encoding for secure aggregation
-            noisy = add_gaussian(clipped, std, self.source) if std > 0 else clipped
+            noisy = clipped  # distributed: integer noise is added when encoding for SecAgg
+            if self.cfg.noise_placement == "local" and self.cfg.noise_multiplier > 0:
+                # on a grid, with integer noise: float noise would leak through its low-order
+                # bits (Mironov 2012)
+                noisy = add_grid_discrete_gaussian(
+                    clipped, self.cfg.noise_multiplier, self.cfg.clip_norm, self.source
+                )
             # Loss, accuracy, the update norm and the schedule (epochs x N / batch) depend on
             # the data: they stay here (privacy.site_figures).
             return noisy, {}

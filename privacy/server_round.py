@@ -227,10 +227,12 @@ class ServerPrivacy:
             "epsilon": epsilon,
             "delta": self.cfg.delta,
             "noise_placement": p.placement,
-            # distributed shares are integers under secure aggregation (KLS21)
-            "noise_distribution": "discrete_gaussian"
-            if p.placement == "distributed"
-            else "gaussian",
+            # distributed shares are integers under secure aggregation (KLS21); local noise is
+            # integer noise on a grid; both are accounted by their zCDP bound
+            "noise_distribution": p.noise,
+            "epsilon_bound": "zCDP of the discrete Gaussian (CKS20, KLS21), no amplification"
+            if p.noise == "discrete_gaussian"
+            else f"{self.accountant_name} accountant, continuous Gaussian",
             "adjacency": self.adjacency,
             "privacy_unit": "client",
             "noise_secure": bool(self.source.secure),
@@ -415,7 +417,7 @@ class ServerPrivacy:
                 "clip_norm": self.cfg.clip_norm,
                 "noise_secure": bool(self.source.secure),
                 "noise_generator": self.source.description
-                if self.placement != "distributed"
+                if self.plan is None or self.plan.noise != "discrete_gaussian"
                 else "each client: discrete Gaussian (Canonne, Kamath & Steinke 2020, Alg. 3) on "
                 f"uniforms of its own source of the same kind ({self.source.description})",
                 "ledger": str(self.ledger.path.name),

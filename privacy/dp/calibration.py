@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from fl_secure.errors import PrivacyError
-from privacy.dp.accountants.accountant import MIN_ACCOUNTED_NOISE, Sampling, check_delta
+from privacy.dp.accountants.accountant import MIN_ACCOUNTED_NOISE, Noise, Sampling, check_delta
 from privacy.dp.accountants.registry import create_accountant
 
 MIN_NOISE_MULTIPLIER = MIN_ACCOUNTED_NOISE
@@ -51,8 +51,12 @@ def epsilon_for(
     delta: float,
     sampling: Sampling = "poisson",
     population: int | None = None,
+    noise: Noise = "gaussian",
 ) -> float:
     """Epsilon spent by ``steps`` subsampled-Gaussian releases, at ``delta``.
+
+    ``noise = "discrete_gaussian"``: integer noise, accounted by its zCDP bound
+    (:mod:`privacy.dp.zcdp`) whichever ``accountant`` is named.
 
     Raises:
         PrivacyError: Unknown accountant, a value out of range, or a sampling scheme the
@@ -60,7 +64,7 @@ def epsilon_for(
         HopelessSchedule: PLD or PRV asked for a schedule whose RDP epsilon is above
             :data:`HOPELESS_EPSILON`.
     """
-    if accountant in ("pld", "prv") and sampling == "poisson":
+    if accountant in ("pld", "prv") and sampling == "poisson" and noise == "gaussian":
         bound = epsilon_for(
             accountant="rdp", noise_multiplier=noise_multiplier, sample_rate=sample_rate,
             steps=steps, delta=delta, sampling=sampling, population=population,
@@ -74,6 +78,7 @@ def epsilon_for(
         num_steps=steps,
         sampling=sampling,
         population=population,
+        noise=noise,
     )
     return acc.get_epsilon(delta)
 
@@ -88,6 +93,7 @@ def calibrate_noise(
     tolerance: float = 0.01,
     sampling: Sampling = "poisson",
     population: int | None = None,
+    noise: Noise = "gaussian",
 ) -> float:
     """Smallest noise multiplier (within ``tolerance``) whose epsilon is <= ``target_epsilon``.
 
@@ -111,6 +117,7 @@ def calibrate_noise(
                 delta=delta,
                 sampling=sampling,
                 population=population,
+                noise=noise,
             )
         except HopelessSchedule as exc:  # far above any target: more noise is needed
             if target_epsilon >= HOPELESS_EPSILON:

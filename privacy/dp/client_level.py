@@ -98,6 +98,17 @@ def client_noise_std(placement: str, noise_multiplier: float, clip_norm: float, 
     )
 
 
+def placement_noise(placement: str) -> str:
+    """The noise a placement releases to the server: integer noise unless it is ``central``.
+
+    ``distributed``: the distributed discrete Gaussian (secure aggregation over integers);
+    ``local``: each client's update on a grid plus discrete Gaussian noise
+    (:func:`privacy.dp.grid_noise.add_grid_discrete_gaussian`). Both are accounted by their
+    zCDP bound (:mod:`privacy.dp.zcdp`).
+    """
+    return "gaussian" if placement == "central" else "discrete_gaussian"
+
+
 def effective_noise_multiplier(
     placement: str, noise_multiplier: float, survivors: int, min_survivors: int
 ) -> float:
@@ -195,6 +206,11 @@ class ClientLevelPlan:
         """Whether the stated epsilon takes amplification by the server's cohort sampling."""
         return self.accounted_rate < 1.0
 
+    @property
+    def noise(self) -> str:
+        """``gaussian`` or ``discrete_gaussian`` (:func:`placement_noise`)."""
+        return placement_noise(self.placement)
+
     def event(self, noise_multiplier: float | None = None) -> dict[str, Any]:
         """One round's accountant event, at the accounted rate (``noise_multiplier``: ``z``)."""
         return {
@@ -203,6 +219,7 @@ class ClientLevelPlan:
             "num_steps": 1,
             "sampling": self.sampling,
             "population": self.population if self.sampling == "fixed_size" else None,
+            "noise": self.noise,
         }
 
     def amplified_event(self) -> dict[str, Any]:
@@ -249,6 +266,7 @@ def plan_client_level(
             accountant=accountant,
             sampling=sampling,  # type: ignore[arg-type]
             population=population if sampling == "fixed_size" else None,
+            noise=placement_noise(placement),  # type: ignore[arg-type]
         )
     return ClientLevelPlan(
         noise_multiplier=noise_multiplier,

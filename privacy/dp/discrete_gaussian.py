@@ -20,7 +20,10 @@ The rigorous form is integer noise:
 
   where ``D2`` / ``D1`` bound the L2 / L1 norm of one client's integer vector. With
   ``sigma >> 1`` (``sigma`` is in units of ``gamma``), ``tau`` underflows to 0 and the bound
-  is that of a Gaussian with noise multiplier ``sqrt(m) sigma / D2``.
+  is the zCDP bound of a Gaussian with noise multiplier ``sqrt(m) sigma / D2``. It is a
+  zCDP bound, not the Gaussian's privacy curve: the run accounts it as such
+  (:mod:`privacy.dp.zcdp`; quickstart: epsilon 8.59 where the continuous
+  Gaussian's PLD would state 7.99 for the same noise).
 
 The rejection steps compare floating-point uniforms with ``exp(.)``, so this is the
 "approximately exact" float version of the samplers (the exact one uses rational
@@ -36,6 +39,11 @@ import numpy as np
 
 from fl_secure.errors import PrivacyError, ProtocolError
 from privacy.dp.noise import NoiseSource
+
+ZCDP_SLACK = 1e-9
+"""Relative allowance on the ``rho = 1 / (2 z^2)`` a discrete Gaussian release is charged
+(:mod:`privacy.dp.zcdp`): it covers KLS21's ``tau`` term (:func:`check_ddg_slack`)
+and the floating-point error of a clipped norm."""
 
 
 def _bernoulli_exp(source: NoiseSource, gamma: np.ndarray) -> np.ndarray:
@@ -120,6 +128,32 @@ def ddg_concentrated_epsilon(sigma: float, m: int, l2_bound: float, d: int) -> f
     """
     tau = ddg_tau(sigma, m)
     return math.sqrt(l2_bound**2 / (m * sigma**2) + tau * d / 2)
+
+
+def ddg_tau_rho(sigma: float, m: int, d: int) -> float:
+    """KLS21 Theorem 1's excess over a Gaussian in ``rho = eps^2 / 2``: ``tau d / 4``."""
+    return ddg_tau(sigma, m) * d / 4.0
+
+
+def check_ddg_slack(sigma: float, n: int, d: int, noise_multiplier: float) -> None:
+    """Refuse a distributed discrete Gaussian whose ``tau`` term passes :data:`ZCDP_SLACK`.
+
+    The accountant charges each release ``rho = (1 + ZCDP_SLACK) / (2 z^2)``; any ``m`` of at
+    most ``n`` shares (``t <= m <= n``, ``sigma = z D2 / sqrt(t)``) are
+    ``D2^2 / (2 m sigma^2) + tau(sigma, m) d / 4 <= 1 / (2 z^2) + tau(sigma, n) d / 4``-zCDP
+    (``tau`` grows with ``m``), so ``tau(sigma, n) d / 4 <= ZCDP_SLACK / (2 z^2)`` keeps the
+    charge an upper bound.
+
+    Raises:
+        PrivacyError: The ``tau`` term is larger (``sigma`` too small in integer units).
+    """
+    excess = ddg_tau_rho(sigma, n, d)
+    if excess > ZCDP_SLACK / (2.0 * noise_multiplier**2):
+        raise PrivacyError(
+            f"the discrete Gaussian with sigma {sigma:.3g} is not as private as z = "
+            f"{noise_multiplier:g}: KLS21's tau term adds {excess:.3g} to rho; raise "
+            "secure_aggregation.scale_bits"
+        )
 
 
 def ddg_noise_multiplier(sigma: float, m: int, l2_bound: float, d: int) -> float:

@@ -16,6 +16,12 @@ releases (a client-level release is one of multiplier ``z / 2``: one image moves
 update by up to ``2 C``), which compose exactly into one Gaussian, and DP-SGD releases
 (``T`` steps of the Poisson-subsampled Gaussian), which compose with them in dp_accounting's
 PLD accountant (the accountant of :mod:`privacy.dp.accountants.pld`, same grid).
+
+With ``discrete=True`` the Gaussian releases are integer (discrete Gaussian) noise, for
+which only a zCDP bound is proven (:mod:`privacy.dp.zcdp`): they are charged
+``rho = mu^2 / 2`` each; alone they convert by :func:`~privacy.dp.zcdp.zcdp_epsilon`,
+with DP-SGD releases they compose in Rényi DP (the Poisson-subsampled Gaussian's RDP of
+Mironov, Talwar & Zhang 2019, as Opacus computes it, plus ``alpha rho``) over Opacus' orders.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from typing import Protocol
+
+import numpy as np
 
 from fl_secure.errors import PrivacyError
 
@@ -81,7 +89,7 @@ def composed_mu(noise_multipliers: Iterable[float]) -> float:
 
 
 def example_epsilon(
-    releases: Iterable[ExampleRelease], delta: float, *, own: bool = False
+    releases: Iterable[ExampleRelease], delta: float, *, own: bool = False, discrete: bool = False
 ) -> float:
     """One image's epsilon at ``delta`` over ``releases`` (see the module docstring).
 
@@ -101,6 +109,8 @@ def example_epsilon(
         if dpsgd is not None:
             z, q, n = dpsgd
             steps[(z, q)] = steps.get((z, q), 0) + n
+    if discrete and mu2 > 0:
+        return _discrete_example_epsilon(mu2, steps, delta)
     if not steps:
         return gaussian_epsilon(math.sqrt(mu2), delta)
     # deferred: dp_accounting (also under privacy.dp.accountants.pld) takes seconds to import,
@@ -119,3 +129,28 @@ def example_epsilon(
         sampled = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
         acc.compose(dp_accounting.SelfComposedDpEvent(sampled, n))
     return float(acc.get_epsilon(delta))
+
+
+def _discrete_example_epsilon(
+    mu2: float, steps: dict[tuple[float, float], int], delta: float
+) -> float:
+    """:func:`example_epsilon` when the Gaussian part is integer noise (zCDP, ``rho = mu^2/2``)."""
+    # deferred imports: see example_epsilon
+    from privacy.dp.discrete_gaussian import ZCDP_SLACK
+    from privacy.dp.zcdp import zcdp_epsilon
+
+    rho = mu2 / 2.0 * (1.0 + ZCDP_SLACK)
+    if not steps:
+        return zcdp_epsilon(rho, delta)
+    from opacus.accountants.analysis import rdp as rdp_analysis
+
+    from privacy.dp.accountants.rdp import DEFAULT_ORDERS
+
+    orders = list(DEFAULT_ORDERS)
+    curve = sum(
+        rdp_analysis.compute_rdp(q=q, noise_multiplier=z, steps=n, orders=orders)
+        for (z, q), n in sorted(steps.items())
+    )
+    curve = curve + rho * np.asarray(orders)
+    eps, _ = rdp_analysis.get_privacy_spent(orders=orders, rdp=curve, delta=delta)
+    return float(eps)

@@ -10,9 +10,15 @@ standard normals with the Box-Muller transform, vectorised in numpy:
     z1 = sqrt(-2 ln u1) cos(2 pi u2),  z2 = sqrt(-2 ln u1) sin(2 pi u2)
 
 Caveat, stated wherever this noise is used: like every floating-point Gaussian sampler it
-is subject to the floating-point attacks of Mironov (CCS 2012) in principle; the rigorous
-fix is integer noise (the distributed discrete Gaussian of Kairouz, Liu & Steinke, ICML
-2021), which comes with secure aggregation over integers.
+is subject to the floating-point attacks of Mironov (CCS 2012) in principle. Client-level
+noise that leaves a client is therefore integer noise built on these uniforms: the
+distributed discrete Gaussian (:mod:`privacy.dp.discrete_gaussian`) and ``local`` noise on a
+grid (:mod:`privacy.dp.grid_noise`). The Gaussians here remain for ``central`` noise and
+DP-SGD.
+
+Seeded noise (:func:`seeded_source`, ``privacy.secure_rng = false``) is derived from
+``run.seed`` and the party's name, which the server knows: a site ledger counts a release
+made with it as unbounded against the server (:mod:`privacy.ledger.site_release`).
 
 Tests inject :class:`SeededGaussian` (numpy PCG64) to be reproducible; it reports
 ``secure = False`` and every report built from it says so.

@@ -27,12 +27,18 @@ REL_TOL = 1e-6
 
 def client_event(payload: Mapping[str, Any]) -> dict[str, Any]:
     """A client-level row's accountant event (one release)."""
+    from privacy.dp.client_level import placement_noise
+
     return {
         "noise_multiplier": payload["noise_multiplier"],
         "sample_rate": payload["sample_rate"],
         "num_steps": 1,
         "sampling": payload.get("sampling", "poisson"),
         "population": payload["population"] if payload.get("sampling") == "fixed_size" else None,
+        # by placement, not by the row's noise_distribution: a row written before local noise
+        # was integer says "gaussian", and a Gaussian of z has the same zCDP bound, so a
+        # resumed run composes its rows with the new ones
+        "noise": placement_noise(str(payload.get("noise_placement", "central"))),
     }
 
 

@@ -7,22 +7,28 @@ ledger in its state folder (``fl-secure client --state-dir``): one row per updat
 the site, counted before the upload starts (an update that may have left is counted).
 
 From it the site computes its client-level epsilon **against the server**, which knows who
-it sampled: no amplification, each release a Gaussian mechanism of sensitivity ``C``
-(zero-out adjacency, as the server's accountant) and noise ``z C``, composed exactly in
-Gaussian DP (:mod:`privacy.dp.gdp`): no accountant's discretisation enters.
+it sampled: no amplification, each release a discrete Gaussian mechanism of sensitivity
+``C`` (zero-out adjacency, as the server's accountant) and noise ``z C`` on the grid of the
+update's integers (``local``: :mod:`privacy.dp.grid_noise`; ``distributed``: the distributed
+discrete Gaussian), so ``1 / (2 z^2)``-zCDP, composed by adding ``rho`` and converted by
+:func:`privacy.dp.zcdp.zcdp_epsilon` (a continuous Gaussian of ``z``, as an
+older client released, has the same zCDP bound).
 
 Two figures, by what the site trusts:
 
 * ``epsilon`` (peers honest): the released sum carries the noise of at least the round's
   threshold of honest sites. ``local`` placement: ``z`` from this site alone already;
-  ``distributed``: ``z`` once ``t`` shares are in (secure aggregation unmasks no fewer).
-  The distributed discrete Gaussian is accounted as the continuous one (as the server does).
+  ``distributed``: ``z`` once ``t`` shares are in (secure aggregation unmasks no fewer),
+  by KLS21's zCDP bound (as the server accounts it).
 * ``epsilon_colluding_peers``: the server and every other site collude and subtract their
   own noise; only this site's share protects it: ``z`` (local) or ``z / sqrt(t)``
   (distributed).
 
 A release without client-level noise (a non-private run, example-level DP-SGD, central noise,
-which the server adds after it has seen the sum) makes the client-level figures unbounded.
+which the server adds after it has seen the sum) makes the client-level figures unbounded; so
+does a release whose noise was seeded (``privacy.secure_rng = false``, joined with
+``--accept-seeded-noise``): its seed is ``run.seed`` and the client id, which the server
+knows, so it can regenerate the noise and subtract it (every figure of the row is unbounded).
 
 A third figure, ``example_epsilon``, protects one training image of the site (add/remove one
 image) instead of the whole site, over every release the ledger holds:
@@ -66,7 +72,8 @@ from typing import Any
 
 from fl_secure.config import Config, config_to_toml
 from fl_secure.errors import PrivacyError
-from privacy.dp.gdp import composed_mu, example_epsilon, gaussian_epsilon
+from privacy.dp.gdp import example_epsilon
+from privacy.dp.zcdp import composed_rho, zcdp_epsilon
 from privacy.ledger.site_file import SiteRecords, read_site_records, write_site_records
 from privacy.ledger.site_release import Release, release_for
 
@@ -184,8 +191,8 @@ class SiteLedger:
         rows = list(releases)
         if not rows:
             return 0.0
-        mu = composed_mu(r.own_noise_multiplier if own else r.noise_multiplier for r in rows)
-        return gaussian_epsilon(mu, delta)
+        rho = composed_rho(r.own_noise_multiplier if own else r.noise_multiplier for r in rows)
+        return zcdp_epsilon(rho, delta)
 
     def epsilon(
         self, *, colluding_peers: bool | None = None, extra: Release | None = None
@@ -200,7 +207,8 @@ class SiteLedger:
     ) -> float:
         """One training image's epsilon at :attr:`delta` over every release (+ ``extra``)."""
         own = self.colluding_peers if colluding_peers is None else colluding_peers
-        return example_epsilon([*self.releases, *([extra] if extra else [])], self.delta, own=own)
+        rows = [*self.releases, *([extra] if extra else [])]
+        return example_epsilon(rows, self.delta, own=own, discrete=True)
 
     def summary(self) -> dict[str, Any]:
         """What the site can show: releases by run and unit, and its epsilon figures."""
@@ -225,10 +233,11 @@ class SiteLedger:
             "max_example_epsilon": self.max_example_epsilon,
             "budget_against": "colluding_peers" if self.colluding_peers else "peers_honest",
             "adjacency": "zero-out (one site's whole update)",
-            "accounting": "exact: composed Gaussian mechanisms (GDP), no sampling amplification",
+            "accounting": "zCDP of the discrete Gaussian releases, no sampling amplification",
             "example_adjacency": "add/remove one training image of the site",
-            "example_accounting": "PLD (dp_accounting): the site's own DP-SGD sampling, and "
-            "client-level releases as Gaussians of sensitivity 2 C",
+            "example_accounting": "the site's own DP-SGD sampling (PLD, or RDP beside "
+            "client-level releases), client-level releases as discrete Gaussians of "
+            "sensitivity 2 C (zCDP)",
         }
 
     # ------------------------------------------------------------ policy
@@ -301,6 +310,12 @@ class SiteLedger:
             raise PrivacyError(
                 "the run config came without a calibrated privacy.noise_multiplier; refusing "
                 "to join"
+            )
+        if not p.secure_rng:
+            raise PrivacyError(
+                "the run's DP noise is seeded (privacy.secure_rng = false) from run.seed and "
+                "the client id, which the server knows: it could subtract the noise, so this "
+                "site's epsilon against the server would be unbounded; refusing to join"
             )
         first = self._over_budget(release_for(config, "", 0, b""))
         if first:

@@ -125,13 +125,18 @@ def release_for(
     ``dpsgd``: example level, the release's DP-SGD ``(z, q, steps)`` as the site ran (or
     plans) it; ``steps`` 0 for the unchanged parameters. An example-level row without it
     records its steps as unknown (-1), which counts as unbounded, never as free.
+
+    Noise from a seeded generator (``privacy.secure_rng = false``: seeded from ``run.seed``
+    and the client id, both known to the server) is no noise against the server: the row's
+    noise multipliers are 0, so every figure of the site is unbounded (``inf``).
     """
     p, s = config.privacy, config.secure_aggregation
     steps = 0
     if p.dpsgd:
         steps = int(dpsgd[2]) if dpsgd is not None else -1
     z = own = 0.0
-    if p.unit == "client" and p.noise_placement in ("local", "distributed"):
+    seeded = p.enabled and not p.secure_rng  # the server can regenerate seeded noise
+    if p.unit == "client" and p.noise_placement in ("local", "distributed") and not seeded:
         z = p.noise_multiplier
         own = z
         if p.noise_placement == "distributed":
@@ -146,7 +151,7 @@ def release_for(
         noise_multiplier=float(z),
         own_noise_multiplier=float(own),
         time=datetime.now(UTC).isoformat(timespec="seconds"),
-        dpsgd_noise_multiplier=float(dpsgd[0]) if dpsgd and p.dpsgd else 0.0,
+        dpsgd_noise_multiplier=float(dpsgd[0]) if dpsgd and p.dpsgd and not seeded else 0.0,
         dpsgd_sample_rate=float(dpsgd[1]) if dpsgd and p.dpsgd else 0.0,
         dpsgd_steps=steps,
     )

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from fl_secure.config import Config, SecureAggregationConfig
 from fl_secure.errors import JSON_DOCUMENT_ERRORS, PrivacyError, ProtocolError
-from privacy.dp.discrete_gaussian import ddg_client_sigma, ddg_noise_multiplier, integer_l2_bound
+from privacy.dp.discrete_gaussian import check_ddg_slack, ddg_client_sigma, integer_l2_bound
 from privacy.secagg.config import SecAggConfig
 
 
@@ -257,8 +257,9 @@ def check_ddg(
 ) -> tuple[float, float]:
     """``(sigma, C)`` of the distributed discrete Gaussian, after two checks.
 
-    The sum of any ``t`` clients' noise must be at least as private as the Gaussian the run
-    is accounted with (KLS21's ``tau`` term negligible), and the cohort's noisy sum must not
+    The sum of any ``t`` to ``n`` clients' noise must be as private as the zCDP bound the run
+    is accounted with (KLS21's ``tau`` term within
+    :data:`~privacy.dp.discrete_gaussian.ZCDP_SLACK`), and the cohort's noisy sum must not
     wrap mod ``2^bits`` (10 standard deviations of headroom).
     """
     z, clip_norm, t = ddg
@@ -270,11 +271,7 @@ def check_ddg(
     gamma = 2.0**-cfg.scale_bits
     bound = integer_l2_bound(clip_norm, gamma, d)
     sigma = ddg_client_sigma(z, bound, t)
-    if ddg_noise_multiplier(sigma, t, bound, d) < z * (1 - 1e-9):
-        raise PrivacyError(
-            f"the discrete Gaussian with sigma {sigma:.3g} is not as private as z = {z:g} "
-            "(KLS21 tau term); raise secure_aggregation.scale_bits"
-        )
+    check_ddg_slack(sigma, max(n, t), d, z)
     peak = ddg_peak(n, clip_norm / gamma, sigma)
     if 2 * peak >= 2.0**cfg.modulus_bits:
         raise PrivacyError(

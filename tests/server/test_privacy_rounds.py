@@ -141,8 +141,10 @@ def test_central_dp_rounds_write_the_ledger_and_epsilon_per_round(tmp_path: Path
 
 def test_small_budget_stops_early_within_the_target(tmp_path: Path) -> None:
     # Prepare: a target between the epsilon of 2 and of 3 rounds
-    eps2 = epsilon_for(accountant="pld", noise_multiplier=3.0, sample_rate=1.0, steps=2, delta=1e-5)
-    eps3 = epsilon_for(accountant="pld", noise_multiplier=3.0, sample_rate=1.0, steps=3, delta=1e-5)
+    # (local noise: integers on a grid, accounted by their zCDP bound)
+    kwargs = {"accountant": "pld", "noise_multiplier": 3.0, "sample_rate": 1.0, "delta": 1e-5}
+    eps2 = epsilon_for(**kwargs, steps=2, noise="discrete_gaussian")  # type: ignore[arg-type]
+    eps3 = epsilon_for(**kwargs, steps=3, noise="discrete_gaussian")  # type: ignore[arg-type]
     target = (eps2 + eps3) / 2
     cfg = PrivacyConfig(
         unit="client", noise_placement="local", noise_multiplier=3.0, target_epsilon=target
@@ -278,7 +280,7 @@ def test_a_fixed_noise_that_cannot_pay_for_one_round_is_refused_before_the_run(
     privacy = {"unit": "client", "noise_multiplier": 0.5, "target_epsilon": 1.0}
     config = _two_client_config("cnn-small", privacy)
     one_round = epsilon_for(accountant="pld", noise_multiplier=0.5, sample_rate=1.0, steps=1,
-                            delta=1e-5)  # fmt: skip
+                            delta=1e-5, noise="discrete_gaussian")  # fmt: skip
     assert one_round > 1.0
     with pytest.raises(ConfigError, match=f"round 1 alone spends epsilon {one_round:.4g}"):
         build_server(config, RunDir(tmp_path), enrolled={"client-0", "client-1"})
@@ -442,8 +444,9 @@ def test_updates_the_server_saw_in_a_failed_attempt_are_counted(
 
     def eps(steps: int) -> float:
         return epsilon_for(
-            accountant="pld", noise_multiplier=2.0, sample_rate=1.0, steps=steps, delta=1e-5
-        )
+            accountant="pld", noise_multiplier=2.0, sample_rate=1.0, steps=steps, delta=1e-5,
+            noise="gaussian" if placement == "central" else "discrete_gaussian",
+        )  # fmt: skip
 
     if placement == "central":
         assert [(e.kind, e.round) for e in entries] == [("client_level", 1)]
@@ -486,8 +489,9 @@ def test_a_round_refused_as_diverged_counts_the_sum_the_server_saw(tmp_path: Pat
 
     def eps(steps: int) -> float:
         return epsilon_for(
-            accountant="pld", noise_multiplier=2.0, sample_rate=1.0, steps=steps, delta=1e-5
-        )
+            accountant="pld", noise_multiplier=2.0, sample_rate=1.0, steps=steps, delta=1e-5,
+            noise="discrete_gaussian",
+        )  # fmt: skip
 
     with Ledger.read(tmp_path / "ledger.sqlite") as ledger:
         assert ledger.verify().ok
@@ -536,12 +540,13 @@ def test_a_sum_the_server_saw_and_discarded_is_composed_like_a_round(tmp_path: P
     _account(again, 3)
     again.ledger.close()
 
-    # Assert: the discarded sum counts like a round (Opacus-matched PLD composition of 3,
+    # Assert: the discarded sum counts like a round (zCDP composition of 3,
     # then 4 full-participation Gaussian releases); the rounds accounted stay the rounds run
     def eps(steps: int) -> float:
         return epsilon_for(
-            accountant="pld", noise_multiplier=1.5, sample_rate=1.0, steps=steps, delta=1e-5
-        )
+            accountant="pld", noise_multiplier=1.5, sample_rate=1.0, steps=steps, delta=1e-5,
+            noise="discrete_gaussian",
+        )  # fmt: skip
 
     with Ledger.read(tmp_path / "ledger.sqlite") as ledger:
         assert ledger.verify().ok
@@ -582,11 +587,12 @@ def test_an_attempt_in_flight_when_the_server_died_is_counted_at_resume(tmp_path
     again.ledger.close()
 
     # Assert: the attempt in flight counts like a round (the clients released it; the
-    # server may have seen it): PLD composition of 2, then 3 Gaussian releases
+    # server may have seen it): zCDP composition of 2, then 3 discrete Gaussian releases
     def eps(steps: int) -> float:
         return epsilon_for(
-            accountant="pld", noise_multiplier=1.5, sample_rate=1.0, steps=steps, delta=1e-5
-        )
+            accountant="pld", noise_multiplier=1.5, sample_rate=1.0, steps=steps, delta=1e-5,
+            noise="discrete_gaussian",
+        )  # fmt: skip
 
     with Ledger.read(tmp_path / "ledger.sqlite") as ledger:
         entries = ledger.entries()
@@ -706,7 +712,14 @@ def test_a_stop_after_plain_updates_arrived_counts_them(tmp_path: Path) -> None:
     assert entries[1].payload["updates"] == 2
     assert "stopped after the server had received updates" in str(entries[1].payload["message"])
     assert entries[1].payload["epsilon"] == pytest.approx(
-        epsilon_for(accountant="pld", noise_multiplier=1.5, sample_rate=1.0, steps=2, delta=1e-5),
+        epsilon_for(
+            accountant="pld",
+            noise_multiplier=1.5,
+            sample_rate=1.0,
+            steps=2,
+            delta=1e-5,
+            noise="discrete_gaussian",
+        ),  # fmt: skip
         rel=1e-9,
     )
     assert not coord.privacy.inflight_path.exists()

@@ -74,6 +74,13 @@ def _common(p: argparse.ArgumentParser, default_accountant: str | None) -> None:
         default=None,
         help="records sampled from; required with --sampling fixed_size",
     )
+    p.add_argument(
+        "--noise",
+        choices=("gaussian", "discrete_gaussian"),
+        default="gaussian",
+        help="gaussian (central noise, DP-SGD) or discrete_gaussian (client-level local and "
+        "distributed noise: integers, accounted by their zCDP bound without amplification)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
@@ -314,6 +321,7 @@ def _report(args: argparse.Namespace, noise_multiplier: float, epsilon: float) -
         "sampling": args.sampling,
         "adjacency": ADJACENCY[args.sampling],
         "population": args.population,
+        "noise": args.noise,
     }
 
 
@@ -332,7 +340,9 @@ def _emit(args: argparse.Namespace, report: dict[str, Any]) -> None:
         f"  noise multiplier {z_text}, sample rate "
         f"{report['sample_rate']:g}, {report['steps']} steps, {report['sampling']} sampling"
         f"{population}\n"
-        f"  accountant {report['accountant']}, {report['adjacency']} adjacency\n"
+        f"  accountant {report['accountant']}, {report['adjacency']} adjacency"
+        + (", discrete Gaussian (zCDP bound)" if report["noise"] == "discrete_gaussian" else "")
+        + "\n"
     )
 
 
@@ -347,6 +357,7 @@ def _epsilon(args: argparse.Namespace, noise_multiplier: float) -> float:
         delta=args.delta,
         sampling=args.sampling,
         population=args.population,
+        noise=args.noise,
     )
 
 
@@ -376,6 +387,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             accountant=args.accountant,
             sampling=args.sampling,
             population=args.population,
+            noise=args.noise,
         )
         eps = _epsilon(args, z)
     except PrivacyError as exc:

@@ -20,9 +20,15 @@ from dataclasses import asdict, dataclass
 from typing import Any, ClassVar, Literal, get_args
 
 from fl_secure.errors import PrivacyError
+from privacy.dp.zcdp import release_rho, zcdp_epsilon
 
 Sampling = Literal["poisson", "fixed_size"]
 SAMPLINGS: tuple[str, ...] = get_args(Sampling)
+
+Noise = Literal["gaussian", "discrete_gaussian"]
+NOISES: tuple[str, ...] = get_args(Noise)
+"""``gaussian``: continuous noise, analysed by each accountant's own (exact) Gaussian analysis;
+``discrete_gaussian``: integer noise, accounted by its zCDP bound (:mod:`privacy.dp.zcdp`)."""
 
 MIN_ACCOUNTED_NOISE = 0.05
 """Smallest noise multiplier accounted: below it epsilon is meaningless and PLD/PRV need GBs."""
@@ -61,6 +67,8 @@ class PrivacyEvent:
         num_steps: How many times the release is repeated.
         sampling: ``"poisson"`` or ``"fixed_size"`` (uniform without replacement).
         population: Number of records sampled from (required for ``"fixed_size"``).
+        noise: ``"gaussian"`` or ``"discrete_gaussian"`` (integer noise: its zCDP bound is
+            accounted, by whichever accountant, without amplification by sampling).
     """
 
     noise_multiplier: float
@@ -68,6 +76,7 @@ class PrivacyEvent:
     num_steps: int = 1
     sampling: Sampling = "poisson"
     population: int | None = None
+    noise: Noise = "gaussian"
 
     def __post_init__(self) -> None:
         """Reject values no accountant can analyse."""
@@ -87,6 +96,8 @@ class PrivacyEvent:
             raise PrivacyError(f"num_steps must be an integer >= 1, got {t!r}")
         if self.sampling not in SAMPLINGS:
             raise PrivacyError(f"sampling must be one of {SAMPLINGS}, got {self.sampling!r}")
+        if self.noise not in NOISES:
+            raise PrivacyError(f"noise must be one of {NOISES}, got {self.noise!r}")
         if self.sampling == "fixed_size":
             n = self.population
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -115,6 +126,7 @@ class PrivacyEvent:
             and self.sample_rate == other.sample_rate
             and self.sampling == other.sampling
             and self.population == other.population
+            and self.noise == other.noise
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -124,7 +136,7 @@ class PrivacyEvent:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PrivacyEvent:
         """Inverse of :meth:`to_dict`; validates every field."""
-        keys = {"noise_multiplier", "sample_rate", "num_steps", "sampling", "population"}
+        keys = {"noise_multiplier", "sample_rate", "num_steps", "sampling", "population", "noise"}
         unknown = set(data) - keys
         if unknown:
             raise PrivacyError(f"unknown keys in privacy event: {sorted(unknown)}")
@@ -135,6 +147,7 @@ class PrivacyEvent:
                 num_steps=data.get("num_steps", 1),
                 sampling=data.get("sampling", "poisson"),
                 population=data.get("population"),
+                noise=data.get("noise", "gaussian"),
             )
         except KeyError as exc:
             raise PrivacyError(f"privacy event is missing key {exc.args[0]!r}") from exc
@@ -171,6 +184,7 @@ class Accountant(ABC):
         num_steps: int = 1,
         sampling: Sampling = "poisson",
         population: int | None = None,
+        noise: Noise = "gaussian",
     ) -> None:
         """Record ``num_steps`` releases of a subsampled Gaussian mechanism.
 
@@ -184,6 +198,7 @@ class Accountant(ABC):
             num_steps=num_steps,
             sampling=sampling,
             population=population,
+            noise=noise,
         )
         self._check_supported(event)
         last = self.history[-1] if self.history else None
@@ -194,11 +209,20 @@ class Accountant(ABC):
                 num_steps=last.num_steps + event.num_steps,
                 sampling=last.sampling,
                 population=last.population,
+                noise=last.noise,
             )
         else:
             self.history.append(event)
 
     def _check_supported(self, event: PrivacyEvent) -> None:
+        if self.history and self.history[0].noise != event.noise:
+            raise PrivacyError(
+                f"cannot compose a {event.noise!r} release with {self.history[0].noise!r} "
+                "ones in one accountant: integer noise is accounted by its zCDP bound, "
+                "continuous noise by the accountant's Gaussian analysis; keep one per ledger"
+            )
+        if event.noise == "discrete_gaussian":
+            return  # zCDP, without amplification: any sampling scheme (zcdp module docstring)
         if event.sampling not in self.samplings:
             raise PrivacyError(
                 f"the {self.name!r} accountant cannot analyse sampling={event.sampling!r} "
@@ -222,7 +246,16 @@ class Accountant(ABC):
         check_delta(delta)
         if not self.history:
             return 0.0
+        if self.history[0].noise == "discrete_gaussian":
+            return zcdp_epsilon(self.discrete_rho(), delta)
         return float(self._epsilon(delta))
+
+    def discrete_rho(self) -> float:
+        """``rho`` (zCDP) of a history of discrete Gaussian releases (:mod:`privacy.dp.zcdp`)."""
+        return sum(
+            e.num_steps * release_rho(e.noise_multiplier, replace_one=e.sampling == "fixed_size")
+            for e in self.history
+        )
 
     @abstractmethod
     def _epsilon(self, delta: float) -> float:
@@ -256,6 +289,7 @@ class Accountant(ABC):
                     num_steps=e.num_steps,
                     sampling=e.sampling,
                     population=e.population,
+                    noise=e.noise,
                 )
         except PrivacyError:
             self.history = previous

@@ -172,6 +172,7 @@ def test_plan_calibrates_noise_to_the_budget_over_the_rounds() -> None:
         sample_rate=1.0,
         steps=20,
         delta=1e-5,
+        noise="discrete_gaussian",  # local noise: integers on a grid, by their zCDP bound
     )
     # Assert: within the budget and tight to 1 %; W = 4
     assert plan.calibrated and plan.sampling == "poisson" and plan.denominator == 4.0
