@@ -463,7 +463,7 @@ class ServerPrivacy:
         poisson = p.sampling == "poisson" and p.sample_rate < 1.0
         amplified = (
             self._epsilon_of(self._amplified_history)
-            if poisson and self._amplified_history and not redrawn
+            if poisson and self._amplified_history and not redrawn and p.noise == "gaussian"
             else None
         )
         return amplification_statement(p, amplified, redrawn)

@@ -65,7 +65,15 @@ def amplification_statement(
     if plan.sample_rate >= 1.0:
         out["amplification"] = "none: every client in every round"
         return out
-    if redrawn:
+    if plan.noise == "discrete_gaussian":
+        # zCDP bounds integer noise; amplification by sampling is proven for the continuous
+        # Gaussian only, so no amplified figure is offered beside it
+        amplified = None
+        trusts_end = (
+            "not offered: amplification by sampling is not proven for integer (discrete "
+            "Gaussian) noise, which is accounted by its zCDP bound"
+        )
+    elif redrawn:
         trusts_end = (
             f"not a bound here: rounds {redrawn} were released by a cohort drawn again after "
             "a failed attempt (too small a draw, too few updates)"
@@ -78,7 +86,7 @@ def amplification_statement(
             "published (ledger, metrics.jsonl, secure-aggregation records) and known to the "
             "server, so epsilon counts every client in every round; it holds against anyone, "
             "the server included",
-            "epsilon_amplified": None if redrawn else amplified,
+            "epsilon_amplified": None if redrawn else amplified,  # None for integer noise
             "epsilon_amplified_trusts": "the server, to draw each cohort by Poisson sampling "
             f"at rate {plan.sample_rate:g} honestly and in secret, and the party it is stated "
             "to, to see nothing of the cohorts (so not the server, nor a reader of the run "

@@ -21,8 +21,8 @@ from fl_secure.messages import LocalTraining, Task, TaskKind
 from fl_secure.training import local_training
 from privacy.client_round import ClientPrivacy
 from privacy.dp.calibration import epsilon_for
-from privacy.dp.gdp import composed_mu, gaussian_epsilon
 from privacy.dp.noise import SeededGaussian
+from privacy.dp.zcdp import composed_rho, zcdp_epsilon
 from privacy.ledger.site_ledger import SiteLedger
 
 
@@ -32,14 +32,16 @@ def _task(round_: int, nonce: bytes) -> Task:
 
 def test_a_sites_budget_refuses_the_retry_of_a_round_it_already_released(tmp_path: Path) -> None:
     # Prepare: client-level DP, local noise z = 2, two retries allowed; a site budget that
-    # one release fits (epsilon 1.99 against the server) and two do not (2.94)
+    # one release fits (epsilon 2.17 against the server) and two do not (3.19)
     config = config_from_dict(
         {"partition": {"num_clients": 3}, "server": {"min_clients": 2, "max_retries": 2},
          "train": {"rounds": 4},
          "privacy": {"unit": "client", "noise_placement": "local", "noise_multiplier": 2.0}}
     )  # fmt: skip
-    one, two = (gaussian_epsilon(composed_mu([2.0] * n), 1e-5) for n in (1, 2))
-    assert one == pytest.approx(1.9931, abs=1e-3) and two == pytest.approx(2.9432, abs=1e-3)
+    # local noise is integer noise: its zCDP bound, rho = n / (2 z^2) (+1e-9), converted by
+    # Canonne, Kamath & Steinke 2020, Prop. 12
+    one, two = (zcdp_epsilon(composed_rho([2.0] * n), 1e-5) for n in (1, 2))
+    assert one == pytest.approx(2.1658, abs=1e-3) and two == pytest.approx(3.1890, abs=1e-3)
     site = SiteLedger(tmp_path, max_epsilon=(one + two) / 2, delta=1e-5)
     client = FlClient(Connection("localhost:1", "client-0"), lambda r: None, site=site)  # type: ignore[arg-type,return-value]
     client._hold_run_config(config_to_toml(config), "run")
@@ -55,7 +57,7 @@ def test_a_sites_budget_refuses_the_retry_of_a_round_it_already_released(tmp_pat
         config, "run", 1, b"b" * 16, last_round=0
     )
     assert [(r.round, r.nonce) for r in site.releases] == [(1, (b"a" * 16).hex())]
-    assert site.epsilon() == pytest.approx(one, rel=1e-9)  # 1.99: within the budget
+    assert site.epsilon() == pytest.approx(one, rel=1e-9)  # 2.17: within the budget
 
 
 def test_an_example_level_client_does_not_train_a_retry_past_the_runs_budget() -> None:

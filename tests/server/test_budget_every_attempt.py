@@ -26,14 +26,15 @@ from server.coordinator import Coordinator
 from server.settings import CoordinatorSettings
 
 CLIENTS = ("c0", "c1", "c2")
-Z = 2.0  # one release: epsilon 1.9931 at delta 1e-5 (PLD, q = 1); two: 2.9432
+Z = 2.0  # local (integer) noise, zCDP: one release epsilon 2.1658 at delta 1e-5; two: 3.1890
 
 
 def _eps(releases: int) -> float:
-    """dp_accounting's PLD epsilon of ``releases`` Gaussian releases at z = 2, q = 1."""
+    """The epsilon of ``releases`` local-noise releases at z = 2, q = 1 (integer noise: zCDP)."""
     return epsilon_for(
-        accountant="pld", noise_multiplier=Z, sample_rate=1.0, steps=releases, delta=1e-5
-    )
+        accountant="pld", noise_multiplier=Z, sample_rate=1.0, steps=releases, delta=1e-5,
+        noise="discrete_gaussian",
+    )  # fmt: skip
 
 
 def _coordinator(tmp_path: Path, target: float, rounds: int) -> Coordinator:
@@ -114,7 +115,8 @@ def test_a_retry_past_the_budget_is_not_released_after_a_discarded_sum(tmp_path:
     # Prepare: a target that one release fits and two do not; in round 1's first attempt
     # only two of the three clients send (the server saw their updates; the attempt fails)
     target = (_eps(1) + _eps(2)) / 2
-    assert _eps(1) == pytest.approx(1.9931, abs=1e-4) and _eps(2) == pytest.approx(2.9432, abs=1e-4)
+    # rho = T / (2 z^2) (+1e-9), converted by Canonne, Kamath & Steinke 2020, Prop. 12
+    assert _eps(1) == pytest.approx(2.1658, abs=1e-4) and _eps(2) == pytest.approx(3.1890, abs=1e-4)
     coord = _coordinator(tmp_path, target, rounds=1)
     # Execute: attempt 0 gets two updates; every client would answer a retry
     tasks = _drive(coord, [CLIENTS[:2], CLIENTS])

@@ -366,7 +366,12 @@ def test_under_local_noise_the_dropped_attempt_is_counted_and_the_round_complete
 
     def eps(steps: int) -> float:
         return epsilon_for(
-            accountant="pld", noise_multiplier=2.0, sample_rate=1.0, steps=steps, delta=1e-5
+            accountant="pld",
+            noise_multiplier=2.0,
+            sample_rate=1.0,
+            steps=steps,
+            delta=1e-5,
+            noise="discrete_gaussian",  # local noise is integer noise, zCDP-accounted
         )
 
     client_level = [e for e in entries if e.kind == "client_level"][0]
