@@ -226,3 +226,17 @@ def test_client_refuses_an_advert_set_without_its_own() -> None:
     others = [a for a in inbox if a.client_id != "client-000"]
     with pytest.raises(PrivacyError, match="left out the advertisement of 'client-000'"):
         clients["client-000"].share_keys(others)
+
+
+def test_the_rates_are_run_config_keys_with_checked_ranges() -> None:
+    from fl_secure.config import config_from_dict
+    from fl_secure.errors import ConfigError
+
+    sa = {"scheme": "secagg+", "corrupt_fraction": 0.3, "dropout_fraction": 0.05}
+    cfg = config_from_dict({"secure_aggregation": sa}).secure_aggregation
+    assert (cfg.corrupt_fraction, cfg.dropout_fraction, cfg.neighbours) == (0.3, 0.05, 0)
+    # neighbours = 0 with secagg+: derived; no dropout in 10 (0.05 n < 1), so t = k = 4 > 3
+    assert neighbourhood(cfg, 10) == (4, 4)
+    for key, bad in (("corrupt_fraction", 0.5), ("dropout_fraction", -0.1), ("security_bits", 0)):
+        with pytest.raises(ConfigError, match=f"secure_aggregation.{key}: invalid value"):
+            config_from_dict({"secure_aggregation": {"scheme": "secagg+", key: bad}})
