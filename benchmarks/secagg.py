@@ -192,7 +192,7 @@ def run_ours(case: Case, repeat: int) -> dict[str, Any]:
     share_inboxes = server.route_shares()
 
     # Round 2: masked inputs (the dropped clients send nothing from here on)
-    graph = config.graph()
+    graph = server.graph
     mask_s, serialize_s, collect_s = [], [], 0.0
     truth = np.zeros(d, dtype=np.float64)
     client_prg = 0

@@ -103,7 +103,11 @@ class SecureAggregationConfig:
 
     ``secagg`` is Bonawitz et al. (CCS 2017), every client masks against every other;
     ``secagg+`` is Bell et al. (CCS 2020), each client has ``neighbours`` neighbours in a
-    random k-regular graph. Updates are clipped per coordinate to ``clip_range``, encoded with
+    random k-regular graph. ``corrupt_fraction``, ``dropout_fraction``, ``security_bits``
+    and ``correctness_bits`` state what the run assumes; SecAgg+'s ``neighbours`` and
+    ``threshold`` (0: derived) must meet Bell et al.'s bounds for each cohort size, and
+    SecAgg's threshold must exceed the corrupt clients (:mod:`privacy.secagg.parameters`).
+    Updates are clipped per coordinate to ``clip_range``, encoded with
     ``scale_bits`` fractional bits and summed mod ``2^modulus_bits`` (a configuration whose sum
     could wrap is refused when the round starts). ``ckks`` encrypts each update with CKKS
     (TenSEAL) under a secret key all clients share (``CERTS/ckks/clients.secret``); the server
@@ -111,8 +115,12 @@ class SecureAggregationConfig:
     """
 
     scheme: SecAggScheme = "none"
-    neighbours: int = 0  # secagg+: k neighbours per client (0 with secagg: all others)
-    threshold: int = 0  # t of k shares rebuild a secret (0 = the smallest majority k//2 + 1)
+    neighbours: int = 0  # secagg+: k neighbours per client (0: derived); secagg: all others
+    threshold: int = 0  # t of k shares rebuild a secret (0: derived; secagg: a majority)
+    corrupt_fraction: float = 0.2  # at most this fraction of a cohort colludes
+    dropout_fraction: float = 0.1  # at most this fraction of a cohort drops out
+    security_bits: int = 40  # a client's secrets leak with probability <= 2^-security_bits
+    correctness_bits: int = 20  # a round aborts for too few neighbours w.p. <= 2^-this
     modulus_bits: int = 32  # arithmetic mod 2^modulus_bits (up to 64; 62 with distributed DP)
     clip_range: float = 1.0  # per-coordinate bound of the fixed-point encoding
     scale_bits: int = 20  # fractional bits: resolution 2^-scale_bits
@@ -135,12 +143,27 @@ class SecureAggregationConfig:
             "secure_aggregation.stage_timeout",
             TIMEOUT_RANGE,
         )
+        check(
+            0 <= self.corrupt_fraction < 0.5,
+            "secure_aggregation.corrupt_fraction",
+            "a number in [0, 0.5)",
+        )
+        check(
+            0 <= self.dropout_fraction < 0.5,
+            "secure_aggregation.dropout_fraction",
+            "a number in [0, 0.5)",
+        )
+        check(
+            1 <= self.security_bits <= 128,
+            "secure_aggregation.security_bits",
+            "an integer in 1..128",
+        )
+        check(
+            1 <= self.correctness_bits <= 128,
+            "secure_aggregation.correctness_bits",
+            "an integer in 1..128",
+        )
         check(self.ckks_decryptors in (1, 2), "secure_aggregation.ckks_decryptors", "1 or 2")
-        if self.scheme == "secagg+" and self.neighbours == 0:
-            raise ConfigError(
-                "secure_aggregation.scheme = 'secagg+' needs secure_aggregation.neighbours > 0 "
-                "(the k of its k-regular graph); 'secagg' connects every pair of clients"
-            )
         if self.scheme == "secagg+" and self.neighbours % 2:
             raise ConfigError(
                 f"secure_aggregation.neighbours = {self.neighbours}: SecAgg+ needs an even k "

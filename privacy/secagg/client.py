@@ -22,7 +22,7 @@ from privacy.secagg.arithmetic import CHUNK, check_vector, modulus_mask, word_dt
 from privacy.secagg.codec import KIND_SHARE_PLAINTEXT, NONCE_BYTES, Reader, Writer
 from privacy.secagg.config import SecAggConfig
 from privacy.secagg.encoding import FixedPointEncoder, UniformSource
-from privacy.secagg.graph import describe_groups, survivor_groups
+from privacy.secagg.graph import advert_seed, describe_groups, survivor_groups
 from privacy.secagg.keys import SECRET_BYTES, agree, kdf, public_bytes, share_ad, verify_advert
 from privacy.secagg.masks import Keystreams
 from privacy.secagg.messages import (
@@ -77,8 +77,10 @@ class SecAggClient:
         self._identity = identity_key
         self._registry = registry
         self._rounding = rounding
-        self._graph = config.graph()  # the round's whole graph: unmasking checks survivors
-        self._neighbours = self._graph[client_id]
+        # the round's whole graph (unmasking checks survivors): computed in share_keys from
+        # the advertisements, so the server, which picks the round id, cannot pick it
+        self._graph: dict[str, frozenset[str]] = {}
+        self._neighbours: frozenset[str] = frozenset()
         self._c_sk = X25519PrivateKey.generate()
         self._s_sk: X25519PrivateKey | None = X25519PrivateKey.generate()
         self._b: bytes | None = None
@@ -106,14 +108,18 @@ class SecAggClient:
         return self._advert
 
     def share_keys(self, adverts: Sequence[AdvertiseKeys]) -> tuple[EncryptedShare, ...]:
-        """Round 1 (*ShareKeys*): verify adverts, then send each neighbour its shares.
+        """Round 1 (*ShareKeys*): verify adverts, derive the graph, send neighbours shares.
+
+        The graph is seeded by :func:`~privacy.secagg.graph.advert_seed` of the adverts
+        received, this client's own (unaltered) included: keys drawn after the round id was
+        fixed, so a server choosing round ids cannot choose anyone's neighbours.
 
         Draws the self-mask seed ``b_u`` and splits it and ``s_u^SK`` ``t``-out-of-``k'``
         among the ``k'`` neighbours that advertised keys; each neighbour's pair of shares is
         encrypted under the key agreed from ``c_u^SK`` and its ``c_v^PK``.
 
         Args:
-            adverts: The advertisements relayed by the server (at least the neighbours').
+            adverts: The advertisements relayed by the server: every client that advertised.
 
         Returns:
             One encrypted share per neighbour that advertised keys.
@@ -141,8 +147,14 @@ class SecAggClient:
             if {advert.c_pk, advert.s_pk} & (keys | {self._advert.c_pk, self._advert.s_pk}):
                 raise ProtocolError(f"client {who!r} advertised a public key already in use")
             keys |= {advert.c_pk, advert.s_pk}
-            if who in self._neighbours:
-                self._peers[who] = advert
+        if self.client_id not in seen:
+            raise PrivacyError(
+                f"the server left out the advertisement of {self.client_id!r} (this client): "
+                "the graph must be seeded by it"
+            )
+        self._graph = self.config.graph(advert_seed(a.signed_payload() for a in seen.values()))
+        self._neighbours = self._graph[self.client_id]
+        self._peers = {v: seen[v] for v in sorted(self._neighbours & set(seen))}
         t = self.config.threshold
         if len(self._peers) < t:
             raise RoundAborted(

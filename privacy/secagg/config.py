@@ -18,7 +18,8 @@ class SecAggConfig:
 
     Attributes:
         round_id: Public, never-repeated round identifier (1..255 bytes); it is bound into
-            every signature, KDF context and AEAD associated data, and seeds the graph.
+            every signature, KDF context and AEAD associated data (the graph is seeded by the
+            round's key advertisements, :func:`~privacy.secagg.graph.advert_seed`).
         cohort: The ids of the clients selected for the round (stored sorted).
         threshold: ``t``: shares needed to rebuild a secret, ``k // 2 < t <= k``. A strict
             majority of each neighbourhood prevents a server from collecting ``t`` shares of
@@ -55,7 +56,7 @@ class SecAggConfig:
         if n < 2:
             raise PrivacyError(f"secure aggregation needs at least 2 clients, got {n}")
         if self.neighbours not in (0, n - 1):
-            neighbour_graph(self.cohort, self.neighbours, self.round_id)  # validates k
+            neighbour_graph(self.cohort, self.neighbours, b"")  # validates k
         k = self.degree
         if not k // 2 < self.threshold <= k:
             raise PrivacyError(
@@ -72,9 +73,14 @@ class SecAggConfig:
         n = len(self.cohort)
         return n - 1 if self.neighbours == 0 else self.neighbours
 
-    def graph(self) -> dict[str, frozenset[str]]:
-        """The round's communication graph (see :func:`neighbour_graph`)."""
-        return neighbour_graph(self.cohort, self.neighbours, self.round_id)
+    def graph(self, seed: bytes) -> dict[str, frozenset[str]]:
+        """The round's communication graph (see :func:`neighbour_graph`).
+
+        Args:
+            seed: :func:`~privacy.secagg.graph.advert_seed` of the round's advertisements
+                (the complete graph of SecAgg ignores it).
+        """
+        return neighbour_graph(self.cohort, self.neighbours, seed)
 
     def share_x(self, client_id: str) -> int:
         """Shamir abscissa of the shares a client holds: its cohort position plus one."""

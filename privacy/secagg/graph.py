@@ -59,6 +59,22 @@ def neighbour_graph(ids: Sequence[str], k: int, seed: bytes) -> dict[str, frozen
     return {u: frozenset(ring[(i + o) % n] for o in offsets) for i, u in enumerate(ring)}
 
 
+def advert_seed(signed_payloads: Iterable[bytes]) -> bytes:
+    """The graph's seed: SHA-256 of every advertisement of the round, in canonical order.
+
+    Each payload is the signed part of one client's key advertisement (round id, client id,
+    its two fresh public keys); they are sorted, so the seed depends on the set only. The
+    server cannot pick it: it is fixed by keys the clients drew after the round id was set,
+    and a client computes it itself from the advertisements it receives. The server still
+    chooses which advertisements are in the set (and sees the others' before a client it
+    colludes with draws its own), see ``docs/secure-aggregation.md``.
+    """
+    h = hashlib.sha256(DOMAIN + b"graph-seed")
+    for payload in sorted(signed_payloads):
+        h.update(length_prefixed(payload))
+    return h.digest()
+
+
 def survivor_groups(
     graph: dict[str, frozenset[str]], survivors: Iterable[str]
 ) -> list[frozenset[str]]:

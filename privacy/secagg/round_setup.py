@@ -21,6 +21,8 @@ from fl_secure.config import Config, SecureAggregationConfig
 from fl_secure.errors import JSON_DOCUMENT_ERRORS, PrivacyError, ProtocolError
 from privacy.dp.discrete_gaussian import check_ddg_slack, ddg_client_sigma, integer_l2_bound
 from privacy.secagg.config import SecAggConfig
+from privacy.secagg.parameters import Rates, derive, smallest_threshold
+from privacy.secagg.parameters import check as check_parameters
 
 
 @dataclass(frozen=True)
@@ -109,16 +111,39 @@ class RoundSetup:
         return setup
 
 
+def rates(cfg: SecureAggregationConfig) -> Rates:
+    """The corruption and dropout rates and security parameters a run states."""
+    return Rates(
+        cfg.corrupt_fraction, cfg.dropout_fraction, cfg.security_bits, cfg.correctness_bits
+    )
+
+
 def neighbourhood(cfg: SecureAggregationConfig, n: int) -> tuple[int, int]:
     """``(k, t)``: each client's neighbours in a cohort of ``n``, and the Shamir threshold.
 
+    SecAgg+ with ``neighbours = 0`` (or ``threshold = 0``) derives them from ``n`` and the
+    stated rates (:func:`privacy.secagg.parameters.derive`); set values must meet the same
+    bounds (:func:`privacy.secagg.parameters.check`). SecAgg (the complete graph) keeps the
+    majority threshold by default, and any threshold must exceed the ``floor(gamma n)``
+    clients that may collude.
+
     Raises:
         PrivacyError: The configured threshold is not a strict majority of ``k`` and at most
-            ``k`` (:class:`privacy.secagg.config.SecAggConfig`'s rule). (An odd SecAgg+ ``k``, which
-            has no graph on an odd cohort, is refused when the config is read.)
+            ``k`` (:class:`privacy.secagg.config.SecAggConfig`'s rule), or ``(k, t)`` fails
+            the bounds of the stated rates. (An odd SecAgg+ ``k``, which has no graph on an
+            odd cohort, is refused when the config is read.)
     """
-    k = n - 1 if cfg.neighbours == 0 or cfg.neighbours >= n - 1 else cfg.neighbours
-    threshold = cfg.threshold or k // 2 + 1
+    stated = rates(cfg)
+    if cfg.scheme == "secagg+" and (cfg.neighbours == 0 or cfg.threshold == 0):
+        dk, dt = derive(n, stated)
+        if cfg.neighbours == 0:
+            k = dk
+        else:
+            k = n - 1 if cfg.neighbours >= n - 1 else cfg.neighbours
+        threshold = dt if k == dk else (smallest_threshold(n, k, stated) or k)
+    else:
+        k = n - 1 if cfg.neighbours == 0 or cfg.neighbours >= n - 1 else cfg.neighbours
+        threshold = cfg.threshold or k // 2 + 1
     if threshold > k:
         raise PrivacyError(
             f"secure_aggregation.threshold = {threshold} exceeds the {k} neighbours each "
@@ -130,6 +155,16 @@ def neighbourhood(cfg: SecureAggregationConfig, n: int) -> tuple[int, int]:
             f"neighbours each client has in a cohort of {n} (two disjoint groups of {threshold} "
             f"could rebuild both secrets of a client); use {k // 2 + 1}..{k} (0: a majority)"
         )
+    if k == n - 1:
+        c = stated.corrupt(n)
+        if threshold <= c:
+            raise PrivacyError(
+                f"secure_aggregation.threshold = {threshold}: the {c} of {n} clients that may "
+                f"collude (corrupt_fraction {cfg.corrupt_fraction:g}) could pool {c} shares "
+                f"of every client's secrets; use a threshold > {c}"
+            )
+    else:
+        check_parameters(n, k, threshold, stated)
     return k, threshold
 
 

@@ -17,7 +17,7 @@ from fl_secure.errors import PrivacyError, ProtocolError, RoundAborted
 from privacy.secagg.arithmetic import check_vector, modulus_mask, word_dtype
 from privacy.secagg.codec import MAX_CIPHERTEXT_BYTES, NONCE_BYTES
 from privacy.secagg.config import SecAggConfig
-from privacy.secagg.graph import describe_groups, survivor_groups
+from privacy.secagg.graph import advert_seed, describe_groups, survivor_groups
 from privacy.secagg.keys import SECRET_BYTES, agree, kdf, public_bytes, verify_advert
 from privacy.secagg.masks import apply_keystreams
 from privacy.secagg.messages import (
@@ -59,7 +59,7 @@ class SecAggServer:
         self.config = config
         self.vector_length = vector_length
         self._registry = registry
-        self._graph = config.graph()
+        self._graph: dict[str, frozenset[str]] = {}  # fixed by the adverts (route_adverts)
         self._adverts: dict[str, AdvertiseKeys] = {}
         self._keys_in_use: set[bytes] = set()
         self._shares: dict[str, tuple[EncryptedShare, ...]] = {}
@@ -103,6 +103,11 @@ class SecAggServer:
             )
 
     @property
+    def graph(self) -> dict[str, frozenset[str]]:
+        """The round's graph, once :meth:`route_adverts` fixed it (empty before)."""
+        return dict(self._graph)
+
+    @property
     def survivors(self) -> tuple[str, ...]:
         """``U3``: clients whose masked input is in the sum (sorted)."""
         return tuple(sorted(self._u3))
@@ -131,7 +136,11 @@ class SecAggServer:
         self._adverts[advert.client_id] = advert
 
     def route_adverts(self) -> dict[str, tuple[AdvertiseKeys, ...]]:
-        """Close Round 0: ``U1``; for each ``u`` in ``U1`` its own and its neighbours' adverts.
+        """Close Round 0: ``U1``; every ``u`` in ``U1`` gets all of ``U1``'s adverts.
+
+        The graph is seeded by the hash of these adverts (:func:`advert_seed`), which each
+        client recomputes from what it receives, so every client gets the whole set (``O(n)``
+        adverts of 150 bytes each) rather than only its neighbours'.
 
         Raises:
             RoundAborted: If fewer than ``t + 1`` clients advertised keys.
@@ -139,11 +148,10 @@ class SecAggServer:
         self._expect_stage(0, "route_adverts")
         self._u1 = frozenset(self._adverts)
         self._require_participants(self._u1, "advertised keys")
+        adverts = tuple(self._adverts[v] for v in sorted(self._u1))
+        self._graph = self.config.graph(advert_seed(a.signed_payload() for a in adverts))
         self._stage = 1
-        return {
-            u: tuple(self._adverts[v] for v in sorted((self._graph[u] & self._u1) | {u}))
-            for u in sorted(self._u1)
-        }
+        return dict.fromkeys(sorted(self._u1), adverts)
 
     # -- Round 1 ----------------------------------------------------------------------------
 

@@ -137,7 +137,13 @@ class ServerSecureRound(StagedRound):
     def _route(self) -> None:
         if self.stage == ADVERTISE:
             routed = self.server.route_adverts()
-            self.routed = {c: pack([a.to_bytes() for a in ads]) for c, ads in routed.items()}
+            # every client gets the same set (the graph's seed): each distinct set packed once
+            packed: dict[int, bytes] = {}  # id of the tuple (kept alive by ``routed``)
+            self.routed = {}
+            for c, ads in routed.items():
+                if id(ads) not in packed:
+                    packed[id(ads)] = pack([a.to_bytes() for a in ads])
+                self.routed[c] = packed[id(ads)]
         elif self.stage == SHARE:
             shares = self.server.route_shares()
             self.routed = {c: pack([s.to_bytes() for s in sh]) for c, sh in shares.items()}

@@ -15,7 +15,7 @@ from scipy import stats
 from fl_secure.errors import PrivacyError, ProtocolError, RoundAborted
 from privacy.secagg.client import SecAggClient
 from privacy.secagg.config import SecAggConfig
-from privacy.secagg.graph import neighbour_graph, survivor_groups
+from privacy.secagg.graph import advert_seed, neighbour_graph, survivor_groups
 from privacy.secagg.messages import (
     AdvertiseKeys,
     EncryptedShare,
@@ -50,6 +50,7 @@ class Round:
     keys: dict[str, Ed25519PrivateKey]
     server: SecAggServer
     clients: dict[str, SecAggClient]
+    advertised: dict[str, AdvertiseKeys] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def start(cls, config: SecAggConfig, d: int, seed: int = 0) -> Round:
@@ -67,10 +68,26 @@ class Round:
         """What client ``u`` encoded: same rounding stream as the one it was given."""
         return self.config.encode(self.updates[u], SeededUniform(self.config.cohort.index(u)))
 
+    def advert(self, u: str) -> AdvertiseKeys:
+        """Client ``u``'s advertisement (drawn once: the graph is seeded by it)."""
+        if u not in self.advertised:
+            self.advertised[u] = self.clients[u].advertise_keys()
+        return self.advertised[u]
+
+    def graph(self, drop: Mapping[str, int] | None = None) -> dict[str, frozenset[str]]:
+        """The graph the round will have: seeded by the adverts of those not dropped at 0."""
+        drop = drop or {}
+        payloads = [
+            self.advert(u).signed_payload()
+            for u in self.config.cohort
+            if drop.get(u, COMPLETES) > 0
+        ]
+        return self.config.graph(advert_seed(payloads))
+
     def adverts(self, drop: Mapping[str, int]) -> dict[str, tuple[AdvertiseKeys, ...]]:
-        for u, c in self.clients.items():
+        for u in self.clients:
             if drop.get(u, COMPLETES) > 0:
-                self.server.add_advert(AdvertiseKeys.from_bytes(c.advertise_keys().to_bytes()))
+                self.server.add_advert(AdvertiseKeys.from_bytes(self.advert(u).to_bytes()))
         return self.server.route_adverts()
 
     def shares(self, drop: Mapping[str, int]) -> dict[str, tuple[EncryptedShare, ...]]:
@@ -109,9 +126,10 @@ def _plain_sum(encoded: list[np.ndarray], bits: int) -> list[int]:
     return [sum(int(e[i]) for e in encoded) % (1 << bits) for i in range(encoded[0].size)]
 
 
-def _predicted_success(config: SecAggConfig, drop: Mapping[str, int]) -> bool:
+def _predicted_success(rnd: Round, drop: Mapping[str, int]) -> bool:
     """Independent statement of when the round must succeed (thresholds of every stage)."""
-    g, t = config.graph(), config.threshold
+    config = rnd.config
+    g, t = rnd.graph(drop), config.threshold
     stage = {u: drop.get(u, COMPLETES) for u in config.cohort}
     u1 = {u for u in config.cohort if stage[u] >= 1}
     u2 = {u for u in u1 if stage[u] >= 2 and len(g[u] & u1) >= t}
@@ -193,7 +211,7 @@ def test_any_dropout_pattern_gives_the_exact_sum_or_aborts_without_output(
     except RoundAborted:
         result = None
     # Assert: success exactly when every stage's thresholds hold; no output otherwise
-    assert (result is not None) == _predicted_success(config, drop)
+    assert (result is not None) == _predicted_success(rnd, drop)
     if result is None:
         assert rnd.server.result is None
     else:
@@ -209,11 +227,14 @@ def test_hundred_clients_with_ten_percent_dropout(neighbours: int) -> None:
     t = 51 if neighbours == 0 else 8
     config = _config(100, t, neighbours, bits=32, scale=2.0**16)
     rnd = Round.start(config, d=5, seed=1)
-    g = config.graph()
-    drop: dict[str, int] = {}
-    for u in config.cohort[::7]:  # greedily: at most k - t dropouts in any neighbourhood
+    # three drop before advertising (the graph is seeded by the others' adverts), then
+    # greedily: at most k - t dropouts in any neighbourhood
+    drop: dict[str, int] = dict.fromkeys(config.cohort[:21:7], 0)
+    g = rnd.graph(drop)
+    assert all(len(g[v] & set(drop)) <= config.degree - t for v in g)
+    for u in config.cohort[21::7]:
         if len(drop) < 10 and all(len(g[v] & {*drop, u}) <= config.degree - t for v in g):
-            drop[u] = len(drop) % 4
+            drop[u] = 1 + len(drop) % 3
     assert len(drop) == 10
     # Execute
     result = rnd.run(drop)
@@ -228,7 +249,7 @@ def test_too_few_holders_abort_before_any_share_is_revealed() -> None:
     # keys, so only two surviving neighbours hold shares of its self mask
     config = _config(10, 3, 4)
     rnd = Round.start(config, d=4)
-    drop = dict.fromkeys(sorted(config.graph()["client-000"])[:2], 2)
+    drop = dict.fromkeys(sorted(rnd.graph()["client-000"])[:2], 2)
     # Execute / Assert: aborted when the unmask request is built, i.e. before anybody is asked
     with pytest.raises(RoundAborted, match="too few surviving neighbours.*'client-000' \\(2\\)"):
         rnd.masked(drop)
@@ -246,7 +267,8 @@ def test_survivors_split_into_unjoined_groups_abort_and_clients_refuse_to_unmask
     import itertools
 
     config = _config(12, 2, 3)
-    graph, t = config.graph(), config.threshold
+    rnd = Round.start(config, d=4)
+    graph, t = rnd.graph(), config.threshold
     cut = next(
         set(four)
         for four in itertools.combinations(config.cohort, 4)
@@ -257,7 +279,6 @@ def test_survivors_split_into_unjoined_groups_abort_and_clients_refuse_to_unmask
     groups = survivor_groups(graph, survivors)
     assert len(groups) == 2 and set().union(*groups) == survivors
     assert not any(graph[u] & groups[1] for u in groups[0])  # no mask joins them
-    rnd = Round.start(config, d=4)
     # Execute / Assert: the server aborts before asking for any share ...
     with pytest.raises(RoundAborted, match="split into 2 groups no pairwise mask joins"):
         rnd.masked(dict.fromkeys(cut, 2))
