@@ -20,7 +20,8 @@ input before masking and each sum the server unmasks. At the end the benchmark c
   the privacy ledger; the ledger verifies (``fl-secure privacy ledger --verify``);
 - the run's final epsilon equals a fresh PLD computation from the ledger's rows;
 - nothing is lost: the run completed all rounds, every client process that was not killed
-  finished with exit code 0.
+  finished with exit code 0 (one restarted in the last round may start after the server has
+  exited; it then waits for a server that is gone, and is listed apart).
 
 Usage: python benchmarks/chaos.py [--clients 30] [--rounds 50] [--kill-rate 0.3]
        [--server-kill-every 10] [--seed 0] [--keep DIR]
@@ -127,6 +128,8 @@ class Chaos:
         self.server_kills = 0
         self.server_resumes = 0
         self.server_exits: list[int] = []
+        self.current_round = 0  # the round running now (the last completed one + 1)
+        self.restarted_in: dict[int, int] = {}  # client -> the round it was last restarted in
 
     def _spawn(self, args: list[str], log: str) -> subprocess.Popen[bytes]:
         with (self.logs / log).open("ab") as handle:
@@ -172,6 +175,7 @@ class Chaos:
             self.killed.append(proc)
             self.client_kills += 1
             self.start_client(i)
+            self.restarted_in[i] = self.current_round
         return chosen
 
     def kill_server(self) -> None:
@@ -229,6 +233,7 @@ class Chaos:
                 if seen > 0:
                     round_seconds = max(1.0, now - round_started)
                 seen, round_started = max(done), now
+                self.current_round = seen + 1
                 if kill_at is not None:  # the last round ended before its kill: kill now
                     self.kill_clients()
                     kill_at = None
@@ -367,7 +372,11 @@ def main() -> None:
         "ledger_one_row_per_round": ledger.get("client_level_rounds") == all_rounds[1:],
         "epsilon_is_a_fresh_recomputation": fresh is not None and recorded is not None
         and abs(fresh - recorded) <= 1e-9 * max(1.0, fresh),
-        "every_client_finished": all(code == 0 for code in codes.values()),
+        # a client restarted in the last round may come up after the server has exited: it
+        # then waits for a server that is gone (by design) and never hears FINISHED
+        "every_client_finished": all(
+            code == 0 or chaos.restarted_in.get(i) == args.rounds for i, code in codes.items()
+        ),
     }  # fmt: skip
     out = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -379,6 +388,9 @@ def main() -> None:
         "server_resumes": chaos.server_resumes,
         "server_exit_codes": chaos.server_exits,
         "client_exit_codes": codes,
+        "restarted_in_the_last_round": sorted(
+            i for i, r in chaos.restarted_in.items() if r == args.rounds
+        ),
         "rounds_completed": numbers,
         "failed_attempts": len(failed_attempts),
         "failed_attempt_reasons": [r.get("reason", "")[:160] for r in failed_attempts][:10],
