@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers on two cores
+    import torch
+
+    torch.set_num_threads(1)
 
 TINY_ADAFEDFR = """
 [run]
