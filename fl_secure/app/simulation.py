@@ -20,6 +20,7 @@ differential privacy and secure aggregation need the real path, and are refused.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -35,6 +36,7 @@ from fl_secure.errors import ConfigError, RoundAborted
 from fl_secure.evaluation import DegenerateEmbeddings, per_client_summary
 from fl_secure.training import HEADLINE, build_run_model, get_tensors
 from server.bootstrap import make_evaluator
+from server.influence import weight_cap
 from server.round import (
     Evaluator,
     RoundState,
@@ -162,8 +164,14 @@ def _simulate(
         untrained["held_out"] = evaluator(state.params)
     records = [untrained]
     rounds = config.train.rounds
+    # the server's weight cap on plain updates, from the counts the clients state at join
+    cap = weight_cap(
+        [t.num_examples for t in trainers.values()],
+        config.server.max_examples,
+        config.server.examples_factor,
+    )
     for number in tqdm(range(1, rounds + 1), desc="rounds", disable=not progress):
-        record = _round(state, trainers, evaluator, number)
+        record = _round(state, trainers, evaluator, number, cap)
         records.append(record)
         if on_round is not None:
             on_round(record)
@@ -205,8 +213,11 @@ def _round(
     trainers: Mapping[str, LocalTrainer],
     evaluator: Evaluator | None,
     number: int,
+    cap: float = math.inf,
 ) -> dict[str, Any]:
     """Round ``number`` with every client: the coordinator's steps, in this process.
+
+    ``cap``: the most an update may weigh (:func:`server.influence.weight_cap`).
 
     Raises:
         RoundAborted: An update or the new global model diverged.
@@ -222,7 +233,7 @@ def _round(
         shared, head = state.split_upload(client_id, update)  # FedGC: W_k apart from the mean
         if head:
             uploaded[client_id] = head
-        aggregate.add(shared, update_weight(examples, private=False))
+        aggregate.add(shared, update_weight(min(examples, cap), private=False))
         metrics[client_id] = found
     params = state.step(number, aggregate.mean())
     held, reason = vet_model(number, params, evaluator)

@@ -142,6 +142,7 @@ def _discrete_example_epsilon(
     rho = mu2 / 2.0 * (1.0 + ZCDP_SLACK)
     if not steps:
         return zcdp_epsilon(rho, delta)
+    # deferred, as opacus above: the RDP curve is needed only when DP-SGD steps are combined
     from opacus.accountants.analysis import rdp as rdp_analysis
 
     from privacy.dp.accountants.rdp import DEFAULT_ORDERS

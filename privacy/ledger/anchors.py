@@ -26,6 +26,7 @@ from fl_secure.errors import CheckpointError, PrivacyError
 from fl_secure.runs import read_json_object
 from privacy.ledger.entries import Entry, LedgerError, genesis_hash
 from privacy.ledger.signed_head import SignedHead, head_path, read_head
+from privacy.ledger.site_heads import SiteHeads
 
 #: Key of the signed head in a checkpoint's state and in summary.json's ``privacy``.
 STATE_KEY = "ledger_signed_head"
@@ -74,8 +75,6 @@ def run_anchors(
     ``sites``: state folders of sites (``--state-dir``), whose newest head seen in run
     ``run_id`` is checked too (:mod:`privacy.ledger.site_heads`).
     """
-    from privacy.ledger.site_heads import SiteHeads
-
     problems: list[str] = []
     try:
         head = read_head(head_path(ledger_path))

@@ -27,6 +27,7 @@ REL_TOL = 1e-6
 
 def client_event(payload: Mapping[str, Any]) -> dict[str, Any]:
     """A client-level row's accountant event (one release)."""
+    # deferred: privacy.dp.client_level loads the calibration (and its accountants)
     from privacy.dp.client_level import placement_noise
 
     return {
@@ -44,6 +45,7 @@ def client_event(payload: Mapping[str, Any]) -> dict[str, Any]:
 
 def composed_epsilon(accountant: str, history: list[dict[str, Any]], delta: float) -> float:
     """Epsilon of ``history`` under ``accountant`` at ``delta`` (0 for no event)."""
+    # deferred: the accountants (opacus, dp_accounting) load only when an epsilon is composed
     from privacy.dp.accountants.registry import create_accountant
 
     if not history:
@@ -59,6 +61,7 @@ def recompute_problems(entries: Sequence[Entry]) -> list[str]:
     Rows are read in seq order; each problem names the seq, both figures and the history
     the figure was composed from.
     """
+    # deferred: privacy.dp.example_level loads DP-SGD's accounting
     from privacy.dp.example_level import example_event
 
     problems: list[str] = []

@@ -46,11 +46,11 @@ class Rates:
 
     def corrupt(self, n: int) -> int:
         """``c = floor(gamma n)``: the most clients that may collude in a cohort of ``n``."""
-        return math.floor(self.corrupt_fraction * n + 1e-9)
+        return math.floor(Fraction(str(self.corrupt_fraction)) * n)  # exact: 0.3 * 10 is 3
 
     def dropped(self, n: int) -> int:
         """``d = floor(delta n)``: the most clients that may drop out of a cohort of ``n``."""
-        return math.floor(self.dropout_fraction * n + 1e-9)
+        return math.floor(Fraction(str(self.dropout_fraction)) * n)
 
 
 def hypergeom_sf(population: int, marked: int, draws: int, at_least: int) -> Fraction:

@@ -32,7 +32,8 @@ from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import RunDir
 from fl_secure.training import build_model, get_tensors, set_tensors
 from privacy.dp.calibration import epsilon_for
-from privacy.dp.client_level import add_gaussian, clip_update
+from privacy.dp.client_level import clip_update
+from privacy.dp.grid_noise import add_grid_discrete_gaussian
 from privacy.dp.noise import seeded_source
 from server.coordinator import Coordinator
 from server.settings import CoordinatorSettings
@@ -172,7 +173,8 @@ def test_dp_rounds_over_mtls_release_only_the_clipped_noised_backbone(
     tiny_adafedfr: Path, tmp_path: Path, serve: Any
 ) -> None:
     # Prepare: the tiny AdaFedFR run with client-level DP (Algorithm 1 lines 23-26 = the
-    # privacy module's clip and local Gaussian noise, z = 1, C = 0.05, reproducible noise)
+    # privacy module's clip and local discrete Gaussian noise on a grid, z = 1, C = 0.05,
+    # reproducible noise)
     # served by build_server over gRPC + mTLS to two real LocalTrainers in threads
     z, clip = 1.0, 0.05
     config = load_config(
@@ -202,18 +204,31 @@ def test_dp_rounds_over_mtls_release_only_the_clipped_noised_backbone(
             assert list(received) == [*shared, REPRESENTATIONS]
             params = OrderedDict((k, received[k]) for k in shared)
             np.testing.assert_allclose(received[REPRESENTATIONS], _eq4(config, params), atol=1e-6)
-    # ... the release is exactly clip(raw, C) + N(0, (zC)^2) from the privacy module's source
-    # of that client (no other noise), with the backbone's names only: the head z, the
-    # adapter theta and phi (which did train) never leave the client
+    # ... the release is exactly clip(raw, C) randomly rounded onto the power-of-two grid
+    # Lambda plus integer discrete Gaussian noise, from the privacy module's source of that
+    # client (no other noise), with the backbone's names only: the head z, the adapter theta
+    # and phi (which did train) never leave the client
     for cid, rec in recorders.items():
         source = seeded_source(config.run.seed, cid)
         for raw, (released, _) in zip(rec.raw, rec.released, strict=True):
             assert list(raw) == list(released) == rec.trainer.shared_names
             clipped, norm = clip_update(raw, clip)
             assert norm > clip  # the clip really bit
-            expected = add_gaussian(clipped, z * clip, source)
+            expected = add_grid_discrete_gaussian(clipped, z, clip, source)
             for k in expected:
+                assert released[k].dtype == clipped[k].dtype
                 np.testing.assert_array_equal(released[k], expected[k])
+            # Lambda: the largest power of two with sqrt(d) Lambda <= 2^-10 C; every released
+            # value is an integer number of Lambdas, and the noise's std is z (C + sqrt(d) Lambda)
+            d = sum(v.size for v in clipped.values())
+            step = 2.0 ** np.floor(np.log2(clip / (1024 * np.sqrt(d))))
+            assert np.sqrt(d) * step <= clip / 1024 < 2 * np.sqrt(d) * step
+            units = np.concatenate([v.astype(np.float64).ravel() for v in released.values()])
+            units /= step
+            np.testing.assert_array_equal(units, np.round(units))
+            flat = np.concatenate([v.astype(np.float64).ravel() for v in clipped.values()])
+            noise = units * step - flat
+            assert np.std(noise) == pytest.approx(z * (clip + np.sqrt(d) * step), rel=0.02)
         model = rec.trainer.model
         assert rec.trainer.shared_names == [f"backbone.{k}" for k in model.backbone.state_dict()]
         strategy = rec.trainer.strategy
@@ -229,11 +244,13 @@ def test_dp_rounds_over_mtls_release_only_the_clipped_noised_backbone(
     for k in recorders["client-0"].trainer.shared_names:
         mean = sum(rec.released[0][0][k].astype(np.float64) for rec in recorders.values()) / 2
         np.testing.assert_allclose(got[1][k], (got[0][k] + mean).astype(np.float32), atol=1e-6)
-    # ... epsilon after each round in metrics.jsonl is the PLD accountant's (q = 1)
+    # ... epsilon after each round in metrics.jsonl is the zCDP bound of the integer local
+    # noise (q = 1)
     expected_eps = [
-        epsilon_for(accountant="pld", noise_multiplier=z, sample_rate=1.0, steps=r, delta=1e-5)
+        epsilon_for(accountant="pld", noise_multiplier=z, sample_rate=1.0, steps=r, delta=1e-5,
+                    noise="discrete_gaussian")
         for r in (1, 2)
-    ]
+    ]  # fmt: skip
     assert [r["epsilon"] for r in records] == pytest.approx(expected_eps, rel=1e-9)
     # ... and the bytes recorded per round are the sizes of what a client got and sent
     for record, received in zip(records, recorders["client-0"].received, strict=True):

@@ -27,7 +27,8 @@ from fl_secure.config import Config, config_from_dict
 from fl_secure.messages import Tensors
 from fl_secure.runs import RunDir
 from privacy.dp.calibration import epsilon_for
-from privacy.dp.client_level import add_gaussian, clip_update
+from privacy.dp.client_level import clip_update
+from privacy.dp.grid_noise import add_grid_discrete_gaussian
 from privacy.dp.noise import seeded_source
 
 IDS = ["client-0", "client-1", "client-2"]
@@ -107,7 +108,7 @@ def _check_split_and_privacy_of_p(
 def test_client_level_dp_round_is_the_mean_of_clipped_noised_f_and_g(
     tmp_path: Path, serve: Any
 ) -> None:
-    # Prepare: client-level DP, local noise z = 1, C = 1, reproducible noise per client
+    # Prepare: client-level DP, local noise z = 1, C = 0.1, reproducible noise per client
     privacy = {"unit": "client", "noise_placement": "local", "noise_multiplier": Z,
                "clip_norm": C, "secure_rng": False}  # fmt: skip
     config = _config(privacy)
@@ -119,16 +120,30 @@ def test_client_level_dp_round_is_the_mean_of_clipped_noised_f_and_g(
     assert coord.status == "completed", coord.stop_reason
     assert isinstance(side.strategy, FedAffect)
     _check_split_and_privacy_of_p(config, recorders, projections, tmp_path)
-    # Each released update = clip(raw, C) + N(0, (zC)^2) from the client's seeded source
+    # Each released update = clip(raw, C) randomly rounded onto the power-of-two grid Lambda
+    # plus integer discrete Gaussian noise, from the client's seeded source (in draw order)
     for cid, rec in recorders.items():
         source = seeded_source(config.run.seed, cid)
         assert len(rec.raw) == len(rec.released) == ROUNDS
         for raw, (released, examples) in zip(rec.raw, rec.released, strict=True):
             clipped, norm = clip_update(raw, C)
             assert norm > C  # the raw f and g update was really clipped
-            expected = add_gaussian(clipped, Z * C, source)
+            expected = add_grid_discrete_gaussian(clipped, Z, C, source)
+            assert list(released) == list(expected)
             for k in expected:
+                assert released[k].dtype == clipped[k].dtype
                 np.testing.assert_array_equal(released[k], expected[k])
+            # Lambda: the largest power of two with sqrt(d) Lambda <= 2^-10 C; every released
+            # value is an integer number of Lambdas, and the noise's std is z (C + sqrt(d) Lambda)
+            d = sum(v.size for v in clipped.values())
+            step = 2.0 ** np.floor(np.log2(C / (1024 * np.sqrt(d))))
+            assert np.sqrt(d) * step <= C / 1024 < 2 * np.sqrt(d) * step
+            units = np.concatenate([v.astype(np.float64).ravel() for v in released.values()])
+            units /= step
+            np.testing.assert_array_equal(units, np.round(units))
+            flat = np.concatenate([v.astype(np.float64).ravel() for v in clipped.values()])
+            noise = units * step - flat
+            assert np.std(noise) == pytest.approx(Z * (C + np.sqrt(d) * step), rel=0.02)
             assert examples == 1  # client level hides the data size
     # Round r's global f and g = previous + mean of the released updates over the cohort (3)
     params = OrderedDict(
@@ -145,13 +160,14 @@ def test_client_level_dp_round_is_the_mean_of_clipped_noised_f_and_g(
         )  # fmt: skip
     for k, v in coord.params.items():
         np.testing.assert_allclose(v, params[k], rtol=0, atol=1e-6)
-    # epsilon after each round = the PLD accountant's (q = 1, z = 1)
+    # epsilon after each round = the zCDP bound of the integer local noise (q = 1, z = 1)
     records = RunDir(tmp_path / "run").read_metrics()
     train_records = [r for r in records if r["round"] >= 1]
     expected_eps = [
-        epsilon_for(accountant="pld", noise_multiplier=Z, sample_rate=1.0, steps=r, delta=1e-5)
+        epsilon_for(accountant="pld", noise_multiplier=Z, sample_rate=1.0, steps=r, delta=1e-5,
+                    noise="discrete_gaussian")
         for r in range(1, ROUNDS + 1)
-    ]
+    ]  # fmt: skip
     assert [r["epsilon"] for r in train_records] == pytest.approx(expected_eps, rel=1e-9)
     # the server's evaluation is expression accuracy of the released f and g
     evaluate = make_expression_evaluator(

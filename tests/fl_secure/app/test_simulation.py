@@ -127,10 +127,15 @@ def test_fedgc_over_grpc_corrects_heads_like_the_simulation(
         for want, got, was in zip(expected, after, before, strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-6)
             assert np.abs(got - was).max() > 1e-4
+        # the correction is a descent step on the regulariser: a short way along it lowers
+        # the regulariser (the full step of lambda * lr can overshoot once each client's head
+        # starts from its own draw: measured 30.85 -> 31.84 in one round of this tiny run)
         owners = torch.cat([torch.full((len(w),), k) for k, w in enumerate(before)])
-        reg_before = softmax_regularizer(torch.from_numpy(np.concatenate(before)), owners)
-        reg_after = softmax_regularizer(torch.from_numpy(np.concatenate(after)), owners)
-        assert float(reg_after) < float(reg_before)
+        was_all, got_all = np.concatenate(before), np.concatenate(after)
+        reg_before = softmax_regularizer(torch.from_numpy(was_all), owners)
+        short = was_all + 1e-3 * (got_all - was_all)
+        reg_short = softmax_regularizer(torch.from_numpy(short), owners)
+        assert float(reg_short) < float(reg_before)
     # ... and gRPC ends with the same backbone and the same corrected heads (measured
     # bit-identical since the simulation trains with the clients' thread count)
     assert over_grpc is not None and over_grpc.round == 2
