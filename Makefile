@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/fl-secure train --config examples/demo.toml --audit --report
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py
