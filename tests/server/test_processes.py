@@ -271,9 +271,10 @@ def test_secure_aggregation_with_distributed_noise_in_processes(federation) -> N
     sa = summary["secure_aggregation"]
     assert sa["scheme"] == "secagg" and sa["survivors_per_round"] == [3, 3]
     assert summary["noise_placement"] == "distributed"
-    expected = epsilon_for(
-        accountant="pld", noise_multiplier=1.0, sample_rate=1.0, steps=2, delta=1e-5
-    )
+    expected = epsilon_for(  # integer noise: its zCDP bound, no amplification
+        accountant="pld", noise_multiplier=1.0, sample_rate=1.0, steps=2, delta=1e-5,
+        noise="discrete_gaussian",
+    )  # fmt: skip
     assert summary["epsilon"] == pytest.approx(expected)
     for client in fed.clients:
         assert client.wait(timeout=60) == 0, fed.logs()
@@ -304,9 +305,10 @@ def test_ckks_aggregation_with_local_noise_in_processes(federation) -> None:
     records = [json.loads(ln) for ln in (fed.run_dir / "metrics.jsonl").read_text().splitlines()]
     rounds = [r["secure_aggregation"] for r in records if "secure_aggregation" in r]
     assert [len(r["decryptors"]) for r in rounds] == [2, 2]
-    expected = epsilon_for(
-        accountant="pld", noise_multiplier=0.5, sample_rate=1.0, steps=2, delta=1e-5
-    )
+    expected = epsilon_for(  # integer noise: its zCDP bound, no amplification
+        accountant="pld", noise_multiplier=0.5, sample_rate=1.0, steps=2, delta=1e-5,
+        noise="discrete_gaussian",
+    )  # fmt: skip
     assert summary["epsilon"] == pytest.approx(expected)
     for client in fed.clients:
         assert client.wait(timeout=60) == 0, fed.logs()
@@ -321,7 +323,8 @@ DISTRIBUTED_DP = (
 
 def _run_private_secure(fed: Federation, algorithm: str) -> tuple[dict, dict]:
     """Run ``fed`` to its end; check both rounds summed the three masked, noised updates,
-    epsilon is PLD's and the global model is the backbone alone. Returns (summary, params)."""
+    epsilon is the zCDP bound of the integer noise (no amplification) and the global model
+    is the backbone alone. Returns (summary, params)."""
     from fl_secure.checkpoints import CheckpointStore
 
     fed.start_server()
@@ -333,9 +336,10 @@ def _run_private_secure(fed: Federation, algorithm: str) -> tuple[dict, dict]:
     summary = json.loads((fed.run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["algorithm"] == algorithm
     assert summary["secure_aggregation"]["survivors_per_round"] == [3, 3]
-    expected = epsilon_for(
-        accountant="pld", noise_multiplier=0.5, sample_rate=1.0, steps=2, delta=1e-5
-    )
+    expected = epsilon_for(  # integer noise: its zCDP bound, no amplification
+        accountant="pld", noise_multiplier=0.5, sample_rate=1.0, steps=2, delta=1e-5,
+        noise="discrete_gaussian",
+    )  # fmt: skip
     assert summary["epsilon"] == pytest.approx(expected)
     checkpoint = CheckpointStore(fed.run_dir / "checkpoints").latest()
     assert checkpoint is not None
@@ -352,7 +356,7 @@ def test_adafedfr_with_client_level_dp_and_secure_aggregation_in_processes(feder
     fed = federation(
         rounds=2, min_clients=3, timeout=120.0, privacy=DISTRIBUTED_DP, algorithm=algorithm
     )
-    # Execute / Assert: completed under SecAgg with PLD's epsilon, backbone-only model
+    # Execute / Assert: completed under SecAgg with the zCDP epsilon, backbone-only model
     _, params = _run_private_secure(fed, "adafedfr")
     # ... every round sent R (5 public identities x 64 floats) with the backbone
     size = sum(v.nbytes for v in params.values())
@@ -381,7 +385,7 @@ def test_fedfr_domain_federation_with_client_level_dp_in_processes(federation) -
     )
     text = fed.config.read_text()
     fed.config.write_text(text.replace("[partition]\n", '[partition]\nkind = "domain"\n', 1))
-    # Execute / Assert: completed under SecAgg with PLD's epsilon; FedPav: backbone only
+    # Execute / Assert: completed under SecAgg with the zCDP epsilon; FedPav: backbone only
     summary, _ = _run_private_secure(fed, "fedfr")
     assert summary["partition"] == "domain"
     # ... each target client saved a private head with one row per C-FINCH cluster, the

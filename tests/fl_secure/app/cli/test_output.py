@@ -136,7 +136,7 @@ def test_the_sites_own_epsilon_against_the_server_is_printed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from fl_secure.config import config_from_dict
-    from privacy.dp.gdp import composed_mu, gaussian_epsilon
+    from privacy.dp.zcdp import composed_rho, zcdp_epsilon
     from privacy.ledger.site_ledger import SiteLedger
 
     # Prepare: two embedded sites' ledgers; client-1 released 3 updates at z = 1.1 (local
@@ -149,12 +149,13 @@ def test_the_sites_own_epsilon_against_the_server_is_printed(
     # Execute
     assert print_summary(_private(), tmp_path, as_json=False) == 0
 
-    # Assert: the larger site's figure (three releases), rounded up
+    # Assert: the larger site's figure (three releases), rounded up; local noise is integer
+    # noise, so its figure is the zCDP bound (no amplification)
     def up(x: float) -> str:
         return f"{math.ceil(x * 1e4) / 1e4:.4f}"
 
-    eps = gaussian_epsilon(composed_mu([1.1] * 3), 1e-5)
-    image = gaussian_epsilon(composed_mu([1.1 / 2] * 3), 1e-5)  # sensitivity 2 C
+    eps = zcdp_epsilon(composed_rho([1.1] * 3), 1e-5)
+    image = zcdp_epsilon(composed_rho([1.1 / 2] * 3), 1e-5)  # sensitivity 2 C
     out = capsys.readouterr().out
     assert (
         f"each site against the server (its own ledger, no sampling amplification): "
