@@ -315,9 +315,11 @@ def check_ledger(run: Path, summary: dict[str, Any]) -> dict[str, Any]:
     if len(events) == 1:
         ((z, q),) = events
         delta = float(summary.get("delta") or 1e-5)
+        # distributed noise is integer noise: its zCDP bound, no amplification
         fresh = epsilon_for(
-            accountant="pld", noise_multiplier=z, sample_rate=q, steps=len(released), delta=delta
-        )
+            accountant="pld", noise_multiplier=z, sample_rate=q, steps=len(released),
+            delta=delta, noise="discrete_gaussian",
+        )  # fmt: skip
     return {
         "verify_ok": bool(out.get("verify", {}).get("ok")),
         "verify_problems": out.get("verify", {}).get("problems"),
