@@ -32,11 +32,11 @@ from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import RunDir
 from fl_secure.training import build_model, get_tensors, set_tensors
 from privacy.dp.calibration import epsilon_for
-from privacy.dp.client_level import clip_update
-from privacy.dp.grid_noise import add_grid_discrete_gaussian
 from privacy.dp.noise import seeded_source
 from server.coordinator import Coordinator
 from server.settings import CoordinatorSettings
+
+from .grid_release import assert_grid_noised_release  # type: ignore[import-not-found]
 
 
 class RecordingTrainer:
@@ -211,24 +211,8 @@ def test_dp_rounds_over_mtls_release_only_the_clipped_noised_backbone(
     for cid, rec in recorders.items():
         source = seeded_source(config.run.seed, cid)
         for raw, (released, _) in zip(rec.raw, rec.released, strict=True):
-            assert list(raw) == list(released) == rec.trainer.shared_names
-            clipped, norm = clip_update(raw, clip)
-            assert norm > clip  # the clip really bit
-            expected = add_grid_discrete_gaussian(clipped, z, clip, source)
-            for k in expected:
-                assert released[k].dtype == clipped[k].dtype
-                np.testing.assert_array_equal(released[k], expected[k])
-            # Lambda: the largest power of two with sqrt(d) Lambda <= 2^-10 C; every released
-            # value is an integer number of Lambdas, and the noise's std is z (C + sqrt(d) Lambda)
-            d = sum(v.size for v in clipped.values())
-            step = 2.0 ** np.floor(np.log2(clip / (1024 * np.sqrt(d))))
-            assert np.sqrt(d) * step <= clip / 1024 < 2 * np.sqrt(d) * step
-            units = np.concatenate([v.astype(np.float64).ravel() for v in released.values()])
-            units /= step
-            np.testing.assert_array_equal(units, np.round(units))
-            flat = np.concatenate([v.astype(np.float64).ravel() for v in clipped.values()])
-            noise = units * step - flat
-            assert np.std(noise) == pytest.approx(z * (clip + np.sqrt(d) * step), rel=0.02)
+            assert list(raw) == rec.trainer.shared_names
+            assert_grid_noised_release(raw, released, z, clip, source)
         model = rec.trainer.model
         assert rec.trainer.shared_names == [f"backbone.{k}" for k in model.backbone.state_dict()]
         strategy = rec.trainer.strategy

@@ -18,13 +18,15 @@ import numpy as np
 import pytest
 
 from fl_secure.config import ServerConfig, config_from_dict
-from fl_secure.errors import ConfigError, FlSecureError
+from fl_secure.errors import ConfigError
 from fl_secure.evaluation import DegenerateEmbeddings
-from fl_secure.messages import TaskKind, Tensors, UpdateHeader
+from fl_secure.messages import TaskKind, Tensors
 from fl_secure.runs import RunDir
 from server.coordinator import Coordinator
 from server.influence import diverged_offenders, norm_outliers, update_norm, weight_cap
 from server.settings import CoordinatorSettings
+
+from .coordinator_clients import answer_every_task  # type: ignore[import-not-found]
 
 ATTACK = 3e38  # finite in float32 (max 3.4e38); the mean of a few such updates overflows a model
 
@@ -74,44 +76,13 @@ def _coordinator(tmp_path: Path, enrolled: set[str], **kw) -> Coordinator:
     )
 
 
-def _serve(coord: Coordinator, cid: str, value: float, examples: int, refused: list[str]) -> None:
-    """A client that answers every training task with a constant update until the run ends.
-
-    A refused upload is what the servicer does with it: the client fails the attempt.
-    """
-    while True:
-        task = coord.poll(cid, 0)
-        if task.kind is TaskKind.FINISHED:
-            return
-        if task.kind is not TaskKind.TRAIN:
-            continue
-        try:
-            _, params = coord.parameters(cid, task.round, task.nonce)
-        except FlSecureError:  # the attempt ended meanwhile
-            continue
-        update = OrderedDict((k, np.full_like(v, value)) for k, v in params.items())
-        header = UpdateHeader(task.round, task.nonce, examples, {}, 2, 28)
-        try:
-            ticket = coord.open_upload(cid, header)
-        except FlSecureError:
-            continue
-        error = None
-        try:
-            coord.commit_upload(ticket, update)
-        except FlSecureError as exc:
-            error = str(exc)
-            refused.append(error)
-        finally:
-            coord.release_upload(ticket, error)
-
-
 def _run(coord: Coordinator, clients: dict[str, tuple[float, int]]) -> list[str]:
     """Run ``coord`` to its end with ``clients`` (id -> (update value, example count))."""
     refused: list[str] = []
     driver = threading.Thread(target=coord.run)
     driver.start()
     workers = [
-        threading.Thread(target=_serve, args=(coord, c, v, n, refused), daemon=True)
+        threading.Thread(target=answer_every_task, args=(coord, c, v, n, refused), daemon=True)
         for c, (v, n) in clients.items()
     ]
     for w in workers:

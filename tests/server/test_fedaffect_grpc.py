@@ -27,9 +27,9 @@ from fl_secure.config import Config, config_from_dict
 from fl_secure.messages import Tensors
 from fl_secure.runs import RunDir
 from privacy.dp.calibration import epsilon_for
-from privacy.dp.client_level import clip_update
-from privacy.dp.grid_noise import add_grid_discrete_gaussian
 from privacy.dp.noise import seeded_source
+
+from .grid_release import assert_grid_noised_release  # type: ignore[import-not-found]
 
 IDS = ["client-0", "client-1", "client-2"]
 ROUNDS = 2
@@ -126,24 +126,7 @@ def test_client_level_dp_round_is_the_mean_of_clipped_noised_f_and_g(
         source = seeded_source(config.run.seed, cid)
         assert len(rec.raw) == len(rec.released) == ROUNDS
         for raw, (released, examples) in zip(rec.raw, rec.released, strict=True):
-            clipped, norm = clip_update(raw, C)
-            assert norm > C  # the raw f and g update was really clipped
-            expected = add_grid_discrete_gaussian(clipped, Z, C, source)
-            assert list(released) == list(expected)
-            for k in expected:
-                assert released[k].dtype == clipped[k].dtype
-                np.testing.assert_array_equal(released[k], expected[k])
-            # Lambda: the largest power of two with sqrt(d) Lambda <= 2^-10 C; every released
-            # value is an integer number of Lambdas, and the noise's std is z (C + sqrt(d) Lambda)
-            d = sum(v.size for v in clipped.values())
-            step = 2.0 ** np.floor(np.log2(C / (1024 * np.sqrt(d))))
-            assert np.sqrt(d) * step <= C / 1024 < 2 * np.sqrt(d) * step
-            units = np.concatenate([v.astype(np.float64).ravel() for v in released.values()])
-            units /= step
-            np.testing.assert_array_equal(units, np.round(units))
-            flat = np.concatenate([v.astype(np.float64).ravel() for v in clipped.values()])
-            noise = units * step - flat
-            assert np.std(noise) == pytest.approx(Z * (C + np.sqrt(d) * step), rel=0.02)
+            assert_grid_noised_release(raw, released, Z, C, source)
             assert examples == 1  # client level hides the data size
     # Round r's global f and g = previous + mean of the released updates over the cohort (3)
     params = OrderedDict(

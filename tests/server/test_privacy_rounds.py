@@ -24,6 +24,8 @@ from privacy.server_round import open_server_privacy
 from server.coordinator import Coordinator
 from server.settings import CoordinatorSettings
 
+from .coordinator_clients import answer_every_task  # type: ignore[import-not-found]
+
 CLIENTS = ("c0", "c1", "c2")
 
 
@@ -948,7 +950,7 @@ def test_an_offline_member_of_a_dp_cohort_drops_out_at_once(tmp_path: Path) -> N
         coord.join(c, 10)
     driver = threading.Thread(target=coord.run)
     driver.start()
-    workers = [threading.Thread(target=_submit_all, args=(coord, c)) for c in ("c0", "c1")]
+    workers = [threading.Thread(target=answer_every_task, args=(coord, c)) for c in ("c0", "c1")]
     for w in workers:
         w.start()
     driver.join(timeout=60)
@@ -981,26 +983,3 @@ class _FirstDrawIs:
             assert len(first) == k and set(first) <= set(population)
             return first
         return self.rest.sample(population, k)
-
-
-def _submit_all(coord: Coordinator, cid: str) -> None:
-    """Answer every TRAIN task of ``cid`` until the run finishes."""
-    while True:
-        task = coord.poll(cid, 0)
-        if task.kind is TaskKind.FINISHED:
-            return
-        if task.kind is not TaskKind.TRAIN:
-            continue
-        try:
-            _, params = coord.parameters(cid, task.round, task.nonce)
-        except Exception:  # noqa: BLE001 - the attempt closed meanwhile
-            continue
-        update = OrderedDict((k, np.full_like(v, 0.1)) for k, v in params.items())
-        try:
-            ticket = coord.open_upload(cid, UpdateHeader(task.round, task.nonce, 1, {}, 1, 16))
-        except Exception:  # noqa: BLE001
-            continue
-        try:
-            coord.commit_upload(ticket, update)
-        finally:
-            coord.release_upload(ticket)

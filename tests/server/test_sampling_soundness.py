@@ -17,12 +17,13 @@ import numpy as np
 from dp_accounting.pld import privacy_loss_mechanism
 
 from fl_secure.config import PrivacyConfig
-from fl_secure.messages import TaskKind, UpdateHeader
 from fl_secure.runs import RunDir
 from privacy.dp.noise import seeded_source
 from privacy.server_round import open_server_privacy
 from server.coordinator import Coordinator
 from server.settings import CoordinatorSettings
+
+from .coordinator_clients import answer_every_task  # type: ignore[import-not-found]
 
 CLIENTS = ("c0", "c1", "c2")
 
@@ -35,27 +36,6 @@ class _ScriptedUniforms:
 
     def random(self) -> float:
         return self.values.pop(0)
-
-
-def _submit_all(coord: Coordinator, cid: str) -> None:
-    """Answer every TRAIN task of ``cid`` until the run finishes."""
-    while True:
-        task = coord.poll(cid, 0)
-        if task.kind is TaskKind.FINISHED:
-            return
-        if task.kind is not TaskKind.TRAIN:
-            continue
-        try:
-            _, params = coord.parameters(cid, task.round, task.nonce)
-            ticket = coord.open_upload(cid, UpdateHeader(task.round, task.nonce, 1, {}, 1, 16))
-        except Exception:  # noqa: BLE001 - the attempt closed meanwhile
-            continue
-        try:
-            coord.commit_upload(
-                ticket, OrderedDict((k, np.full_like(v, 0.1)) for k, v in params.items())
-            )
-        finally:
-            coord.release_upload(ticket)
 
 
 def test_a_short_poisson_draw_is_redrawn_and_the_release_stays_bounded(tmp_path: Path) -> None:
@@ -80,7 +60,7 @@ def test_a_short_poisson_draw_is_redrawn_and_the_release_stays_bounded(tmp_path:
         coord.join(c, 10)
     driver = threading.Thread(target=coord.run)
     driver.start()
-    workers = [threading.Thread(target=_submit_all, args=(coord, c)) for c in CLIENTS]
+    workers = [threading.Thread(target=answer_every_task, args=(coord, c)) for c in CLIENTS]
     for w in workers:
         w.start()
     driver.join(timeout=60)
