@@ -51,10 +51,12 @@ class AlgorithmConfig:
     """Federated algorithm."""
 
     name: AlgorithmName = "fedpe"
-    # hfmaml: its step sizes are these two (plain SGD steps, Eq. 1-2), constant over the
-    # rounds; train.lr, train.optimizer and train.lr_schedule do not apply to HF-MAML
+    # hfmaml: the inner step (Eq. 2) is a plain step of alpha (the paper's 0.01, Table IV,
+    # for its pretrained backbone; from scratch 1e-3 keeps alpha*|Hg| below |g|); the outer
+    # step (Eq. 1) goes through the run's optimiser (train.optimizer, train.lr and its
+    # schedule, train.momentum, train.weight_decay), as FedAvg's local training
     alpha: float = 0.01  # hfmaml: inner step (Eq. 2)
-    beta: float = 0.1  # hfmaml: outer step (Eq. 1)
+    beta: float = 0.0  # hfmaml: > 0: the outer step's constant learning rate, 0: train.lr
     delta: float = 0.001  # hfmaml: finite-difference width (Eq. 3)
     embedding_reg: float = 0.0  # hfmaml: C of the embedding regularization (Eq. 4)
     # fedgc/fedcos: lambda, the regularizer's learning-rate multiplier (FedGC Algorithm 1
@@ -92,7 +94,12 @@ class AlgorithmConfig:
             "an integer >= 1",
         )
         check(self.alpha >= 0, "algorithm.alpha", "a number >= 0")
-        check(self.beta > 0, "algorithm.beta", "a number > 0")
+        check(math.isfinite(self.alpha), "algorithm.alpha", "a finite number >= 0 (HF-MAML Eq. 2)")
+        check(
+            math.isfinite(self.beta) and self.beta >= 0,
+            "algorithm.beta",
+            "a finite number >= 0 (the HF-MAML outer learning rate; 0 = train.lr)",
+        )
         check(self.delta > 0, "algorithm.delta", "a number > 0")
         check(self.embedding_reg >= 0, "algorithm.embedding_reg", "a number >= 0")
         check(self.labels_per_class >= 1, "algorithm.labels_per_class", "an integer >= 1")
