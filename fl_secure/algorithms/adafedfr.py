@@ -163,9 +163,15 @@ class AdaFedFR(Strategy):
         )
 
     @classmethod
-    def from_config(cls, params: AlgorithmConfig | None = None, *, head: str | None = None) -> Self:
+    def from_config(
+        cls,
+        params: AlgorithmConfig | None = None,
+        *,
+        head: str | None = None,
+        scale: float | None = None,
+    ) -> Self:
         """The run's k of the top-k negatives (Eq. 6)."""
-        del head
+        del head, scale
         return cls() if params is None else cls(params.num_negatives)
 
     def describe(self) -> str:

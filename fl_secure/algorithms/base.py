@@ -77,12 +77,19 @@ class Strategy(ABC):
     refused_privacy_units: ClassVar[Mapping[PrivacyUnit, str]] = {}
 
     @classmethod
-    def from_config(cls, params: AlgorithmConfig | None = None, *, head: str | None = None) -> Self:
+    def from_config(
+        cls,
+        params: AlgorithmConfig | None = None,
+        *,
+        head: str | None = None,
+        scale: float | None = None,
+    ) -> Self:
         """An instance with the run's ``[algorithm]`` settings (the defaults without them).
 
-        ``head``: the run's ``model.head``, for designs whose server step depends on it (FedGC).
+        ``head`` and ``scale``: the run's ``model.head`` and ``model.scale``, for designs whose
+        server step depends on them (FedGC).
         """
-        del params, head
+        del params, head, scale
         return cls()
 
     @classmethod

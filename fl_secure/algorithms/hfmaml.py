@@ -195,9 +195,15 @@ class HFMAML(Strategy):
         self.alpha, self.beta, self.delta, self.reg = alpha, beta, delta, reg
 
     @classmethod
-    def from_config(cls, params: AlgorithmConfig | None = None, *, head: str | None = None) -> Self:
+    def from_config(
+        cls,
+        params: AlgorithmConfig | None = None,
+        *,
+        head: str | None = None,
+        scale: float | None = None,
+    ) -> Self:
         """The run's inner step (Eq. 2), outer rate (Eq. 1), difference width (Eq. 3), C (Eq. 4)."""
-        del head
+        del head, scale
         if params is None:
             return cls()
         return cls(params.alpha, params.beta, params.delta, params.embedding_reg)

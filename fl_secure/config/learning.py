@@ -62,6 +62,12 @@ class AlgorithmConfig:
     # fedgc/fedcos: lambda, the regularizer's learning-rate multiplier (FedGC Algorithm 1
     # line 13; 20 is the best of its Table 2); `lambda` is a Python keyword
     reg_lambda: float = 20.0
+    # fedgc/fedcos: eta of that step, the server's own (lambda * eta = 2 by default): the
+    # paper's constant learning rate 0.1 (Table 5), not the clients' train.lr or its schedule
+    reg_eta: float = 0.1
+    # fedgc: logit scale s of the softmax regularizer (Eq. 5) on a margin head's unit rows,
+    # as the head's logits are s cos; 0 = the run's model.scale (the paper states none)
+    reg_scale: float = 0.0
     num_negatives: int = 10  # adafedfr: k of the top-k negatives (Eq. 6; paper Table 4)
     # adafedfr: the server's public set, synthetic identities disjoint from the run's (Eq. 4)
     public_identities: int = 50
@@ -86,6 +92,16 @@ class AlgorithmConfig:
     def __post_init__(self) -> None:
         """Check ranges."""
         check(self.reg_lambda >= 0, "algorithm.reg_lambda", "a number >= 0")
+        check(
+            math.isfinite(self.reg_eta) and self.reg_eta > 0,
+            "algorithm.reg_eta",
+            "a finite number > 0 (the FedGC server step's eta; the paper's 0.1)",
+        )
+        check(
+            math.isfinite(self.reg_scale) and self.reg_scale >= 0,
+            "algorithm.reg_scale",
+            "a finite number >= 0 (the FedGC regularizer's logit scale; 0 = model.scale)",
+        )
         check(self.num_negatives >= 1, "algorithm.num_negatives", "an integer >= 1")
         check(self.public_identities >= 1, "algorithm.public_identities", "an integer >= 1")
         check(
