@@ -69,6 +69,11 @@ class AlgorithmConfig:
     # as the head's logits are s cos; 0 = the run's model.scale (the paper states none)
     reg_scale: float = 0.0
     num_negatives: int = 10  # adafedfr: k of the top-k negatives (Eq. 6; paper Table 4)
+    # adafedfr: SGD of the private adapter and phi (Algorithm 1 lines 20 and 22), their own
+    # (the paper gives no rate; at the run's Adam rate 1e-3 plain SGD left them unmoved):
+    # constant over the rounds, the paper's local-training momentum 0.9, no weight decay
+    adapter_lr: float = 0.01
+    adapter_momentum: float = 0.9
     # adafedfr: the server's public set, synthetic identities disjoint from the run's (Eq. 4)
     public_identities: int = 50
     public_images_per_identity: int = 10
@@ -103,6 +108,16 @@ class AlgorithmConfig:
             "a finite number >= 0 (the FedGC regularizer's logit scale; 0 = model.scale)",
         )
         check(self.num_negatives >= 1, "algorithm.num_negatives", "an integer >= 1")
+        check(
+            math.isfinite(self.adapter_lr) and self.adapter_lr > 0,
+            "algorithm.adapter_lr",
+            "a finite number > 0 (the AdaFedFR adapter's and phi's SGD learning rate)",
+        )
+        check(
+            0 <= self.adapter_momentum < 1,
+            "algorithm.adapter_momentum",
+            "a number in [0, 1) (the AdaFedFR adapter's and phi's SGD momentum)",
+        )
         check(self.public_identities >= 1, "algorithm.public_identities", "an integer >= 1")
         check(
             self.public_images_per_identity >= 1,

@@ -127,11 +127,15 @@ def test_fedgc_over_grpc_corrects_heads_like_the_simulation(
         after = [corrected[c][WEIGHT] for c in clients]
         for want, got, was in zip(expected, after, before, strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-6)
-            assert np.abs(got - was).max() > 1e-4
+            # at the logit scale only cross-client rows close to an anchor are pushed; this
+            # two-round run's rows are far apart and move little (measured 2.1e-5 on entries
+            # of ~0.01); overlapping rows turn by degrees (test_fedgc_correction.py)
+            assert np.abs(got - was).max() > 1e-6
         # the correction is a descent step on the regulariser: a short way along it lowers
         # the regulariser (the full step of lambda * eta can overshoot)
         owners = torch.cat([torch.full((len(w),), k) for k, w in enumerate(before)])
-        was_all, got_all = np.concatenate(before), np.concatenate(after)
+        was_all = np.concatenate(before).astype(np.float64)
+        got_all = np.concatenate(after).astype(np.float64)
         s = config.model.scale
         reg_before = softmax_regularizer(torch.from_numpy(was_all), owners, scale=s)
         short = was_all + 1e-3 * (got_all - was_all)
