@@ -198,6 +198,11 @@ class FedGC(Strategy):
         s = params.reg_scale or scale or defaults.get(head or "cosface", defaults["cosface"])
         return cls(params.reg_lambda, params.reg_eta, normalize=head != "softmax", scale=s)
 
+    @classmethod
+    def uses_reg_scale(cls, head: str) -> bool:
+        """The softmax regularizer on a margin head's unit rows takes a logit scale."""
+        return cls.regularizer == "softmax" and head != "softmax"
+
     def describe(self) -> str:
         """One line for logs and reports."""
         return (

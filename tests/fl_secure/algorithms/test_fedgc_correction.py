@@ -140,3 +140,16 @@ def test_the_scale_comes_from_the_run_and_the_keys_are_checked() -> None:
                      ("reg_scale", float("inf"))):  # fmt: skip
         with pytest.raises(ConfigError, match=f"algorithm.{key}"):
             AlgorithmConfig(**{key: bad})
+
+
+def test_a_logit_scale_the_design_would_ignore_is_refused() -> None:
+    from fl_secure.algorithms import check_config
+    from fl_secure.config import Config, ModelConfig
+
+    scaled = AlgorithmConfig(name="fedgc", reg_scale=16.0)
+    check_config(Config(algorithm=scaled, model=ModelConfig(head="arcface")))
+    with pytest.raises(ConfigError, match="algorithm.reg_scale = 16 .* model.head = 'softmax'"):
+        check_config(Config(algorithm=scaled, model=ModelConfig(head="softmax")))
+    for name in ("fedcos", "fedpe"):
+        with pytest.raises(ConfigError, match=f"ignored by {name}"):
+            check_config(Config(algorithm=AlgorithmConfig(name=name, reg_scale=16.0)))
