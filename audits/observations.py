@@ -130,7 +130,9 @@ def load_run(path: Path) -> RunContext:
     if config.train.trainable != "all":  # the frozen layers come from the pretrained file
         recorded = (summary.get("provenance") or {}).get("pretrained")
         check_pretrained_unchanged(config.model.pretrained, recorded, what=f"the run {path}")
-    strategy = get_strategy(config.algorithm.name, config.algorithm, head=config.model.head)
+    strategy = get_strategy(
+        config.algorithm.name, config.algorithm, head=config.model.head, scale=config.model.scale
+    )
     plan = plan_federation(config)
     classes = len(plan.train_identities) if strategy.shares_head else 1
     model = build_run_model(config, classes)

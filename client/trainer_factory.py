@@ -80,7 +80,10 @@ def trainer_factory(
             )
         torch.set_num_threads(threads or run_config.train.threads)
         strategy = get_strategy(
-            run_config.algorithm.name, run_config.algorithm, head=run_config.model.head
+            run_config.algorithm.name,
+            run_config.algorithm,
+            head=run_config.model.head,
+            scale=run_config.model.scale,
         )
         if source.plan_index >= 0:
             cfg = source.local_config or run_config
@@ -152,7 +155,10 @@ def build_local_trainer(
     Shared by the gRPC client and the in-process simulation, so both train identically.
     """
     strategy = get_strategy(
-        run_config.algorithm.name, run_config.algorithm, head=run_config.model.head
+        run_config.algorithm.name,
+        run_config.algorithm,
+        head=run_config.model.head,
+        scale=run_config.model.scale,
     )
     classes = strategy.num_head_classes(len(identities), np.unique(train.labels.numpy()))
     model: FaceModel

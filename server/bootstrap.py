@@ -101,7 +101,9 @@ def build_server(
 ) -> ServerSide:
     """Initial shared parameters (same seed as the clients), evaluator and coordinator."""
     check_config(config)
-    strategy = get_strategy(config.algorithm.name, config.algorithm, head=config.model.head)
+    strategy = get_strategy(
+        config.algorithm.name, config.algorithm, head=config.model.head, scale=config.model.scale
+    )
     plan = plan or plan_federation(config)
     write_partition_record(run_dir, config, plan)
     classes = len(plan.train_identities) if strategy.shares_head else 1

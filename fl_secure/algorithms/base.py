@@ -77,12 +77,19 @@ class Strategy(ABC):
     refused_privacy_units: ClassVar[Mapping[PrivacyUnit, str]] = {}
 
     @classmethod
-    def from_config(cls, params: AlgorithmConfig | None = None, *, head: str | None = None) -> Self:
+    def from_config(
+        cls,
+        params: AlgorithmConfig | None = None,
+        *,
+        head: str | None = None,
+        scale: float | None = None,
+    ) -> Self:
         """An instance with the run's ``[algorithm]`` settings (the defaults without them).
 
-        ``head``: the run's ``model.head``, for designs whose server step depends on it (FedGC).
+        ``head`` and ``scale``: the run's ``model.head`` and ``model.scale``, for designs whose
+        server step depends on them (FedGC).
         """
-        del params, head
+        del params, head, scale
         return cls()
 
     @classmethod
@@ -96,6 +103,14 @@ class Strategy(ABC):
             ConfigError: a setting the design would ignore, or one it cannot run under (the
                 message names the key, why, and what to use instead).
         """
+        reg_scale = config.algorithm.reg_scale
+        if reg_scale > 0 and not cls.uses_reg_scale(config.model.head):
+            raise ConfigError(
+                f"algorithm.reg_scale = {reg_scale:g} (the logit scale of FedGC's softmax "
+                f"regularizer on a margin head's unit rows) would be ignored by {cls.name} "
+                f"with model.head = {config.model.head!r}; it applies to fedgc with a cosface "
+                "or arcface head"
+            )
         embedding_reg = config.algorithm.embedding_reg
         if embedding_reg > 0 and not cls.uses_embedding_reg:
             raise ConfigError(
@@ -114,6 +129,12 @@ class Strategy(ABC):
                 f"algorithm.name = {cls.name!r} cannot run with privacy.unit = {unit!r}: "
                 f"{cls.refused_privacy_units[unit]}"
             )
+
+    @classmethod
+    def uses_reg_scale(cls, head: str) -> bool:
+        """Whether ``algorithm.reg_scale`` applies to this design with ``head`` (FedGC's)."""
+        del head
+        return False
 
     def shared_names(self, model: FaceModel) -> list[str]:
         """Names of the tensors the server aggregates (state-dict keys, in order).

@@ -199,9 +199,15 @@ class FedAffect(Strategy):
         self.params = params or AlgorithmConfig(name="fedaffect")
 
     @classmethod
-    def from_config(cls, params: AlgorithmConfig | None = None, *, head: str | None = None) -> Self:
+    def from_config(
+        cls,
+        params: AlgorithmConfig | None = None,
+        *,
+        head: str | None = None,
+        scale: float | None = None,
+    ) -> Self:
         """The run's labels, episode shape, NT-Xent temperature and module sizes."""
-        del head
+        del head, scale
         return cls(params)
 
     def evaluate_client(self, model: FaceModel, data: LocalData) -> dict[str, float]:

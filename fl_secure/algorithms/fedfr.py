@@ -218,9 +218,15 @@ class FedFR(Strategy):
         self.pseudo: LocalData | None = None
 
     @classmethod
-    def from_config(cls, params: AlgorithmConfig | None = None, *, head: str | None = None) -> Self:
+    def from_config(
+        cls,
+        params: AlgorithmConfig | None = None,
+        *,
+        head: str | None = None,
+        scale: float | None = None,
+    ) -> Self:
         """The run's DCL lambda (Eq. 3) and C-FINCH threshold."""
-        del head
+        del head, scale
         return cls() if params is None else cls(params.dcl_lambda, params.cfinch_threshold)
 
     def describe(self) -> str:

@@ -30,13 +30,21 @@ Choices made here, where the paper is silent:
   (``W -> W / ||W||``, gradient through the normalisation, so the step turns rows and does
   not rescale them): those heads only ever use the direction of a class embedding
   (``CosineClassifier``), and the paper's Remark says margin variants follow "with minor
-  modification". With normalised rows the numerator ``e^{W'^T W'} = e`` is constant, so Reg
-  depends on cross-client cosines only (no logit scale ``s`` is applied). With a softmax
-  head (``model.head = "softmax"``, the paper's Softmax-FedGC, whose logits depend on the
-  row norms) Reg is Eq. 5 verbatim on the raw rows (``normalize=False``; the tests check
-  both against the equation).
-- ``eta`` is the round's learning rate (the one the task carries); ``lambda`` defaults to 20,
-  the best of the paper's Table 2.
+  modification". The logits of those heads are ``s cos``, so Reg takes the same logit scale
+  ``s`` on the unit rows: ``e^{s W'^T W'} = e^s`` over ``e^s + sum e^{s W_zj^T W'_ki}``
+  (``algorithm.reg_scale``; 0, the default, is the head's own ``model.scale``, since the
+  paper states no scale for Reg). Without ``s`` the logits lie in [-1, 1] and ``p(zj | ki)``
+  is almost uniform, which turns Eq. 5 into FedCos's equal weighting; with it the step
+  pushes hard negatives (cross-client rows close to an anchor) and leaves near-orthogonal
+  ones alone. With a softmax head (``model.head = "softmax"``, the paper's Softmax-FedGC,
+  whose logits depend on the row norms) Reg is Eq. 5 verbatim on the raw rows
+  (``normalize=False``, no scale; the tests check both against the equation). FedCos's
+  cosine regularizer takes no scale (the Remark's ``W^T W``).
+- ``eta`` is the server's own step, ``algorithm.reg_eta`` (default 0.1, the paper's
+  constant learning rate, Table 5), not the clients' round learning rate: the clients may
+  train with Adam at 1e-3 decayed over the rounds, which made ``lambda * eta`` 0.02 to 5e-4
+  and turned the class rows by 0.03 degrees in a round. ``lambda`` defaults to 20, the best
+  of the paper's Table 2, so ``lambda * eta = 2``.
 - Only the cohort's embeddings are concatenated (every client in full participation, as in
   Algorithm 1); a softmax head's bias rows travel with ``W_k`` but are not regularized.
 - Exposure ``server-sees-heads``: the server sees every cohort client's identity templates
@@ -60,6 +68,7 @@ from torch.nn import functional as F  # noqa: N812
 from fl_secure.algorithms.base import Exposure, Strategy
 from fl_secure.config import AlgorithmConfig, PrivacyUnit
 from fl_secure.messages import Tensors
+from fl_secure.models.heads import DEFAULT_SCALE_MARGIN
 
 Regularizer = Literal["softmax", "cosine"]
 #: The head tensor holding the class embeddings W_k (rows = classes).
@@ -67,36 +76,37 @@ WEIGHT = "head.classifier.weight"
 
 
 def _cross_client_logits(
-    w: torch.Tensor, owners: torch.Tensor, normalize: bool
+    w: torch.Tensor, owners: torch.Tensor, normalize: bool, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logits[a, b] = W_b^T W'_a, self-logit W'_a^T W'_a, cross-client mask [a, b])``."""
+    """``(logits[a, b] = s W_b^T W'_a, self-logit s W'_a^T W'_a, cross-client mask [a, b])``."""
     v = F.normalize(w, dim=1) if normalize else w
     anchor = v.detach()  # (.)' of Eq. 5: anchors get no gradient
-    logits = anchor @ v.T
-    self_logit = (anchor * anchor).sum(dim=1)
+    logits = scale * (anchor @ v.T)
+    self_logit = scale * (anchor * anchor).sum(dim=1)
     cross = owners.unsqueeze(1) != owners.unsqueeze(0)
     return logits, self_logit, cross
 
 
 def softmax_regularizer(
-    w: torch.Tensor, owners: torch.Tensor, *, normalize: bool = True
+    w: torch.Tensor, owners: torch.Tensor, *, normalize: bool = True, scale: float = 1.0
 ) -> torch.Tensor:
     """Eq. 5 on the concatenated class embeddings ``w`` [C, d]; ``owners`` [C] = client index.
 
-    Returns the sum over anchors of ``-log(e^{s_aa} / (e^{s_aa} + sum_{b cross} e^{s_ab}))``;
-    0 (and zero gradient) when every row belongs to one client.
+    Returns the sum over anchors of ``-log(e^{s_aa} / (e^{s_aa} + sum_{b cross} e^{s_ab}))``
+    with ``s_ab = scale * W_b^T W'_a``; 0 (and zero gradient) when every row belongs to one
+    client.
     """
-    logits, self_logit, cross = _cross_client_logits(w, owners, normalize)
+    logits, self_logit, cross = _cross_client_logits(w, owners, normalize, scale)
     others = logits.masked_fill(~cross, float("-inf"))
     denominator = torch.logsumexp(torch.cat([self_logit.unsqueeze(1), others], dim=1), dim=1)
     return (denominator - self_logit).sum()
 
 
 def cosine_regularizer(
-    w: torch.Tensor, owners: torch.Tensor, *, normalize: bool = True
+    w: torch.Tensor, owners: torch.Tensor, *, normalize: bool = True, scale: float = 1.0
 ) -> torch.Tensor:
-    """FedCos (Remark, Table 4): ``sum_a sum_{b cross-client} W_b^T W'_a``."""
-    logits, _, cross = _cross_client_logits(w, owners, normalize)
+    """FedCos (Remark, Table 4): ``sum_a sum_{b cross-client} scale * W_b^T W'_a``."""
+    logits, _, cross = _cross_client_logits(w, owners, normalize, scale)
     return (logits * cross).sum()
 
 
@@ -109,6 +119,7 @@ def correct_embeddings(
     step: float,
     regularizer: Regularizer = "softmax",
     normalize: bool = True,
+    scale: float = 1.0,
 ) -> list[np.ndarray]:
     """Algorithm 1 line 13 on the clients' ``W_k`` (in order): ``W - step * grad Reg(W)``.
 
@@ -117,6 +128,7 @@ def correct_embeddings(
         step: ``lambda * eta``.
         regularizer: ``"softmax"`` (Eq. 5, FedGC) or ``"cosine"`` (FedCos).
         normalize: regularize the rows' directions (see the module docstring).
+        scale: the logit scale ``s`` of Reg (1: none).
     """
     if not weights:
         return []
@@ -124,7 +136,7 @@ def correct_embeddings(
         [torch.full((len(wk),), k, dtype=torch.int64) for k, wk in enumerate(weights)]
     )
     w = torch.from_numpy(np.concatenate(weights).astype(np.float64)).requires_grad_(True)
-    reg = REGULARIZERS[regularizer](w, owners, normalize=normalize)
+    reg = REGULARIZERS[regularizer](w, owners, normalize=normalize, scale=scale)
     (grad,) = torch.autograd.grad(reg, [w])
     corrected = (w.detach() - step * grad).numpy()
     bounds = np.cumsum([0] + [len(wk) for wk in weights])
@@ -154,21 +166,48 @@ class FedGC(Strategy):
         "covers the embeddings) or 'none', or fedpe"
     }
 
-    def __init__(self, reg_lambda: float = 20.0, *, normalize: bool = True) -> None:
-        self.reg_lambda = reg_lambda
+    def __init__(
+        self,
+        reg_lambda: float = 20.0,
+        reg_eta: float = 0.1,
+        *,
+        normalize: bool = True,
+        scale: float = DEFAULT_SCALE_MARGIN["cosface"][0],
+    ) -> None:
+        self.reg_lambda, self.reg_eta = reg_lambda, reg_eta
         self.normalize = normalize  # False for a softmax head: Eq. 5 on the raw rows
+        # the softmax regularizer's logit scale on unit rows; FedCos and raw rows take none
+        self.scale = scale if normalize and self.regularizer == "softmax" else 1.0
 
     @classmethod
-    def from_config(cls, params: AlgorithmConfig | None = None, *, head: str | None = None) -> Self:
-        """The run's lambda; a margin ``head``'s rows are normalised, a softmax head's raw."""
+    def from_config(
+        cls,
+        params: AlgorithmConfig | None = None,
+        *,
+        head: str | None = None,
+        scale: float | None = None,
+    ) -> Self:
+        """The run's lambda, eta and logit scale; a softmax ``head``'s rows stay raw.
+
+        A margin head's rows are normalised, at logit scale ``algorithm.reg_scale`` (0:
+        ``scale``, the run's ``model.scale``, or else the head's default).
+        """
         if params is None:
             return cls()
-        return cls(params.reg_lambda, normalize=head != "softmax")
+        defaults = {str(k): v[0] for k, v in DEFAULT_SCALE_MARGIN.items()}
+        s = params.reg_scale or scale or defaults.get(head or "cosface", defaults["cosface"])
+        return cls(params.reg_lambda, params.reg_eta, normalize=head != "softmax", scale=s)
+
+    @classmethod
+    def uses_reg_scale(cls, head: str) -> bool:
+        """The softmax regularizer on a margin head's unit rows takes a logit scale."""
+        return cls.regularizer == "softmax" and head != "softmax"
 
     def describe(self) -> str:
         """One line for logs and reports."""
         return (
-            f"FedGC ({self.regularizer} regularizer, lambda {self.reg_lambda:g}): private "
+            f"FedGC ({self.regularizer} regularizer, lambda {self.reg_lambda:g}, eta "
+            f"{self.reg_eta:g}, logit scale {self.scale:g}): private "
             "class embeddings uploaded to the server for gradient correction (FedGC paper, "
             "Algorithm 1, Eq. 5)"
         )
@@ -176,14 +215,19 @@ class FedGC(Strategy):
     def server_heads(
         self, heads: Mapping[str, Tensors], *, learning_rate: float, round_: int
     ) -> dict[str, Tensors]:
-        """Correct the cohort's ``W_k`` jointly (clients in sorted id order); bias untouched."""
-        del round_
+        """Correct the cohort's ``W_k`` jointly (clients in sorted id order); bias untouched.
+
+        The step is ``lambda * eta`` (Algorithm 1 line 13) with the server's own ``eta``:
+        the clients' ``learning_rate`` of the round does not enter.
+        """
+        del round_, learning_rate
         order = sorted(heads)
         corrected = correct_embeddings(
             [np.asarray(heads[c][WEIGHT]) for c in order],
-            step=self.reg_lambda * learning_rate,
+            step=self.reg_lambda * self.reg_eta,
             regularizer=self.regularizer,
             normalize=self.normalize,
+            scale=self.scale,
         )
         out: dict[str, Tensors] = {}
         for client, weight in zip(order, corrected, strict=True):

@@ -68,9 +68,15 @@ class PublicDataShare(Strategy):
         self.public: tuple[torch.Tensor, torch.Tensor] | None = None  # images, indices
 
     @classmethod
-    def from_config(cls, params: AlgorithmConfig | None = None, *, head: str | None = None) -> Self:
+    def from_config(
+        cls,
+        params: AlgorithmConfig | None = None,
+        *,
+        head: str | None = None,
+        scale: float | None = None,
+    ) -> Self:
         """The run's number of public identities."""
-        del head
+        del head, scale
         return cls() if params is None else cls(params.public_identities)
 
     def describe(self) -> str:

@@ -51,15 +51,20 @@ def strategy_class(name: str) -> type[Strategy]:
 
 
 def get_strategy(
-    name: str, params: AlgorithmConfig | None = None, *, head: str | None = None
+    name: str,
+    params: AlgorithmConfig | None = None,
+    *,
+    head: str | None = None,
+    scale: float | None = None,
 ) -> Strategy:
     """A strategy instance by name, with the run's algorithm settings.
 
-    ``head``: the run's ``model.head``; FedGC regularizes a softmax head's raw class
-    embeddings (Eq. 5 verbatim) and a margin head's directions. Unknown names list the
+    ``head`` and ``scale``: the run's ``model.head`` and ``model.scale``; FedGC regularizes a
+    softmax head's raw class embeddings (Eq. 5 verbatim) and a margin head's directions at
+    the head's logit scale (unless ``algorithm.reg_scale`` sets one). Unknown names list the
     allowed ones.
     """
-    return strategy_class(name).from_config(params, head=head)
+    return strategy_class(name).from_config(params, head=head, scale=scale)
 
 
 def check_config(config: Config) -> None:

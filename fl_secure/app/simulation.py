@@ -131,7 +131,9 @@ def _simulate(
 ) -> SimulationResult:
     check_simulable(config)
     started = time.time()
-    strategy = get_strategy(config.algorithm.name, config.algorithm, head=config.model.head)
+    strategy = get_strategy(
+        config.algorithm.name, config.algorithm, head=config.model.head, scale=config.model.scale
+    )
     plan = plan_federation(config)
     size = config.data.image_size
     classes = len(plan.train_identities) if strategy.shares_head else 1

@@ -51,16 +51,29 @@ class AlgorithmConfig:
     """Federated algorithm."""
 
     name: AlgorithmName = "fedpe"
-    # hfmaml: its step sizes are these two (plain SGD steps, Eq. 1-2), constant over the
-    # rounds; train.lr, train.optimizer and train.lr_schedule do not apply to HF-MAML
+    # hfmaml: the inner step (Eq. 2) is a plain step of alpha (the paper's 0.01, Table IV,
+    # for its pretrained backbone; from scratch 1e-3 keeps alpha*|Hg| below |g|); the outer
+    # step (Eq. 1) goes through the run's optimiser (train.optimizer, train.lr and its
+    # schedule, train.momentum, train.weight_decay), as FedAvg's local training
     alpha: float = 0.01  # hfmaml: inner step (Eq. 2)
-    beta: float = 0.1  # hfmaml: outer step (Eq. 1)
+    beta: float = 0.0  # hfmaml: > 0: the outer step's constant learning rate, 0: train.lr
     delta: float = 0.001  # hfmaml: finite-difference width (Eq. 3)
     embedding_reg: float = 0.0  # hfmaml: C of the embedding regularization (Eq. 4)
     # fedgc/fedcos: lambda, the regularizer's learning-rate multiplier (FedGC Algorithm 1
     # line 13; 20 is the best of its Table 2); `lambda` is a Python keyword
     reg_lambda: float = 20.0
+    # fedgc/fedcos: eta of that step, the server's own (lambda * eta = 2 by default): the
+    # paper's constant learning rate 0.1 (Table 5), not the clients' train.lr or its schedule
+    reg_eta: float = 0.1
+    # fedgc: logit scale s of the softmax regularizer (Eq. 5) on a margin head's unit rows,
+    # as the head's logits are s cos; 0 = the run's model.scale (the paper states none)
+    reg_scale: float = 0.0
     num_negatives: int = 10  # adafedfr: k of the top-k negatives (Eq. 6; paper Table 4)
+    # adafedfr: SGD of the private adapter and phi (Algorithm 1 lines 20 and 22), their own
+    # (the paper gives no rate; at the run's Adam rate 1e-3 plain SGD left them unmoved):
+    # constant over the rounds, the paper's local-training momentum 0.9, no weight decay
+    adapter_lr: float = 0.01
+    adapter_momentum: float = 0.9
     # adafedfr: the server's public set, synthetic identities disjoint from the run's (Eq. 4)
     public_identities: int = 50
     public_images_per_identity: int = 10
@@ -84,7 +97,27 @@ class AlgorithmConfig:
     def __post_init__(self) -> None:
         """Check ranges."""
         check(self.reg_lambda >= 0, "algorithm.reg_lambda", "a number >= 0")
+        check(
+            math.isfinite(self.reg_eta) and self.reg_eta > 0,
+            "algorithm.reg_eta",
+            "a finite number > 0 (the FedGC server step's eta; the paper's 0.1)",
+        )
+        check(
+            math.isfinite(self.reg_scale) and self.reg_scale >= 0,
+            "algorithm.reg_scale",
+            "a finite number >= 0 (the FedGC regularizer's logit scale; 0 = model.scale)",
+        )
         check(self.num_negatives >= 1, "algorithm.num_negatives", "an integer >= 1")
+        check(
+            math.isfinite(self.adapter_lr) and self.adapter_lr > 0,
+            "algorithm.adapter_lr",
+            "a finite number > 0 (the AdaFedFR adapter's and phi's SGD learning rate)",
+        )
+        check(
+            0 <= self.adapter_momentum < 1,
+            "algorithm.adapter_momentum",
+            "a number in [0, 1) (the AdaFedFR adapter's and phi's SGD momentum)",
+        )
         check(self.public_identities >= 1, "algorithm.public_identities", "an integer >= 1")
         check(
             self.public_images_per_identity >= 1,
@@ -92,7 +125,12 @@ class AlgorithmConfig:
             "an integer >= 1",
         )
         check(self.alpha >= 0, "algorithm.alpha", "a number >= 0")
-        check(self.beta > 0, "algorithm.beta", "a number > 0")
+        check(math.isfinite(self.alpha), "algorithm.alpha", "a finite number >= 0 (HF-MAML Eq. 2)")
+        check(
+            math.isfinite(self.beta) and self.beta >= 0,
+            "algorithm.beta",
+            "a finite number >= 0 (the HF-MAML outer learning rate; 0 = train.lr)",
+        )
         check(self.delta > 0, "algorithm.delta", "a number > 0")
         check(self.embedding_reg >= 0, "algorithm.embedding_reg", "a number >= 0")
         check(self.labels_per_class >= 1, "algorithm.labels_per_class", "an integer >= 1")

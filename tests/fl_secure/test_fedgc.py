@@ -141,8 +141,9 @@ def test_strategy_step_changes_only_the_class_embeddings() -> None:
     strategy = FedGC(reg_lambda=20.0)
     # Execute
     out = strategy.server_heads(heads, learning_rate=1e-3, round_=1)
-    # Assert: biases untouched, weights = the joint step in sorted client order
-    expected = correct_embeddings([heads["c0"][WEIGHT], heads["c1"][WEIGHT]], step=0.02)
+    # Assert: biases untouched, weights = the joint step in sorted client order (lambda *
+    # the server's eta 0.1, at the default CosFace logit scale 30; not the clients' lr)
+    expected = correct_embeddings([heads["c0"][WEIGHT], heads["c1"][WEIGHT]], step=2.0, scale=30.0)
     for k, client in enumerate(("c0", "c1")):
         assert list(out[client]) == list(heads[client])
         np.testing.assert_array_equal(out[client][bias], heads[client][bias])
@@ -155,17 +156,18 @@ def test_a_softmax_head_gets_eq5_on_its_raw_rows_and_a_margin_head_on_directions
     rng = np.random.default_rng(7)
     weights = [w * rng.uniform(0.5, 2.0, size=(len(w), 1)) for w in _heads(3)]
     heads = {f"c{k}": OrderedDict([(WEIGHT, w)]) for k, w in enumerate(weights)}
-    step, lr = 0.05, 0.05 / 20.0
+    step, lr = 0.05, 1e-3  # lambda 20 x the server's eta 0.0025; lr: the clients', unused
     # Execute: the strategies a run builds for each head kind
-    softmax = get_strategy("fedgc", AlgorithmConfig(), head="softmax")
-    cosface = get_strategy("fedgc", AlgorithmConfig(), head="cosface")
+    softmax = get_strategy("fedgc", AlgorithmConfig(reg_eta=step / 20.0), head="softmax")
+    cosface = get_strategy("fedgc", AlgorithmConfig(reg_eta=step / 20.0), head="cosface")
     raw = softmax.server_heads(heads, learning_rate=lr, round_=1)
     directions = cosface.server_heads(heads, learning_rate=lr, round_=1)
-    # Assert: softmax = W - step * Eq. 11 (Eq. 5 verbatim); cosface = the normalised step
+    # Assert: softmax = W - step * Eq. 11 (Eq. 5 verbatim); cosface = the normalised step at
+    # CosFace's logit scale
     expected = np.concatenate(weights) - step * _eq11_gradient(weights)
     got = np.concatenate([raw[f"c{k}"][WEIGHT] for k in range(3)])
     np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12)
-    normalised = correct_embeddings(weights, step=step, normalize=True)
+    normalised = correct_embeddings(weights, step=step, normalize=True, scale=30.0)
     for k in range(3):
         np.testing.assert_array_equal(directions[f"c{k}"][WEIGHT], normalised[k])
     assert not np.allclose(got, np.concatenate(normalised))

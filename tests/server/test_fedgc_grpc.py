@@ -21,7 +21,8 @@ from server.app import load_enrollment, start_server
 from server.coordinator import Coordinator
 from server.settings import CoordinatorSettings
 
-LR = 0.05  # the rounds' learning rate: lambda * eta = 1.0
+LR = 0.05  # the rounds' learning rate (the clients'); the server's eta is its own
+STEP = FedGC(reg_lambda=20.0, reg_eta=0.05)  # lambda * eta = 1.0, logit scale 30
 
 
 class HeadTrainer:
@@ -64,7 +65,7 @@ def _coordinator(tmp_path: Path, ids: list[str], params: Tensors) -> Coordinator
         enrolled=set(ids),
         run_dir=RunDir(tmp_path / "run"),
         server_step=lambda p, u, r: OrderedDict((k, p[k] + u[k]) for k in p),
-        head_step=FedGC(reg_lambda=20.0).server_heads,
+        head_step=STEP.server_heads,
     )
 
 
@@ -106,7 +107,7 @@ def test_each_client_gets_back_only_its_corrected_head(tmp_path: Path) -> None:
     # Assert: round 1 carries no head (the server has none yet); round 2 carries the
     # client's own W_k, corrected by Eq. 5 jointly with the others' round-1 uploads
     round1 = correct_embeddings(
-        [trainers[c].uploaded[0] for c in ids], step=20.0 * LR, regularizer="softmax"
+        [trainers[c].uploaded[0] for c in ids], step=1.0, regularizer="softmax", scale=30.0
     )
     for k, c in enumerate(ids):
         first, second = trainers[c].seen
@@ -120,7 +121,7 @@ def test_each_client_gets_back_only_its_corrected_head(tmp_path: Path) -> None:
             theirs = np.concatenate([trainers[other].uploaded[0], round1[ids.index(other)]])
             assert not np.isclose(second[WEIGHT][:, None, :], theirs[None]).all(-1).any()
     # ... and the server keeps the round-2 correction of each client, checkpointed
-    round2 = correct_embeddings([trainers[c].uploaded[1] for c in ids], step=20.0 * LR)
+    round2 = correct_embeddings([trainers[c].uploaded[1] for c in ids], step=1.0, scale=30.0)
     resumed = _coordinator(tmp_path, ids, params)
     assert resumed.resume() == 2
     for k, c in enumerate(ids):
