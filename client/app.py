@@ -37,7 +37,7 @@ from fl_secure.messages import (
     WithdrawReason,
 )
 from fl_secure.tls.identity import load_signing_identity
-from fl_secure.tls.registry_seen import RegistrySeen, seen_path
+from fl_secure.tls.registry_seen import RegistryRollbackError, RegistrySeen, seen_path
 from fl_secure.v1 import transport_pb2_grpc as pb_grpc
 from privacy.ckks.keys import load_secret_context
 from privacy.ckks.round_setup import CkksSetup, is_ckks_setup
@@ -244,12 +244,18 @@ class FlClient:
         the client before it takes part in any round, instead of in the middle of the first
         secure round, where the cohort waits for it.
         The scheme is the joined run config's (:meth:`_hold_run_config` has read it).
+        A registry older than one this site accepted before does not stop it: it is logged,
+        and each secure round refuses it (:meth:`_secure_round`) until the operator's newest
+        registry is in place.
         """
         if self._signing is not None or self._run_config is None:
             return
         if self._run_config.secure_aggregation.scheme not in ("secagg", "secagg+"):
             return
-        self._signing = self._load_identity()
+        try:
+            self._signing = self._load_identity()
+        except RegistryRollbackError as exc:
+            log.error("secure rounds will be refused: %s", exc)
 
     def _load_identity(self) -> tuple[Ed25519PrivateKey, dict[str, Ed25519PublicKey]]:
         """This site's signing key and the CA-signed registry, checked against its record.

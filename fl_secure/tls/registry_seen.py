@@ -24,6 +24,10 @@ from fl_secure.tls.registry import REGISTRY_FILE, REGISTRY_SIGNATURE, SignedRegi
 SEEN_FILE = "registry_seen.json"
 
 
+class RegistryRollbackError(TlsError):
+    """A registry older than (or forked from) the newest one this site accepted."""
+
+
 def seen_path(state_dir: Path | None, cert_dir: Path, client_id: str) -> Path:
     """Where a site keeps its record: its state folder, else next to its keys in ``clients/``."""
     if state_dir is not None:
@@ -72,8 +76,9 @@ class RegistrySeen:
         """Refuse ``registry`` (read from folder ``where``) if older than the one held; record it.
 
         Raises:
-            TlsError: its version is lower than the version accepted before under the same CA,
-                or equal to it with other contents; or the record cannot be read or written.
+            RegistryRollbackError: its version is lower than the version accepted before under
+                the same CA, or equal to it with other contents.
+            TlsError: the record cannot be read or written.
         """
         entries = self.held()
         held = entries.get(registry.ca_sha256)
@@ -81,7 +86,7 @@ class RegistrySeen:
             version = int(str(held["version"]))
             file = Path(where) / REGISTRY_FILE
             if registry.version < version:
-                raise TlsError(
+                raise RegistryRollbackError(
                     f"{file} is version {registry.version} (issued {registry.issued}), older "
                     f"than version {version} (issued {held.get('issued')}) this site accepted "
                     "before: an old registry can still list a revoked site's signing key; "
@@ -90,7 +95,7 @@ class RegistrySeen:
                 )
             if registry.version == version:
                 if registry.sha256 != held["sha256"]:
-                    raise TlsError(
+                    raise RegistryRollbackError(
                         f"{file} is version {registry.version} but not the version {version} "
                         f"this site accepted before (SHA-256 {registry.sha256[:16]}... vs "
                         f"{str(held['sha256'])[:16]}...): two registries under one version; "
