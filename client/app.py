@@ -37,6 +37,7 @@ from fl_secure.messages import (
     WithdrawReason,
 )
 from fl_secure.tls.identity import load_signing_identity
+from fl_secure.tls.registry_seen import RegistryRollbackError, RegistrySeen, seen_path
 from fl_secure.v1 import transport_pb2_grpc as pb_grpc
 from privacy.ckks.keys import load_secret_context
 from privacy.ckks.round_setup import CkksSetup, is_ckks_setup
@@ -78,6 +79,7 @@ class FlClient:
         self.sleep = sleep
         self.trainer: LocalTrainer | None = None
         self._signing: tuple[Ed25519PrivateKey, dict[str, Ed25519PublicKey]] | None = None
+        self._registry_seen: RegistrySeen | None = None  # the newest registry accepted
         self._ckks_secret: bytes | None = None  # the clients' shared CKKS key (scheme ckks)
         self._attend: Any = None  # the open attendance call of the current secure round
         self.last_round = 0
@@ -242,14 +244,38 @@ class FlClient:
         the client before it takes part in any round, instead of in the middle of the first
         secure round, where the cohort waits for it.
         The scheme is the joined run config's (:meth:`_hold_run_config` has read it).
+        A registry older than one this site accepted before does not stop it: it is logged,
+        and each secure round refuses it (:meth:`_secure_round`) until the operator's newest
+        registry is in place.
         """
         if self._signing is not None or self._run_config is None:
             return
         if self._run_config.secure_aggregation.scheme not in ("secagg", "secagg+"):
             return
-        if self.conn.cert_dir is None:
+        try:
+            self._signing = self._load_identity()
+        except RegistryRollbackError as exc:
+            log.error("secure rounds will be refused: %s", exc)
+
+    def _load_identity(self) -> tuple[Ed25519PrivateKey, dict[str, Ed25519PublicKey]]:
+        """This site's signing key and the CA-signed registry, checked against its record.
+
+        A registry older than the newest this site accepted (it may still list a revoked
+        site's key), or another one of the same version, is refused; a newer one is recorded
+        in the site's state folder (``registry_seen.json``), or without one next to its keys
+        (``clients/<id>.registry_seen.json``), so that the refusal survives a restart.
+
+        Raises:
+            TlsError: no certificate folder, or the key or registry is refused
+                (:func:`fl_secure.tls.identity.load_signing_identity`).
+        """
+        cert_dir = self.conn.cert_dir
+        if cert_dir is None:
             raise TlsError("secure aggregation needs the certificate folder (signing keys)")
-        self._signing = load_signing_identity(self.conn.cert_dir, self.conn.client_id)
+        if self._registry_seen is None:
+            state = self.site.path.parent if self.site.path is not None else None
+            self._registry_seen = RegistrySeen(seen_path(state, cert_dir, self.conn.client_id))
+        return load_signing_identity(cert_dir, self.conn.client_id, seen=self._registry_seen)
 
     def _do_task(self, stub: pb_grpc.FlSecureStub, task: Task) -> None:
         trainer = self.trainer
@@ -390,7 +416,8 @@ class FlClient:
         """A TRAIN round under secure aggregation: the server only learns the cohort's sum.
 
         Refused before any stage (and the server told) when the setup's scheme is not the
-        one the run joined under or its round id was seen before; on a local failure the
+        one the run joined under, its round id was seen before, or (masking) this site's
+        signing key or the registry is refused (:meth:`_load_identity`); on a local failure the
         client withdraws with the failure's category (:func:`client.secure_round.withdraw_reason`).
         """
         trainer = self.trainer
@@ -414,12 +441,12 @@ class FlClient:
         try:  # a round id this site has seen is a replay: refused before any stage
             parsed = (CkksSetup if ckks else RoundSetup).from_bytes(task.secagg_setup)
             self._first_use(parsed.round_id)
+            if not ckks:  # read each round: a registry older than one accepted is refused
+                self._signing = self._load_identity()
         except FlSecureError as exc:
             log.error("round %d: refused: %s", task.round, exc)
             self._withdraw(stub, task, WithdrawReason.MESSAGE_REFUSED)
             return
-        if self._signing is None and not ckks:
-            self._signing = load_signing_identity(self.conn.cert_dir, self.conn.client_id)
         exchange = SecureExchange(
             stub,
             task,

@@ -25,6 +25,13 @@ from fl_secure.tls.certs import (
 from fl_secure.tls.enrollment import EnrollmentList, certificate_fingerprint
 from fl_secure.tls.identity import REGISTRY_FILE, enrolled_signing_keys, write_signing_keys
 from fl_secure.tls.layout import CertificateSet, StagedFiles, validate_client_id
+from fl_secure.tls.registry import (
+    REGISTRY_SIGNATURE,
+    encode_registry,
+    legacy_registry_keys,
+    read_registry,
+    sign_registry,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -180,6 +187,40 @@ def issue_client_certificate(
         files.write(paths.enrollment, enrollment.to_json(), mode=0o644)
         write_signing_keys(paths, [client_id], files, signer=ca.private_key, replace=overwrite)
     return cert
+
+
+def resign_registry(
+    ca_dir: str | os.PathLike[str], *, ca_key: str | os.PathLike[str] | None = None
+) -> int:
+    """Re-sign ``signing_keys.json`` unchanged but for its next version; return that version.
+
+    It also migrates a registry written before versions (signed over the bare file, which
+    sites refuse): its old signature is checked against ``ca.pem`` and its entries signed
+    again as version 1. Every site then needs the new ``signing_keys.json`` and
+    ``signing_keys.sig``.
+
+    Args:
+        ca_dir: a directory written by ``init_certificates``.
+        ca_key: path of the CA key when it is kept outside ``ca_dir``.
+
+    Raises:
+        TlsError: the registry is missing, or verifies neither in the current format nor in
+            the old one (an altered list is never re-signed); the CA key is unreadable.
+    """
+    directory = Path(ca_dir)
+    try:
+        current = read_registry(directory)
+        keys, version = dict(current.keys), current.version + 1
+    except TlsError:
+        keys, version = legacy_registry_keys(directory), 1  # the old format, checked
+    paths = CertificateSet(directory)
+    ca = load_certified_key(paths.ca_cert, Path(ca_key) if ca_key else paths.ca_key)
+    body = encode_registry(keys, version)
+    with StagedFiles() as files:
+        files.write(directory / REGISTRY_FILE, body, mode=0o644)
+        files.write(directory / REGISTRY_SIGNATURE, sign_registry(ca.private_key, body), mode=0o644)
+    logger.info("re-signed %s as version %d", directory / REGISTRY_FILE, version)
+    return version
 
 
 def _leaf_validity(ca: CertifiedKey, days: int, what: str) -> tuple[dt.datetime, dt.datetime]:

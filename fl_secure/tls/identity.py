@@ -5,29 +5,29 @@ key, so that a server relaying the advertisements cannot substitute its own keys
 al. 2017, the actively-secure variant's signatures). Every client, not only the server, must
 know the enrolled public keys, and the server must not be able to forge that list: it is
 written as ``signing_keys.json`` and signed by the CA (``signing_keys.sig``, ECDSA/RSA with
-SHA-256 over the exact file bytes). A party with ``ca.pem`` verifies it before use.
+SHA-256 over a context string and the exact file bytes, :mod:`fl_secure.tls.registry`). A
+party with ``ca.pem`` verifies it before use; a site also refuses a registry older than one it
+accepted before (:mod:`fl_secure.tls.registry_seen`).
 
 Files (next to the TLS files of :class:`~fl_secure.tls.layout.CertificateSet`)::
 
-    signing_keys.json           {"version": 1, "keys": {"client-0": "<hex Ed25519 public>", ...}}
-    signing_keys.sig            CA signature of signing_keys.json
+    signing_keys.json           {"format": 2, "version": N, "issued": "<UTC ISO 8601>",
+                                 "keys": {"client-0": "<hex Ed25519 public>", ...}}
+    signing_keys.sig            CA signature of the context string + signing_keys.json
     clients/<id>.sign.key       the client's Ed25519 private key (PKCS#8 PEM, mode 0600)
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from cryptography import x509
-from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from fl_secure.errors import JSON_DOCUMENT_ERRORS, TlsError
-from fl_secure.tls.certs import PrivateKey, load_ca_certificates
+from fl_secure.errors import TlsError
+from fl_secure.tls.certs import PrivateKey
 from fl_secure.tls.layout import (
     CLIENTS_DIR,
     CertificateSet,
@@ -35,9 +35,27 @@ from fl_secure.tls.layout import (
     read_bytes,
     validate_client_id,
 )
+from fl_secure.tls.registry import (
+    REGISTRY_FILE,
+    REGISTRY_SIGNATURE,
+    SignedRegistry,
+    encode_registry,
+    read_registry,
+    sign_registry,
+)
+from fl_secure.tls.registry_seen import RegistrySeen
 
-REGISTRY_FILE = "signing_keys.json"
-REGISTRY_SIGNATURE = "signing_keys.sig"
+__all__ = [
+    "REGISTRY_FILE",
+    "REGISTRY_SIGNATURE",
+    "enrolled_signing_keys",
+    "load_signing_identity",
+    "load_signing_key",
+    "load_signing_registry",
+    "registry_matches",
+    "signing_key_path",
+    "write_signing_keys",
+]
 
 
 def signing_key_path(directory: Path, client_id: str) -> Path:
@@ -61,14 +79,17 @@ def write_signing_keys(
     starts the registry over (a new CA: no earlier entry is carried into its signature).
     Otherwise the existing registry must verify against ``ca.pem`` before its entries are
     signed again: the CA key must not launder a key substituted in the folder. The registry
-    is signed with ``signer`` (the CA key). The new files are added to ``files``, written
-    together with the certificates they belong to.
+    is signed with ``signer`` (the CA key), as the next version of the existing one (version 1
+    when ``fresh`` or when there is none), so that a site refuses the old one from then on.
+    The new files are added to ``files``, written together with the certificates they belong
+    to.
 
     Raises:
         TlsError: the existing registry or its signature is missing or does not verify.
     """
     directory = paths.directory
-    registry = {} if fresh else enrolled_signing_keys(directory)
+    current = None if fresh else _current_registry(directory)
+    registry = dict(current.keys) if current is not None else {}
     for client_id in client_ids:
         key_path = signing_key_path(directory, client_id)
         if client_id in registry and key_path.exists() and not replace:
@@ -81,15 +102,18 @@ def write_signing_keys(
         )
         files.write(key_path, pem, mode=0o600)
         registry[client_id] = key.public_key().public_bytes_raw().hex()
-    text = json.dumps({"version": 1, "keys": dict(sorted(registry.items()))}, indent=2) + "\n"
-    body = text.encode()
-    if isinstance(signer, ec.EllipticCurvePrivateKey):
-        signature = signer.sign(body, ec.ECDSA(hashes.SHA256()))
-    else:
-        signature = signer.sign(body, padding.PKCS1v15(), hashes.SHA256())
+    version = current.version + 1 if current is not None else 1
+    body = encode_registry(registry, version)
     files.write(directory / REGISTRY_FILE, body, mode=0o644)
-    files.write(directory / REGISTRY_SIGNATURE, signature, mode=0o644)
+    files.write(directory / REGISTRY_SIGNATURE, sign_registry(signer, body), mode=0o644)
     return registry
+
+
+def _current_registry(directory: Path) -> SignedRegistry | None:
+    """The verified registry of ``directory``, or None when it has neither file."""
+    if not (directory / REGISTRY_FILE).exists() and not (directory / REGISTRY_SIGNATURE).exists():
+        return None
+    return read_registry(directory)
 
 
 def enrolled_signing_keys(directory: Path) -> dict[str, str]:
@@ -99,42 +123,38 @@ def enrolled_signing_keys(directory: Path) -> dict[str, str]:
         TlsError: ``signing_keys.json`` or ``signing_keys.sig`` exists but the pair does not
             verify against ``ca.pem`` (or one of the two is missing).
     """
-    if not (directory / REGISTRY_FILE).exists() and not (directory / REGISTRY_SIGNATURE).exists():
+    current = _current_registry(Path(directory))
+    if current is None:
         return {}
-    return {k: v.public_bytes_raw().hex() for k, v in load_signing_registry(directory).items()}
+    return {k: v.public_bytes_raw().hex() for k, v in _public_keys(current).items()}
 
 
-def _read_registry_unverified(directory: Path) -> dict[str, str]:
-    raw = read_bytes(directory / REGISTRY_FILE, "signing-key registry")
-    try:
-        doc = json.loads(raw)
-        keys = {str(k): str(v) for k, v in doc["keys"].items()}
-    except JSON_DOCUMENT_ERRORS as exc:
-        raise TlsError(f"{directory / REGISTRY_FILE} is not a valid signing-key registry") from exc
-    return keys
-
-
-def load_signing_registry(directory: Path) -> dict[str, Ed25519PublicKey]:
+def load_signing_registry(
+    directory: Path, *, seen: RegistrySeen | None = None
+) -> dict[str, Ed25519PublicKey]:
     """The enrolled Ed25519 public keys, after checking the CA's signature of the registry.
+
+    Args:
+        directory: The certificate folder (``ca.pem``, ``signing_keys.json`` / ``.sig``).
+        seen: A site's record of the newest registry it accepted: an older one is refused,
+            a newer one recorded (None: no such check, e.g. the server).
 
     Raises:
         TlsError: The registry or its signature is missing, ``ca.pem`` is unreadable or not a
-            CA, or the signature does not verify against it (the list was altered or signed by
-            someone else).
+            CA, the signature does not verify against it (the list was altered, signed by
+            someone else, or in the format before versions), or ``seen`` holds a newer one.
     """
     directory = Path(directory)
-    body = read_bytes(directory / REGISTRY_FILE, "signing-key registry")
-    signature = read_bytes(directory / REGISTRY_SIGNATURE, "signing-key registry signature")
-    cas = load_ca_certificates(directory / "ca.pem")
-    if not any(_signed_by(ca, signature, body) for ca in cas):
-        raise TlsError(
-            f"{directory / REGISTRY_FILE} does not verify against {directory / 'ca.pem'}: it "
-            f"is not signed by the CA ({directory / REGISTRY_SIGNATURE} does not match it), so "
-            "the list of client signing keys was altered; refusing to use it. Restore both "
-            "files from the operator's trusted copy"
-        )
+    registry = read_registry(directory)
+    keys = _public_keys(registry)
+    if seen is not None:
+        seen.accept(registry, directory)
+    return keys
+
+
+def _public_keys(registry: SignedRegistry) -> dict[str, Ed25519PublicKey]:
     out: dict[str, Ed25519PublicKey] = {}
-    for client_id, hex_key in _read_registry_unverified(directory).items():
+    for client_id, hex_key in registry.keys.items():
         try:
             out[validate_client_id(client_id)] = Ed25519PublicKey.from_public_bytes(
                 bytes.fromhex(hex_key)
@@ -142,21 +162,6 @@ def load_signing_registry(directory: Path) -> dict[str, Ed25519PublicKey]:
         except ValueError as exc:
             raise TlsError(f"signing key of {client_id!r} is not an Ed25519 key") from exc
     return out
-
-
-def _signed_by(ca: x509.Certificate, signature: bytes, body: bytes) -> bool:
-    """Whether ``signature`` is the CA's ECDSA / RSA PKCS#1 v1.5 signature of ``body``."""
-    public = ca.public_key()
-    try:
-        if isinstance(public, ec.EllipticCurvePublicKey):
-            public.verify(signature, body, ec.ECDSA(hashes.SHA256()))
-        elif isinstance(public, rsa.RSAPublicKey):
-            public.verify(signature, body, padding.PKCS1v15(), hashes.SHA256())
-        else:
-            return False
-    except InvalidSignature:
-        return False
-    return True
 
 
 def load_signing_key(directory: Path, client_id: str) -> Ed25519PrivateKey:
@@ -179,20 +184,22 @@ def load_signing_key(directory: Path, client_id: str) -> Ed25519PrivateKey:
 
 
 def load_signing_identity(
-    directory: Path, client_id: str
+    directory: Path, client_id: str, *, seen: RegistrySeen | None = None
 ) -> tuple[Ed25519PrivateKey, dict[str, Ed25519PublicKey]]:
     """A client's signing key and the verified registry, checked to enroll exactly that key.
 
     A site that keeps an old key after being re-issued (or an old registry) would sign with a
-    key its peers do not accept and be dropped mid-round; it is stopped here instead.
+    key its peers do not accept and be dropped mid-round; it is stopped here instead. With
+    ``seen`` (the site's record), a registry older than one it accepted before is refused.
 
     Raises:
-        TlsError: the key or the registry cannot be loaded, the registry has no entry for
-            ``client_id``, or the entry is another public key.
+        TlsError: the key or the registry cannot be loaded, the registry is older than
+            ``seen`` holds, the registry has no entry for ``client_id``, or the entry is
+            another public key.
     """
     directory = Path(directory)
     key = load_signing_key(directory, client_id)
-    registry = load_signing_registry(directory)
+    registry = load_signing_registry(directory, seen=seen)
     enrolled = registry.get(client_id)
     if enrolled is None:
         raise TlsError(

@@ -19,6 +19,7 @@ from fl_secure.tls.identity import (
     load_signing_key,
     load_signing_registry,
 )
+from fl_secure.tls.registry import encode_registry, registry_message
 
 
 def _ca_sign(directory: Path, body: bytes) -> None:
@@ -26,7 +27,8 @@ def _ca_sign(directory: Path, body: bytes) -> None:
     ca_key = serialization.load_pem_private_key((directory / "ca.key").read_bytes(), None)
     assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
     (directory / REGISTRY_FILE).write_bytes(body)
-    (directory / REGISTRY_SIGNATURE).write_bytes(ca_key.sign(body, ec.ECDSA(hashes.SHA256())))
+    signature = ca_key.sign(registry_message(body), ec.ECDSA(hashes.SHA256()))
+    (directory / REGISTRY_SIGNATURE).write_bytes(signature)
 
 
 def test_registry_holds_every_client_key_and_verifies(tmp_path: Path) -> None:
@@ -134,6 +136,6 @@ def test_a_signing_key_that_is_not_the_enrolled_one_is_refused(tmp_path: Path) -
     with pytest.raises(TlsError, match=r"client-0\.sign\.key is not the key enrolled for"):
         load_signing_identity(tmp_path, "client-0")
     # a site whose id the registry does not list at all
-    _ca_sign(tmp_path, b'{"version": 1, "keys": {}}\n')
+    _ca_sign(tmp_path, encode_registry({}, version=9))
     with pytest.raises(TlsError, match=r"no entry for 'client-1' in .*signing_keys\.json"):
         load_signing_identity(tmp_path, "client-1")

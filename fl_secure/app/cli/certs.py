@@ -1,4 +1,4 @@
-"""``fl-secure certs {init,issue,ckks}``: the certificates of mutual TLS, and the CKKS keys."""
+"""``fl-secure certs {init,issue,resign-registry,ckks}``: mutual TLS certificates, CKKS keys."""
 
 from __future__ import annotations
 
@@ -46,6 +46,18 @@ def add_parser(sub: Subparsers) -> None:
     )
     add_output_flags(q)
     q.set_defaults(func=cmd_certs_issue)
+    q = certs_sub.add_parser(
+        "resign-registry",
+        help="re-sign signing_keys.json as its next version (migrates an old-format one)",
+        description="Re-sign signing_keys.json with the CA key, unchanged but for its next "
+        "version and issue time, after checking it against ca.pem (an altered list is "
+        "refused). A registry written before versions (which sites refuse) is migrated: its "
+        "old signature is checked and its entries signed again as version 1.",
+    )
+    q.add_argument("--out", type=Path, required=True, help="the folder `certs init` wrote")
+    q.add_argument("--ca-key", type=Path, help="the CA key when kept outside --out (offline)")
+    add_output_flags(q)
+    q.set_defaults(func=cmd_certs_resign_registry)
     q = certs_sub.add_parser(
         "ckks",
         help="make the CKKS contexts for secure_aggregation.scheme = 'ckks'",
@@ -100,6 +112,22 @@ def cmd_certs_issue(args: argparse.Namespace) -> int:
             "clients/<id>.sign.key, signing_keys.json and signing_keys.sig; every other site "
             "needs the re-signed signing_keys.json and signing_keys.sig too; a server reads "
             "enrolled.json when it starts"
+        )
+    return 0
+
+
+def cmd_certs_resign_registry(args: argparse.Namespace) -> int:
+    """Re-sign the signing-key registry as its next version."""
+    from fl_secure.tls.ca import resign_registry
+
+    version = resign_registry(args.out, ca_key=args.ca_key)
+    if args.json:
+        print_json({"out": str(args.out), "registry_version": version})
+    else:
+        print(f"re-signed {args.out / 'signing_keys.json'} as version {version}")
+        print(
+            "give every site the new signing_keys.json and signing_keys.sig; a site refuses "
+            "a registry older than one it accepted"
         )
     return 0
 
