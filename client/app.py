@@ -38,6 +38,7 @@ from fl_secure.messages import (
 )
 from fl_secure.tls.identity import load_signing_identity
 from fl_secure.v1 import transport_pb2_grpc as pb_grpc
+from privacy.ckks.client_round import CkksMember
 from privacy.ckks.keys import load_secret_context
 from privacy.ckks.round_setup import CkksSetup, is_ckks_setup
 from privacy.client_round import ClientPrivacy
@@ -235,7 +236,9 @@ class FlClient:
         self._run_config, self._run_config_toml, self._run_id = config, run_config_toml, run_id
 
     def _load_signing_keys(self) -> None:
-        """Load this site's signing key at join when the run masks updates (SecAgg/SecAgg+).
+        """Load this site's signing key at join under secure aggregation.
+
+        It signs SecAgg key advertisements and CKKS uploads.
 
         A missing or damaged key, or one that is not the key the CA-signed registry enrolls for
         this site (a stale copy after a re-issue, which the peers would reject), then stops
@@ -245,7 +248,7 @@ class FlClient:
         """
         if self._signing is not None or self._run_config is None:
             return
-        if self._run_config.secure_aggregation.scheme not in ("secagg", "secagg+"):
+        if self._run_config.secure_aggregation.scheme not in ("secagg", "secagg+", "ckks"):
             return
         if self.conn.cert_dir is None:
             raise TlsError("secure aggregation needs the certificate folder (signing keys)")
@@ -418,7 +421,7 @@ class FlClient:
             log.error("round %d: refused: %s", task.round, exc)
             self._withdraw(stub, task, WithdrawReason.MESSAGE_REFUSED)
             return
-        if self._signing is None and not ckks:
+        if self._signing is None:
             self._signing = load_signing_identity(self.conn.cert_dir, self.conn.client_id)
         exchange = SecureExchange(
             stub,
@@ -433,13 +436,23 @@ class FlClient:
         self._attend = exchange.attend  # held for the round (see SecureExchange)
         finished = False
         try:
+            assert self._signing is not None
+            identity, registry = self._signing
             if ckks:
                 if self._ckks_secret is None:
                     self._ckks_secret = load_secret_context(self.conn.cert_dir)
-                exchange.ckks(CkksSetup.from_bytes(task.secagg_setup), self._ckks_secret)
+                exchange.ckks(
+                    CkksSetup.from_bytes(task.secagg_setup),
+                    self._ckks_secret,
+                    CkksMember(
+                        self.conn.client_id,
+                        identity,
+                        registry,
+                        min_clients=run_config.server.min_clients,
+                        flooding_bits=run_config.secure_aggregation.ckks_flooding_bits,
+                    ),
+                )
             else:
-                assert self._signing is not None
-                identity, registry = self._signing
                 setup = RoundSetup.from_bytes(task.secagg_setup)
                 check_setup(setup, run_config, self.conn.client_id, registry)
                 exchange.masked(setup, self.conn.client_id, identity, registry)

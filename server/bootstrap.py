@@ -189,8 +189,11 @@ def build_server(
 def _signing_registry(
     config: Config, cert_dir: Path | None, enrolled: set[str]
 ) -> dict[str, Ed25519PublicKey]:
-    """The CA-signed client signing keys, needed when updates are masked (SecAgg/SecAgg+)."""
-    if config.secure_aggregation.scheme in ("none", "ckks"):
+    """The CA-signed client signing keys, needed under secure aggregation.
+
+    SecAgg/SecAgg+ key advertisements and CKKS uploads are signed with them.
+    """
+    if config.secure_aggregation.scheme == "none":
         return {}
     if cert_dir is None:
         raise ConfigError(
