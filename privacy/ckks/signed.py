@@ -135,6 +135,7 @@ def decode_bundle(data: bytes, *, max_count: int) -> list[bytes]:
         ProtocolError: Naming what is malformed.
     """
     data = bytes(data)
+    _parse(data[: _HEAD.size], BUNDLE_MAGIC, "bundle", count=0)  # magic and version first
     if len(data) < _HEAD.size + _LEN.size:
         raise ProtocolError("bundle of signed CKKS uploads truncated")
     (count,) = _LEN.unpack_from(data, _HEAD.size)
