@@ -236,9 +236,7 @@ class FlClient:
         self._run_config, self._run_config_toml, self._run_id = config, run_config_toml, run_id
 
     def _load_signing_keys(self) -> None:
-        """Load this site's signing key at join under secure aggregation.
-
-        It signs SecAgg key advertisements and CKKS uploads.
+        """Load this site's signing key at join when the run masks updates (SecAgg/SecAgg+).
 
         A missing or damaged key, or one that is not the key the CA-signed registry enrolls for
         this site (a stale copy after a re-issue, which the peers would reject), then stops
@@ -248,7 +246,7 @@ class FlClient:
         """
         if self._signing is not None or self._run_config is None:
             return
-        if self._run_config.secure_aggregation.scheme not in ("secagg", "secagg+", "ckks"):
+        if self._run_config.secure_aggregation.scheme not in ("secagg", "secagg+"):
             return
         if self.conn.cert_dir is None:
             raise TlsError("secure aggregation needs the certificate folder (signing keys)")
@@ -421,7 +419,7 @@ class FlClient:
             log.error("round %d: refused: %s", task.round, exc)
             self._withdraw(stub, task, WithdrawReason.MESSAGE_REFUSED)
             return
-        if self._signing is None:
+        if self._signing is None:  # a CKKS run's: it signs the encrypted upload
             self._signing = load_signing_identity(self.conn.cert_dir, self.conn.client_id)
         exchange = SecureExchange(
             stub,

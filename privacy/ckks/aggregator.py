@@ -1,4 +1,7 @@
-"""The server's running sum of encrypted updates: it adds ciphertexts and cannot decrypt them."""
+"""A running sum of encrypted updates (a decryptor's, or the server's check of each upload).
+
+It adds ciphertexts and cannot decrypt them.
+"""
 
 from __future__ import annotations
 

@@ -48,6 +48,7 @@ import tenseal as ts
 
 from fl_secure.errors import PrivacyError, ProtocolError, RoundAborted
 from fl_secure.messages import TensorSpec
+from privacy.ckks import signed as signed_format
 from privacy.ckks.aggregator import CkksAggregator
 from privacy.ckks.context import load_context
 from privacy.ckks.flooding import DEFAULT_FLOODING_BITS, flooding_std
@@ -238,6 +239,13 @@ class ServerCkksRound(StagedRound):
             )
             # the decryptors sum these themselves: a sum made here would not be checkable
             self.payload = encode_bundle([self._signed[c] for c in sorted(self._survivors)])
+            if len(self.payload) > signed_format.MAX_BUNDLE_BYTES:
+                raise RoundAborted(
+                    f"the {len(self._survivors)} signed uploads take {len(self.payload)} bytes, "
+                    f"more than the {signed_format.MAX_BUNDLE_BYTES} a decryptor is sent in one "
+                    "message; encrypt fewer layers (secure_aggregation.ckks_layers) or use a "
+                    "smaller cohort"
+                )
         elif self.stage == UNMASK:
             if not self.responses:
                 raise RoundAborted(f"no decryptor of {list(self.chosen)} answered")

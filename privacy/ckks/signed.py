@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 CONTEXT = b"fl-secure/ckks/v1/signed-upload"
 UPLOAD_MAGIC, BUNDLE_MAGIC, VERSION = b"FLSCKSU\x00", b"FLSCKSB\x00", 1
 ROUND_ID_BYTES, SIGNATURE_BYTES, MAX_CLIENT_ID_BYTES = 16, 64, 256
+#: Largest bundle a decryptor is sent: one gRPC message, under the client's 1 GiB receive limit.
+MAX_BUNDLE_BYTES = (1 << 30) - (1 << 20)
 _HEAD = struct.Struct(">8sH")
 _LEN = struct.Struct(">I")
 

@@ -340,3 +340,20 @@ def test_the_signed_upload_format_is_strict() -> None:
     short_id = dataclasses.replace(signed, round_id=bytes(8)).to_bytes()
     with pytest.raises(ProtocolError, match="round id of 8 bytes"):
         SignedUpload.from_bytes(short_id)
+
+
+def test_a_bundle_over_the_message_limit_aborts_the_round(
+    secret_ctx: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: a limit below two uploads (the real one is the client's 1 GiB receive limit)
+    import privacy.ckks.signed as signed_format
+
+    setup = _setup(min_count=2, cohort=tuple(IDS[:2]))
+    server = ServerCkksRound(setup, public_context(secret_ctx), SPECS, 60.0, registry=REGISTRY)
+    uploads = [_upload(secret_ctx, setup, c, i) for i, c in enumerate(IDS[:2])]
+    for c, u in zip(IDS[:2], uploads, strict=True):
+        server.add_masked(c, np.frombuffer(u, np.uint8))
+    monkeypatch.setattr(signed_format, "MAX_BUNDLE_BYTES", len(uploads[0]) * 2)
+    # Execute / Assert
+    with pytest.raises(RoundAborted, match="more than the .* a decryptor is sent"):
+        server.close_stage()
