@@ -25,6 +25,10 @@ and without it are within statistical (total variation) distance
 clients: the sum stays accurate to far below float32. A context made with a small scale
 (``2**40``, the earlier default) would need noise of ~1e-1; :func:`flooding_std` refuses it
 above :data:`MAX_FLOODING_STD` instead of quietly ruining the model.
+
+Two decryptors each add fresh noise to the same sum; the server holds both answers, whose
+mean carries noise of ``sigma / sqrt(2)``: the distance bound becomes ``2**-(bits + 0.5)``.
+Each set of signed uploads is bound to one round id, so no decryptor is asked to open it again.
 """
 
 from __future__ import annotations
