@@ -29,7 +29,7 @@ above :data:`MAX_FLOODING_STD` instead of quietly ruining the model.
 Two decryptors each add fresh noise to the same sum; the server holds both answers, whose
 mean carries noise of ``sigma / sqrt(2)``: the bound becomes ``2**-(bits + 1/2)``. A malicious
 server may send the uploads to every survivor (a client cannot tell that it was not chosen):
-the mean of ``n`` answers gives ``2**-(bits + 1 - log2(n) / 2)``, 36.7 bits for 100 clients
+the mean of ``n`` answers gives ``2**-(bits + 1 - log2(n) / 2)``, ``2**-37.7`` for 100 clients
 at the default 40. The uploads are signed for one round id, which each client takes part in
 only once, so no client opens the same sum twice.
 """
