@@ -358,3 +358,18 @@ def test_a_bundle_over_the_message_limit_aborts_the_round(
     # Execute / Assert
     with pytest.raises(RoundAborted, match="more than the .* a decryptor is sent"):
         server.close_stage()
+
+
+def test_a_server_refuses_at_startup_a_context_too_small_for_the_flooding(tmp_path) -> None:
+    # Prepare: contexts made with the earlier default scale 2^40, and with today's
+    from fl_secure.config import config_from_dict
+    from privacy.ckks.keys import write_ckks_keys
+    from server.bootstrap import _ckks_public_context
+
+    config = config_from_dict({"secure_aggregation": {"scheme": "ckks"}})
+    write_ckks_keys(tmp_path / "old", CkksParams(scale_bits=40))
+    write_ckks_keys(tmp_path / "new")
+    # Execute / Assert
+    with pytest.raises(ConfigError, match="too small a scale"):
+        _ckks_public_context(config, tmp_path / "old")
+    assert _ckks_public_context(config, tmp_path / "new")
