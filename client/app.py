@@ -39,6 +39,7 @@ from fl_secure.messages import (
 from fl_secure.tls.identity import load_signing_identity
 from fl_secure.tls.registry_seen import RegistryRollbackError, RegistrySeen, seen_path
 from fl_secure.v1 import transport_pb2_grpc as pb_grpc
+from privacy.ckks.client_round import CkksMember
 from privacy.ckks.keys import load_secret_context
 from privacy.ckks.round_setup import CkksSetup, is_ckks_setup
 from privacy.client_round import ClientPrivacy
@@ -237,7 +238,10 @@ class FlClient:
         self._run_config, self._run_config_toml, self._run_id = config, run_config_toml, run_id
 
     def _load_signing_keys(self) -> None:
-        """Load this site's signing key at join when the run masks updates (SecAgg/SecAgg+).
+        """Load this site's signing key at join when the run uses secure aggregation.
+
+        Masking (SecAgg/SecAgg+) signs its key advertisements with it, CKKS its encrypted
+        uploads.
 
         A missing or damaged key, or one that is not the key the CA-signed registry enrolls for
         this site (a stale copy after a re-issue, which the peers would reject), then stops
@@ -250,7 +254,7 @@ class FlClient:
         """
         if self._signing is not None or self._run_config is None:
             return
-        if self._run_config.secure_aggregation.scheme not in ("secagg", "secagg+"):
+        if self._run_config.secure_aggregation.scheme not in ("secagg", "secagg+", "ckks"):
             return
         try:
             self._signing = self._load_identity()
@@ -441,8 +445,9 @@ class FlClient:
         try:  # a round id this site has seen is a replay: refused before any stage
             parsed = (CkksSetup if ckks else RoundSetup).from_bytes(task.secagg_setup)
             self._first_use(parsed.round_id)
-            if not ckks:  # read each round: a registry older than one accepted is refused
-                self._signing = self._load_identity()
+            # read each round (CKKS signs its upload, masking its advertisements): a registry
+            # older than one this site accepted is refused
+            self._signing = self._load_identity()
         except FlSecureError as exc:
             log.error("round %d: refused: %s", task.round, exc)
             self._withdraw(stub, task, WithdrawReason.MESSAGE_REFUSED)
@@ -460,13 +465,23 @@ class FlClient:
         self._attend = exchange.attend  # held for the round (see SecureExchange)
         finished = False
         try:
+            assert self._signing is not None
+            identity, registry = self._signing
             if ckks:
                 if self._ckks_secret is None:
                     self._ckks_secret = load_secret_context(self.conn.cert_dir)
-                exchange.ckks(CkksSetup.from_bytes(task.secagg_setup), self._ckks_secret)
+                exchange.ckks(
+                    CkksSetup.from_bytes(task.secagg_setup),
+                    self._ckks_secret,
+                    CkksMember(
+                        self.conn.client_id,
+                        identity,
+                        registry,
+                        min_clients=run_config.server.min_clients,
+                        flooding_bits=run_config.secure_aggregation.ckks_flooding_bits,
+                    ),
+                )
             else:
-                assert self._signing is not None
-                identity, registry = self._signing
                 setup = RoundSetup.from_bytes(task.secagg_setup)
                 check_setup(setup, run_config, self.conn.client_id, registry)
                 exchange.masked(setup, self.conn.client_id, identity, registry)

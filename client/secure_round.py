@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from fl_secure.config import Config
     from fl_secure.messages import Task, Tensors
     from fl_secure.v1 import transport_pb2_grpc as pb_grpc
+    from privacy.ckks.client_round import CkksMember
     from privacy.ckks.round_setup import CkksSetup
     from privacy.secagg.round_setup import RoundSetup
 
@@ -124,11 +125,11 @@ class SecureExchange:
             setup, client_id, identity, registry, self._exchange, self._compute, self._upload
         )
 
-    def ckks(self, setup: CkksSetup, secret: bytes) -> None:
-        """CKKS: the encrypted update goes into the cohort's sum."""
+    def ckks(self, setup: CkksSetup, secret: bytes, member: CkksMember) -> None:
+        """CKKS: the signed encrypted update goes into the cohort's sum."""
         self._ckks_setup = setup
         ckks_client_round.client_ckks_update(
-            setup, secret, self._exchange, self._compute, self._upload
+            setup, secret, member, self._exchange, self._compute, self._upload
         )
 
     def close(self, finished: bool) -> None:

@@ -191,8 +191,11 @@ def build_server(
 def _signing_registry(
     config: Config, cert_dir: Path | None, enrolled: set[str]
 ) -> dict[str, Ed25519PublicKey]:
-    """The CA-signed client signing keys, needed when updates are masked (SecAgg/SecAgg+)."""
-    if config.secure_aggregation.scheme in ("none", "ckks"):
+    """The CA-signed client signing keys, needed under secure aggregation.
+
+    SecAgg/SecAgg+ key advertisements and CKKS uploads are signed with them.
+    """
+    if config.secure_aggregation.scheme == "none":
         return {}
     if cert_dir is None:
         raise ConfigError(
@@ -216,12 +219,22 @@ def _ckks_public_context(config: Config, cert_dir: Path | None) -> bytes:
     if cert_dir is None:
         raise ConfigError("secure_aggregation.scheme = 'ckks' cannot run with --insecure")
     # deferred: privacy.ckks imports tenseal, which only CKKS runs need
+    from privacy.ckks.context import load_context
+    from privacy.ckks.flooding import flooding_std
     from privacy.ckks.keys import load_public_context
 
     try:
-        return load_public_context(cert_dir)
+        public = load_public_context(cert_dir)
+        # a scale too small for the decryptors' noise flooding: refused now, not every round
+        flooding_std(
+            load_context(public, what="the public context"),
+            summed=max(2, config.server.min_clients),
+            ciphertexts=1,
+            bits=config.secure_aggregation.ckks_flooding_bits,
+        )
     except PrivacyError as exc:
         raise ConfigError(str(exc)) from exc
+    return public
 
 
 def _noise_source(config: Config, party: str) -> NoiseSource | None:

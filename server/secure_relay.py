@@ -3,10 +3,10 @@
 The server holds no key that opens an update. For SecAgg and SecAgg+ (Bonawitz et al. 2017;
 Bell et al. 2020) it relays the cohort's key advertisements and encrypted shares, closes each
 stage when every live member answered or its clock ran out, asks the survivors for the shares
-that unmask the sum, and dequantizes that sum; for CKKS it adds ciphertexts and has one or two
-clients decrypt the sum. The cryptography is :mod:`privacy.secagg` and
-:mod:`privacy.ckks`; this module keeps their sessions in step with the open attempt
-(:class:`server.attempt.Attempt`) and the clients' calls.
+that unmask the sum, and dequantizes that sum; for CKKS it checks and keeps the clients'
+signed ciphertexts and has one or two clients sum and decrypt them. The cryptography is
+:mod:`privacy.secagg` and :mod:`privacy.ckks`; this module keeps their sessions in step with
+the open attempt (:class:`server.attempt.Attempt`) and the clients' calls.
 """
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ class SecureRelay:
         )
         return ServerCkksRound(
             setup, self.settings.ckks_public_context, list(self.specs), cfg.stage_timeout,
-            self.board.clock,
+            self.board.clock, registry=self.signing_registry,
+            flooding_bits=cfg.ckks_flooding_bits,
         )  # fmt: skip
 
     def _ddg(self) -> tuple[float, float, int] | None:

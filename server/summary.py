@@ -222,6 +222,7 @@ def _secure_aggregation(
             ),
             "encrypted_layers": list(sa.ckks_layers) or "all",
             "decryptors": sa.ckks_decryptors,
+            "flooding_bits": sa.ckks_flooding_bits,
             **per_round,
         }
     return {

@@ -111,7 +111,9 @@ class SecureAggregationConfig:
     ``scale_bits`` fractional bits and summed mod ``2^modulus_bits`` (a configuration whose sum
     could wrap is refused when the round starts). ``ckks`` encrypts each update with CKKS
     (TenSEAL) under a secret key all clients share (``CERTS/ckks/clients.secret``); the server
-    adds ciphertexts and one or two clients decrypt the sum (:mod:`privacy.ckks`).
+    adds ciphertexts and one or two clients decrypt the sum (:mod:`privacy.ckks`), each from the
+    clients' signed uploads it checked itself, flooding its output with noise
+    (``ckks_flooding_bits``).
     """
 
     scheme: SecAggScheme = "none"
@@ -128,6 +130,9 @@ class SecureAggregationConfig:
     # ckks: layers to encrypt, as name prefixes ("backbone.conv1"); empty = every shared layer
     ckks_layers: tuple[str, ...] = ()
     ckks_decryptors: int = 2  # clients that decrypt the sum; with 2 the server compares them
+    # ckks: a decryptor floods its output with Gaussian noise 2^bits x the decryption error's
+    # bound (statistical distance <= 2^-(bits+1) from an error-free output; privacy.ckks.flooding)
+    ckks_flooding_bits: int = 40
 
     def __post_init__(self) -> None:
         """Check ranges."""
@@ -164,6 +169,11 @@ class SecureAggregationConfig:
             "an integer in 1..128",
         )
         check(self.ckks_decryptors in (1, 2), "secure_aggregation.ckks_decryptors", "1 or 2")
+        check(
+            isinstance(self.ckks_flooding_bits, int) and 16 <= self.ckks_flooding_bits <= 128,
+            "secure_aggregation.ckks_flooding_bits",
+            "an integer in 16..128",
+        )
         if self.scheme == "secagg+" and self.neighbours % 2:
             raise ConfigError(
                 f"secure_aggregation.neighbours = {self.neighbours}: SecAgg+ needs an even k "

@@ -1,4 +1,7 @@
-"""The server's running sum of encrypted updates: it adds ciphertexts and cannot decrypt them."""
+"""A running sum of encrypted updates (a decryptor's, or the server's check of each upload).
+
+It adds ciphertexts and cannot decrypt them.
+"""
 
 from __future__ import annotations
 
@@ -55,6 +58,14 @@ class CkksAggregator:
         self.total_weight = 0.0
         self.count = 0
 
+    def check(self, update: EncryptedUpdate) -> None:
+        """Check an update as :meth:`add` does, without adding it.
+
+        Raises:
+            ProtocolError: As :meth:`add`.
+        """
+        self._vectors(update)
+
     def add(self, update: EncryptedUpdate) -> None:
         """Add one (client's or partial) encrypted update to the running sum.
 
@@ -64,15 +75,7 @@ class CkksAggregator:
                 is not a fresh top-level ciphertext at the global scale, or a plaintext layer
                 is not finite.
         """
-        problem = update.layout.mismatch(self.layout)
-        if problem is not None:
-            raise ProtocolError(f"encrypted update does not match the aggregation: {problem}")
-        vectors = [
-            self._load(i, blob, size)
-            for i, (blob, size) in enumerate(
-                zip(update.ciphertexts, self.layout.chunk_sizes, strict=True)
-            )
-        ]
+        vectors = self._vectors(update)
         if self._sum is None:
             new_sum = vectors
             new_plain = OrderedDict(
@@ -105,6 +108,17 @@ class CkksAggregator:
             weight=self.total_weight,
             count=self.count,
         )
+
+    def _vectors(self, update: EncryptedUpdate) -> list[Vector]:
+        problem = update.layout.mismatch(self.layout)
+        if problem is not None:
+            raise ProtocolError(f"encrypted update does not match the aggregation: {problem}")
+        return [
+            self._load(i, blob, size)
+            for i, (blob, size) in enumerate(
+                zip(update.ciphertexts, self.layout.chunk_sizes, strict=True)
+            )
+        ]
 
     def _load(self, index: int, blob: bytes, size: int) -> Vector:
         try:

@@ -18,20 +18,15 @@ Trust model
   against the server plus a minority of colluding clients, and dropouts are handled by
   recovering the dropped clients' masks from Shamir shares (an extra round). Here dropouts
   cost nothing (a missing ciphertext is simply not added) but the collusion threshold is one.
-* Ciphertexts are malleable and not authenticated: integrity of what a client uploads comes
-  from the transport (TLS) and the SHA-256 digest of
-  :meth:`~privacy.ckks.update.EncryptedUpdate.to_bytes` only detects corruption, not a
-  deliberate change by whoever can rewrite the message.
-* Do not hand the raw float64 output of CKKS decryption to a party that saw the ciphertexts:
+* Ciphertexts are malleable; each client signs its upload with its enrolled Ed25519 key
+  (:mod:`privacy.ckks.signed`), so the server can neither alter one, nor replay it in another
+  round, nor pass off its own ciphertexts as a client's to a decryptor.
+* Do not hand the raw output of CKKS decryption to a party that saw the ciphertexts:
   approximate decryptions leak the decryption noise and with it the key (Li & Micciancio,
-  "On the security of homomorphic encryption on approximate numbers", EUROCRYPT 2021).
-  :func:`~privacy.ckks.encryption.decrypt_sum` rounds to the layers' dtypes. That removes the
-  error only where float32's resolution is coarser than it: the absolute decryption error is
-  ~1e-9 at the default scale, so for sums of order 1 about 1% of the float32 outputs still
-  differ from the float32 of the exact sum, but for sums of order 1e-3 (typical updates) about
-  85% do, and for 1e-5 all of them (measured with 10-50 clients). The rounding is therefore no
-  protection for small updates: add noise (the ``local`` DP placement of
-  :mod:`privacy.dp.client_level`) before a decrypted aggregate is released.
+  "On the security of homomorphic encryption on approximate numbers", EUROCRYPT 2021). A
+  decryptor therefore floods its output with Gaussian noise that hides the error
+  (:mod:`privacy.ckks.flooding`), and it decrypts only a sum it made itself from the clients'
+  signed uploads (:mod:`privacy.ckks.verified_sum`), never a ciphertext the server chose.
 """
 
 from __future__ import annotations
@@ -63,14 +58,18 @@ class CkksParams:
             key-switching prime. Their sum must stay within the 128-bit security bound for
             ``N`` (:data:`MAX_COEFF_MODULUS_BITS`).
         scale_bits: ``log2`` of the global scale: values are encoded as ``round(x * 2**bits)``,
-            so the absolute error is about ``2**-(scale_bits - 10)`` (measured ~1e-9 at the
-            defaults) and values up to ``2**(sum(coeff_mod_bit_sizes[:-1]) - scale_bits - 1)``
-            in magnitude fit.
+            so the decryption error is about ``2**-(scale_bits - 10)`` (measured ~2e-9 at
+            ``2**40``, below float64's resolution at the default ``2**100``) and values up to
+            ``2**(sum(coeff_mod_bit_sizes[:-1]) - scale_bits - 1)`` in magnitude fit (``2**39``
+            at the defaults). The sums are only added, never multiplied or rescaled, so the
+            scale can take most of the modulus: the large default keeps the noise that floods
+            each decryption (:mod:`privacy.ckks.flooding`, ``2**40`` times the error's bound)
+            near 1e-12.
     """
 
     poly_modulus_degree: int = 8192
     coeff_mod_bit_sizes: tuple[int, ...] = (60, 40, 40, 60)
-    scale_bits: int = 40
+    scale_bits: int = 100
 
     def __post_init__(self) -> None:
         n = self.poly_modulus_degree
@@ -116,7 +115,7 @@ def make_secret_context(params: CkksParams | None = None) -> bytes:
     public, relinearisation or Galois key (summing needs none of them).
 
     Args:
-        params: Encryption parameters (defaults: ``N = 8192``, ``[60, 40, 40, 60]``, ``2**40``).
+        params: Encryption parameters (defaults: ``N = 8192``, ``[60, 40, 40, 60]``, ``2**100``).
 
     Returns:
         The serialized context **with the secret key**: distribute it to clients only.

@@ -14,6 +14,7 @@ from fl_secure.messages import Tensors, TensorSpec
 from privacy.ckks.context import context_slots, load_context
 from privacy.ckks.layout import CkksLayout
 from privacy.ckks.update import EncryptedUpdate
+from privacy.dp.noise import NoiseSource, SecureGaussian, gaussian_like
 
 
 def encrypt_update(
@@ -89,6 +90,8 @@ def decrypt_sum(
     divide_by: float = 1.0,
     *,
     specs: Sequence[TensorSpec] | None = None,
+    flooding_std: float = 0.0,
+    noise: NoiseSource | None = None,
 ) -> Tensors:
     """Decrypt an (aggregated) encrypted update on a client.
 
@@ -98,16 +101,24 @@ def decrypt_sum(
         divide_by: Divides every value (``encrypted.weight`` for a weighted mean, the cohort
             size for a plain mean).
         specs: When given, the layout must have exactly these layers, dtypes and shapes.
+        flooding_std: Standard deviation of the Gaussian noise added to every decrypted
+            value before it is divided and cast (:func:`~privacy.ckks.flooding.flooding_std`:
+            it hides the decryption error); 0 adds none.
+        noise: Where that noise comes from (a fresh
+            :class:`~privacy.dp.noise.SecureGaussian` when None).
 
     Returns:
         The tensors, reshaped and cast to each layer's dtype.
 
     Raises:
-        PrivacyError: If the context has no secret key or ``divide_by`` is not positive.
+        PrivacyError: If the context has no secret key, ``divide_by`` is not positive or
+            ``flooding_std`` is negative.
         ProtocolError: If the layout or a ciphertext does not match.
     """
     if isinstance(divide_by, bool) or not (math.isfinite(divide_by) and divide_by > 0):
         raise PrivacyError(f"divide_by must be a positive finite number, got {divide_by!r}")
+    if not (math.isfinite(flooding_std) and flooding_std >= 0):
+        raise PrivacyError(f"flooding_std must be a finite number >= 0, got {flooding_std!r}")
     ctx = load_context(secret_ctx_bytes, what="the secret context")
     if not ctx.has_secret_key():
         raise PrivacyError(
@@ -135,6 +146,8 @@ def decrypt_sum(
             raise ProtocolError(f"ciphertext {i} holds {values.size} values, expected {size}")
         flat[start : start + size] = values
         start += size
+    if flooding_std > 0:  # before any rounding: the cast below only post-processes
+        flat += gaussian_like(noise or SecureGaussian(), flat, flooding_std)
     out: Tensors = OrderedDict()
     for layer in layout.layers:
         if layer.encrypted:

@@ -64,8 +64,12 @@ def test_params_are_validated() -> None:
     # Prepare / Execute / Assert: defaults, then each rule
     params = CkksParams()
     assert (params.poly_modulus_degree, params.coeff_mod_bit_sizes) == (8192, (60, 40, 40, 60))
-    assert (params.slots, params.scale) == (4096, 2.0**40)
-    assert CkksParams(coeff_mod_bit_sizes=(60, 40, 60)).coeff_mod_bit_sizes == (60, 40, 60)
+    assert (params.slots, params.scale) == (4096, 2.0**100)
+    assert CkksParams(coeff_mod_bit_sizes=(60, 40, 60), scale_bits=40).coeff_mod_bit_sizes == (
+        60,
+        40,
+        60,
+    )
     with pytest.raises(PrivacyError, match="poly_modulus_degree must be one of"):
         CkksParams(poly_modulus_degree=5000)
     with pytest.raises(PrivacyError, match="128-bit security"):
@@ -90,7 +94,7 @@ def test_server_context_has_no_secret_key_and_cannot_decrypt(
     # Assert: no key material on the server side (parameters and scale only)
     assert client_ctx.has_secret_key() and client_ctx.is_private()
     assert not server_ctx.has_secret_key() and not server_ctx.is_private()
-    assert server_ctx.global_scale == 2.0**40
+    assert server_ctx.global_scale == 2.0**100
     assert len(public_ctx) < 1000 < 100_000 < len(secret_ctx)
     # Assert: the ciphertext parses under the public context, but does not decrypt
     vector = ts.ckks_vector_from(server_ctx, encrypted.ciphertexts[0])
@@ -341,7 +345,8 @@ def test_aggregator_refuses_foreign_or_rescaled_ciphertexts(
     good = encrypt_update(update, secret_ctx)
     small_key = make_secret_context(CkksParams(4096, (40, 20, 40), 20))
     foreign = encrypt_update(update, small_key).ciphertexts
-    rescaled = ts.ckks_vector(ts.context_from(secret_ctx), update["w"].astype(np.float64))
+    values = update["w"].astype(np.float64)  # at 2^30, so that the product's scale fits
+    rescaled = ts.ckks_vector(ts.context_from(secret_ctx), values, scale=2.0**30)
     rescaled.mul_(1.0)  # multiplies then rescales: one level down
     aggregator = CkksAggregator(public_ctx, specs)
     # Execute / Assert
