@@ -345,7 +345,7 @@ def test_the_signed_upload_format_is_strict() -> None:
 def test_a_bundle_over_the_message_limit_aborts_the_round(
     secret_ctx: bytes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Prepare: a limit below two uploads (the real one is the client's 1 GiB receive limit);
+    # Prepare: a limit below the bundle of two uploads (the real one is the client's 1 GiB receive limit);
     # patched where the server round reads it (another test may have re-imported the module)
     from privacy.ckks import server_round
 
@@ -354,7 +354,9 @@ def test_a_bundle_over_the_message_limit_aborts_the_round(
     uploads = [_upload(secret_ctx, setup, c, i) for i, c in enumerate(IDS[:2])]
     for c, u in zip(IDS[:2], uploads, strict=True):
         server.add_masked(c, np.frombuffer(u, np.uint8))
-    monkeypatch.setattr(server_round.signed_format, "MAX_BUNDLE_BYTES", len(uploads[0]) * 2)
+    # (uploads differ in size: TenSEAL compresses them; the bundle adds length prefixes)
+    limit = sum(len(u) for u in uploads)
+    monkeypatch.setattr(server_round.signed_format, "MAX_BUNDLE_BYTES", limit)
     # Execute / Assert
     with pytest.raises(RoundAborted, match="more than the .* a decryptor is sent"):
         server.close_stage()
