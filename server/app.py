@@ -36,6 +36,13 @@ CONNECTIONS_PER_CLIENT = 8
 MIN_CONNECTIONS = 256
 #: A connection with no call open for this long is closed (GOAWAY; a client reconnects).
 MAX_CONNECTION_IDLE_MS = 5 * 60 * 1000
+#: Keepalive pings a client may send this often on a connection whose calls send no data.
+#: A client pings every 20 s while a call is open (``client.transport.open_channel``), and
+#: the server holds calls open for long: a secure stage waits for the whole cohort, the
+#: attendance call for the whole round. gRPC's default (5 minutes) counts each such ping
+#: as a strike and closes the connection on the third (GOAWAY "too_many_pings", at ~100 s),
+#: failing every call on it: a key stage that waited that long lost its whole cohort.
+MIN_PING_INTERVAL_MS = 10_000
 
 #: Metadata key naming the client on an ``--insecure`` connection (no certificate to read).
 INSECURE_ID_HEADER = "x-fl-secure-client-id"
@@ -101,6 +108,7 @@ def connection_options(coordinator: Coordinator) -> list[tuple[str, int]]:
             max(MIN_CONNECTIONS, CONNECTIONS_PER_CLIENT * enrolled),
         ),
         ("grpc.max_connection_idle_ms", MAX_CONNECTION_IDLE_MS),
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     ]
 
 

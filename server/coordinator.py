@@ -299,8 +299,15 @@ class Coordinator:
         alive: Callable[[], bool],
         wake: threading.Event,
     ) -> None:
-        """Hold a cohort member's attendance call until its secure round ends."""
+        """Hold a cohort member's attendance call until its secure round ends.
+
+        A call that closed first (the client's process or link died) also marks the client
+        offline (:meth:`Membership.went_offline`): the next round does not wait for it.
+        """
         self.relay.attend(client_id, round_, nonce, alive, wake)
+        if not alive():
+            with self.board.cv:
+                self.membership.went_offline(client_id)
 
     def secagg_withdraw(self, client_id: str, round_: int, nonce: bytes, reason: int = 0) -> None:
         """``client_id`` leaves its secure round (it failed locally): a dropout, noticed now.

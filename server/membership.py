@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 from typing import TYPE_CHECKING
 
@@ -59,6 +60,16 @@ class Membership:
     def heard_from(self, client_id: str) -> None:
         """``client_id`` is online now (under the board's cv)."""
         self._last_seen[client_id] = self.board.clock()
+
+    def went_offline(self, client_id: str) -> None:
+        """``client_id``'s connection closed mid-round: offline until it is heard from again.
+
+        Its secure round's attendance call closed (its process or its link died). Seen last
+        "long ago", it is neither drawn into the next cohort, whose key stage would wait a
+        whole ``stage_timeout`` for it, nor awaited before one; its next call brings it back.
+        """
+        if client_id in self._last_seen:
+            self._last_seen[client_id] = -math.inf
 
     def reported_examples(self) -> dict[str, int]:
         """Example count each client that joined reported at join (its weight's basis)."""
