@@ -316,8 +316,8 @@ class SecAggServer:
         need, t = self.config.consistency_threshold, self.config.threshold
         if len(self._u4) < need:
             raise self._abort(
-                f"only {len(self._u4)} survivors signed the survivor set; the consistency "
-                f"check needs {need}; round aborted before any share was revealed"
+                f"too few survivors signed the survivor set ({len(self._u4)}); the "
+                f"consistency check needs {need}; round aborted before any share was revealed"
             )
         short = {
             u: len(self._graph[u] & self._u4)
