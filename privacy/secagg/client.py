@@ -26,10 +26,11 @@ from privacy.secagg.consistency import (
     ConsistencySignature,
     advert_set_digest,
     check_signatures,
+    check_survivor_set,
     statement,
 )
 from privacy.secagg.encoding import FixedPointEncoder, UniformSource
-from privacy.secagg.graph import advert_seed, describe_groups, survivor_groups
+from privacy.secagg.graph import advert_seed
 from privacy.secagg.keys import SECRET_BYTES, agree, kdf, public_bytes, share_ad, verify_advert
 from privacy.secagg.masks import Keystreams
 from privacy.secagg.messages import (
@@ -333,43 +334,8 @@ class SecAggClient:
             RoundAborted: If fewer than ``t`` survivors are listed.
         """
         self._expect_stage(3, "sign_survivors")
-        if request.round_id != self.config.round_id:
-            raise ProtocolError("unmask request is for another round")
-        survivors, dropped = set(request.survivors), set(request.dropped)
-        if len(survivors) != len(request.survivors) or len(dropped) != len(request.dropped):
-            raise ProtocolError("unmask request lists a client twice")
-        unknown = (survivors | dropped) - self._u1
-        if unknown:
-            raise ProtocolError(
-                f"unmask request names clients that did not advertise keys: {sorted(unknown)}"
-            )
-        both = sorted(survivors & dropped)
-        if both:
-            raise PrivacyError(
-                f"{self.client_id!r} refuses to reveal shares of both the self mask b_u and the "
-                f"mask key s_u^SK of {', '.join(map(repr, both))}: that would expose the input"
-            )
-        if self.client_id not in survivors:
-            raise PrivacyError(
-                f"the server lists {self.client_id!r} as dropped although it sent its masked "
-                "input; refusing to help reconstruct its mask key"
-            )
-        t = self.config.threshold
-        if len(survivors) < t:
-            raise RoundAborted(f"only {len(survivors)} survivors, fewer than t = {t}")
-        if len(survivors) < self.config.min_inputs:
-            raise PrivacyError(
-                f"{self.client_id!r} refuses to unmask a sum of {len(survivors)} inputs: the "
-                f"round needs at least {self.config.min_inputs} (under distributed DP, the "
-                "noise shares the sum must carry)"
-            )
-        groups = survivor_groups(self._graph, survivors)
-        if len(groups) > 1:
-            raise PrivacyError(
-                f"{self.client_id!r} refuses to unmask: the survivors split into "
-                f"{len(groups)} groups no pairwise mask joins ({describe_groups(groups)}), "
-                "so the server would learn each group's own sum"
-            )
+        check_survivor_set(request, self.config, self.client_id, self._u1, self._graph)
+        survivors = frozenset(request.survivors)
         self._request = request
         self._statement = statement(self.config.round_id, self._u1_digest, survivors)
         self._stage = 4

@@ -25,11 +25,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from fl_secure.errors import PrivacyError, ProtocolError
+from fl_secure.errors import PrivacyError, ProtocolError, RoundAborted
 from privacy.secagg.codec import (
     DOMAIN,
     KIND_CONSISTENCY,
@@ -38,7 +39,11 @@ from privacy.secagg.codec import (
     Writer,
     length_prefixed,
 )
-from privacy.secagg.messages import AdvertiseKeys
+from privacy.secagg.graph import describe_groups, survivor_groups
+from privacy.secagg.messages import AdvertiseKeys, UnmaskRequest
+
+if TYPE_CHECKING:
+    from privacy.secagg.config import SecAggConfig
 
 SIGNATURE_BYTES = 64
 
@@ -173,3 +178,64 @@ def check_signatures(
             "cohort plus its corrupt allowance); the server may have shown clients different sets"
         )
     return frozenset(signers)
+
+
+def check_survivor_set(
+    request: UnmaskRequest,
+    config: SecAggConfig,
+    client_id: str,
+    u1: Collection[str],
+    graph: Mapping[str, frozenset[str]],
+) -> None:
+    """What a client checks before it signs a survivor set (and so before it reveals).
+
+    Args:
+        request: The server's request: ``U3`` and the clients it counts as dropped.
+        config: The round's configuration.
+        client_id: The checking client.
+        u1: The clients whose advertisements it received.
+        graph: The round's graph as it derived it.
+
+    Raises:
+        PrivacyError: If the request would reveal both shares of a client, counts this
+            client as dropped, lists fewer than the fewest inputs, or splits the survivors.
+        ProtocolError: If the request is malformed or names a client that did not advertise.
+        RoundAborted: If fewer than ``t`` survivors are listed.
+    """
+    if request.round_id != config.round_id:
+        raise ProtocolError("unmask request is for another round")
+    survivors, dropped = set(request.survivors), set(request.dropped)
+    if len(survivors) != len(request.survivors) or len(dropped) != len(request.dropped):
+        raise ProtocolError("unmask request lists a client twice")
+    unknown = (survivors | dropped) - set(u1)
+    if unknown:
+        raise ProtocolError(
+            f"unmask request names clients that did not advertise keys: {sorted(unknown)}"
+        )
+    both = sorted(survivors & dropped)
+    if both:
+        raise PrivacyError(
+            f"{client_id!r} refuses to reveal shares of both the self mask b_u and the "
+            f"mask key s_u^SK of {', '.join(map(repr, both))}: that would expose the input"
+        )
+    if client_id not in survivors:
+        raise PrivacyError(
+            f"the server lists {client_id!r} as dropped although it sent its masked "
+            "input; refusing to help reconstruct its mask key"
+        )
+    t = config.threshold
+    if len(survivors) < t:
+        raise RoundAborted(f"only {len(survivors)} survivors, fewer than t = {t}")
+    if len(survivors) < config.min_inputs:
+        raise PrivacyError(
+            f"{client_id!r} refuses to unmask a sum of {len(survivors)} inputs: the round "
+            f"needs at least {config.min_inputs} (under distributed DP, the noise shares the "
+            "sum must carry)"
+        )
+    groups = survivor_groups(dict(graph), survivors)
+    if len(groups) > 1:
+        raise PrivacyError(
+            f"{client_id!r} refuses to unmask: the survivors split into {len(groups)} groups "
+            f"no pairwise mask joins ({describe_groups(groups)}), so the server would learn "
+            "each group's own sum"
+        )

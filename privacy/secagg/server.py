@@ -120,6 +120,17 @@ class SecAggServer:
                 "cohort plus its corrupt allowance), so it is aborted before any share is revealed"
             )
 
+    def _require_holders(self, holders: frozenset[str], who: str) -> None:
+        """Abort unless every secret to rebuild has ``t`` share holders among ``holders``."""
+        t = self.config.threshold
+        counts = {u: len(self._graph[u] & holders) for u in sorted(self._u3 | self._dropped)}
+        detail = ", ".join(f"{u!r} ({m})" for u, m in counts.items() if m < t)
+        if detail:
+            raise self._abort(
+                f"too few {who} hold shares of {detail}; t = {t} are needed; round aborted "
+                "before any share was revealed"
+            )
+
     @property
     def graph(self) -> dict[str, frozenset[str]]:
         """The round's graph, once :meth:`route_adverts` fixed it (empty before)."""
@@ -263,18 +274,7 @@ class SecAggServer:
         self._require_participants(self._u3, "sent masked inputs")
         u3 = frozenset(self._u3)
         self._dropped = frozenset(u for u in self._u2 - u3 if self._graph[u] & u3)
-        t = self.config.threshold
-        short = {
-            u: len(self._graph[u] & u3)
-            for u in sorted(u3 | self._dropped)
-            if len(self._graph[u] & u3) < t
-        }
-        if short:
-            detail = ", ".join(f"{u!r} ({m})" for u, m in short.items())
-            raise self._abort(
-                f"too few surviving neighbours hold shares of {detail}; t = {t} are needed; "
-                "round aborted before any share was revealed"
-            )
+        self._require_holders(u3, "surviving neighbours")
         groups = survivor_groups(self._graph, u3)
         if len(groups) > 1:
             raise self._abort(
@@ -313,23 +313,13 @@ class SecAggServer:
         """
         self._expect_stage(3, "route_signatures")
         self._u4 = frozenset(self._signatures)
-        need, t = self.config.consistency_threshold, self.config.threshold
+        need = self.config.consistency_threshold
         if len(self._u4) < need:
             raise self._abort(
                 f"too few survivors signed the survivor set ({len(self._u4)}); the "
                 f"consistency check needs {need}; round aborted before any share was revealed"
             )
-        short = {
-            u: len(self._graph[u] & self._u4)
-            for u in sorted(self._u3 | self._dropped)
-            if len(self._graph[u] & self._u4) < t
-        }
-        if short:
-            detail = ", ".join(f"{u!r} ({m})" for u, m in short.items())
-            raise self._abort(
-                f"too few signers hold shares of {detail}; t = {t} are needed; round aborted "
-                "before any share was revealed"
-            )
+        self._require_holders(self._u4, "signers")
         self._stage = 4
         return tuple(self._signatures[u] for u in sorted(self._u4))
 
