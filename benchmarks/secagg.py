@@ -445,18 +445,23 @@ def _side_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         return _median([float(r[key]) for r in rounds])
 
     last = rounds[-1]
+    consistency = {}  # ours only: Flower's SecAgg+ has no consistency round
+    if "client_consistency_sign_s" in last:
+        consistency = {
+            "client_consistency_sign_s_median": pooled("client_consistency_sign_s"),
+            "client_unmask_with_verify_s_median": pooled("client_unmask_with_verify_s"),
+            "server_consistency_s_median": per_round("server_consistency_s"),
+            "consistency_signatures": last["consistency_signatures"],
+            "consistency_bytes_received_per_client": last["consistency_bytes_received_per_client"],
+        }
     return {
+        **consistency,
         "rounds": len(rounds),
         "client_mask_s_median": pooled("client_mask_s"),
         "client_serialize_s_median": pooled("client_serialize_s"),
         "client_share_keys_s_median": pooled("client_share_keys_s"),
         "client_setup_s_median": pooled("client_setup_s"),
         "server_unmask_s_median": per_round("server_unmask_s"),
-        "client_consistency_sign_s_median": pooled("client_consistency_sign_s"),
-        "client_unmask_with_verify_s_median": pooled("client_unmask_with_verify_s"),
-        "server_consistency_s_median": per_round("server_consistency_s"),
-        "consistency_signatures": last["consistency_signatures"],
-        "consistency_bytes_received_per_client": last["consistency_bytes_received_per_client"],
         "server_unmask_s_all": [r["server_unmask_s"] for r in rounds],
         "server_collect_s_median": per_round("server_collect_s"),
         "server_decode_s_median": per_round("server_decode_s"),
