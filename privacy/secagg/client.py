@@ -164,7 +164,10 @@ class SecAggClient:
                 f"the server left out the advertisement of {self.client_id!r} (this client): "
                 "the graph must be seeded by it"
             )
-        self._u1, self._u1_digest = frozenset(seen), advert_set_digest(seen.values())
+        self._u1, self._u1_digest = (
+            frozenset(seen),
+            advert_set_digest(seen.values(), self.config.cohort),
+        )
         self._graph = self.config.graph(advert_seed(a.signed_payload() for a in seen.values()))
         self._neighbours = self._graph[self.client_id]
         self._peers = {v: seen[v] for v in sorted(self._neighbours & set(seen))}

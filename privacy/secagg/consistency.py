@@ -62,11 +62,16 @@ def signature_threshold(n: int, corrupt: int) -> int:
     return (n + corrupt) // 2 + 1
 
 
-def advert_set_digest(adverts: Iterable[AdvertiseKeys]) -> bytes:
-    """SHA-256 of a set of signed advertisements, in client-id order (the ``U1`` a client saw)."""
+def advert_set_digest(adverts: Iterable[AdvertiseKeys], cohort: Iterable[str]) -> bytes:
+    """SHA-256 of the round's cohort and a set of signed advertisements (the ``U1`` a client saw).
+
+    The cohort (from the round's setup) is bound too, so clients given different setups under
+    one round id never count each other's signatures.
+    """
     ordered = sorted(adverts, key=lambda a: a.client_id)
+    members = length_prefixed(*(u.encode("utf-8") for u in sorted(cohort)))
     return hashlib.sha256(
-        DOMAIN + b"advert-set" + length_prefixed(*(a.to_bytes() for a in ordered))
+        DOMAIN + b"advert-set" + length_prefixed(members, *(a.to_bytes() for a in ordered))
     ).digest()
 
 

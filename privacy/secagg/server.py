@@ -183,7 +183,7 @@ class SecAggServer:
         self._u1 = frozenset(self._adverts)
         self._require_participants(self._u1, "advertised keys")
         adverts = tuple(self._adverts[v] for v in sorted(self._u1))
-        self._u1_digest = advert_set_digest(adverts)
+        self._u1_digest = advert_set_digest(adverts, self.config.cohort)
         self._graph = self.config.graph(advert_seed(a.signed_payload() for a in adverts))
         self._stage = 1
         return dict.fromkeys(sorted(self._u1), adverts)

@@ -125,8 +125,11 @@ def test_clients_shown_different_advertisement_sets_do_not_accept_each_others_si
         rnd.clients["client-000"].unmask(unaware, [sigs["client-000"]])
     with pytest.raises(ConsistencyFailed, match="only 3 survivors signed.*fewer than the 4"):
         rnd.clients["client-001"].unmask(shorter, [sigs[u] for u in config.cohort[1:4]])
-    digest = advert_set_digest(adverts.values())
-    assert digest != advert_set_digest(a for v, a in adverts.items() if v != "client-004")
+    digest = advert_set_digest(adverts.values(), config.cohort)
+    assert digest != advert_set_digest(
+        (a for v, a in adverts.items() if v != "client-004"), config.cohort
+    )
+    assert digest != advert_set_digest(adverts.values(), (*config.cohort, "client-005"))
 
 
 def test_the_server_refuses_a_bad_signature_naming_its_signer_and_goes_on() -> None:
