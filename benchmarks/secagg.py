@@ -30,6 +30,9 @@ lengths; for Flower the PEM public keys, node ids as 8 bytes, Fernet ciphertexts
 shares, the ``np.save`` bytes of the masked arrays and the revealed shares). For n = 10, our
 CKKS aggregation (``privacy/ckks/``) is a third column: encryption per client, server
 parse + add per update, decryption, bytes per client.
+Our consistency round (Bonawitz et al.'s Round 3, :mod:`privacy.secagg.consistency`, with
+``c = floor(0.2 n)``) is timed apart: each survivor's signature, the server's verification
+and relay, and each client's unmasking including its check of the relayed signatures.
 
 Usage: python benchmarks/secagg.py [--quick] [--flower-python PATH] [--repeats 7]
        [--large-repeats 5] [--k 20]
@@ -62,6 +65,7 @@ from privacy.ckks.encryption import decrypt_sum, encrypt_update  # noqa: E402
 from privacy.ckks.update import EncryptedUpdate  # noqa: E402
 from privacy.secagg.client import SecAggClient  # noqa: E402
 from privacy.secagg.config import SecAggConfig  # noqa: E402
+from privacy.secagg.consistency import ConsistencySignature  # noqa: E402
 from privacy.secagg.encoding import encode  # noqa: E402
 from privacy.secagg.masks import prg_mask  # noqa: E402
 from privacy.secagg.messages import (  # noqa: E402
@@ -80,6 +84,7 @@ QUANTIZATION_RANGE = 2**22  # Flower's default: levels over [-clip, clip]
 SCALE = QUANTIZATION_RANGE / (2 * CLIP)  # ours: the same step, 2 * clip / 2^22
 MODULUS_BITS = 32  # Flower's default modulus_range = 2^32
 DROPOUT = 0.10
+CORRUPT = 0.2  # the config's default corrupt_fraction: the consistency check's c
 SEED = 0
 
 PRG = {
@@ -160,6 +165,7 @@ def run_ours(case: Case, repeat: int) -> dict[str, Any]:
         scale=SCALE,
         neighbours=case.ours_neighbours,
         modulus_bits=MODULUS_BITS,
+        corrupt=int(CORRUPT * n),
     )
     dropped = {cohort[i] for i in case.dropped}
     identities = {u: Ed25519PrivateKey.generate() for u in cohort}
@@ -218,10 +224,29 @@ def run_ours(case: Case, repeat: int) -> dict[str, Any]:
         del wire
     request = UnmaskRequest.from_bytes(server.unmask_request().to_bytes())
 
-    # Round 4: unmasking
-    responses = []
+    # Round 3: consistency check (each survivor signs U3; the server verifies and relays)
+    sign_s, server_check_s = [], 0.0
     for u in request.survivors:
-        wire = clients[u].unmask(request).to_bytes()
+        t0 = time.perf_counter()
+        wire = clients[u].sign_survivors(request).to_bytes()
+        sign_s.append(time.perf_counter() - t0)
+        sent[u]["consistency_signature"] = len(wire)
+        t0 = time.perf_counter()
+        server.add_consistency(ConsistencySignature.from_bytes(wire))
+        server_check_s += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    relayed = [s.to_bytes() for s in server.route_signatures()]
+    server_check_s += time.perf_counter() - t0
+    received = sum(len(w) + 4 for w in relayed) + 4  # the packed list each signer receives
+    signatures = [ConsistencySignature.from_bytes(w) for w in relayed]
+
+    # Round 4: unmasking (each client first verifies the signatures: timed apart)
+    responses, verify_s = [], []
+    for u in request.survivors:
+        t0 = time.perf_counter()
+        response = clients[u].unmask(request, signatures)
+        verify_s.append(time.perf_counter() - t0)
+        wire = response.to_bytes()
         sent[u]["unmask_response"] = len(wire)
         responses.append(UnmaskResponse.from_bytes(wire))
     t0 = time.perf_counter()
@@ -248,12 +273,18 @@ def run_ours(case: Case, repeat: int) -> dict[str, Any]:
         "server_collect_s": collect_s,
         "server_unmask_s": unmask_s,
         "server_decode_s": decode_s,
+        "client_consistency_sign_s": sign_s,
+        "client_unmask_with_verify_s": verify_s,
+        "server_consistency_s": server_check_s,
+        "consistency_signatures": len(signatures),
+        "consistency_bytes_received_per_client": received,
         "server_prg_expansions": len(u3) + sum(len(graph[u] & u3) for u in request.dropped),
         "client_prg_expansions": client_prg,
         "bytes_per_client": {
             "advert": one["advert"],
             "shares": one["shares"],
             "masked_input": one["masked_input"],
+            "consistency_signature": one["consistency_signature"],
             "unmask_response": one["unmask_response"],
             "total_median": _median([float(v) for v in totals.values()]),
             "total_without_unmask_median": _median(
@@ -414,7 +445,17 @@ def _side_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         return _median([float(r[key]) for r in rounds])
 
     last = rounds[-1]
+    consistency = {}  # ours only: Flower's SecAgg+ has no consistency round
+    if "client_consistency_sign_s" in last:
+        consistency = {
+            "client_consistency_sign_s_median": pooled("client_consistency_sign_s"),
+            "client_unmask_with_verify_s_median": pooled("client_unmask_with_verify_s"),
+            "server_consistency_s_median": per_round("server_consistency_s"),
+            "consistency_signatures": last["consistency_signatures"],
+            "consistency_bytes_received_per_client": last["consistency_bytes_received_per_client"],
+        }
     return {
+        **consistency,
         "rounds": len(rounds),
         "client_mask_s_median": pooled("client_mask_s"),
         "client_serialize_s_median": pooled("client_serialize_s"),

@@ -29,7 +29,8 @@ from fl_secure.messages import SecAggMessage, SecAggStage, UpdateHeader, Withdra
 from privacy.ckks import client_round as ckks_client_round
 from privacy.ckks.round_setup import CKKS_TENSOR, check_ckks_setup
 from privacy.secagg import client_round as secagg_client_round
-from privacy.secagg.stages import MASKED, MASKED_TENSOR, wire_dtype
+from privacy.secagg.consistency import ConsistencyFailed
+from privacy.secagg.stages import MASKED, MASKED_TENSOR, WIRE_STAGES, wire_dtype
 from privacy.site_figures import released_header
 
 if TYPE_CHECKING:
@@ -143,7 +144,7 @@ class SecureExchange:
         message = SecAggMessage(
             round=self.task.round,
             nonce=self.task.nonce,
-            stage=SecAggStage(stage + 1),  # the session counts its stages from 0
+            stage=SecAggStage(WIRE_STAGES[stage]),  # the session's numbers differ
             payload=payload,
         )
         return self.stub.SecAggExchange.future(
@@ -219,6 +220,8 @@ def withdraw_reason(exc: BaseException, training_failed: bool) -> WithdrawReason
         return WithdrawReason.TRANSPORT
     if isinstance(exc, RoundAborted):  # a client raises it for too few neighbours only
         return WithdrawReason.TOO_FEW_SHARES
+    if isinstance(exc, ConsistencyFailed):  # it revealed nothing: the server may be hostile
+        return WithdrawReason.CONSISTENCY
     if isinstance(exc, (ProtocolError, PrivacyError)):
         return WithdrawReason.MESSAGE_REFUSED
     return WithdrawReason.OTHER

@@ -139,8 +139,9 @@ class SubmitReply:
 class SecAggStage(IntEnum):
     """Stage of a secure round's message (``fl_secure.v1.SecAggStage``, the same numbers).
 
-    The key stages count from 1 on the wire; the client and server sessions of secure
-    aggregation count them from 0, so their stage ``s`` travels as ``SecAggStage(s + 1)``.
+    The client and server sessions of secure aggregation number their stages in protocol
+    order from 0 (:data:`privacy.secagg.stages.WIRE_STAGES` maps them to these numbers; the
+    consistency check, added later, is 7 here).
     """
 
     UNSPECIFIED = 0
@@ -150,6 +151,7 @@ class SecAggStage(IntEnum):
     UNMASK_REPLY = 4  # send: the revealed shares; reply: acknowledgement
     WITHDRAW = 5  # send: nothing; the client leaves the round now
     ATTEND = 6  # send: nothing; held open by the client for its whole round
+    CONSISTENCY = 7  # send: signature on the survivor set; reply: the survivors' signatures
 
 
 class WithdrawReason(IntEnum):
@@ -167,6 +169,7 @@ class WithdrawReason(IntEnum):
     TRANSPORT = 5  # a call to the server failed
     OTHER = 6  # an unexpected local error
     DECLINED = 7  # the site's own policy declined the round (its budget)
+    CONSISTENCY = 8  # the consistency check failed: it revealed no share
 
 
 @dataclass(frozen=True)

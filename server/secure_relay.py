@@ -23,7 +23,15 @@ from fl_secure.errors import PrivacyError, ProtocolError, RoundAborted
 from fl_secure.logsafe import safe
 from privacy.secagg.round_setup import make_setup
 from privacy.secagg.server_round import ServerSecureRound
-from privacy.secagg.stages import ADVERTISE, SHARE, STAGE_NAMES, UNMASK, WITHDRAW_REASONS
+from privacy.secagg.stages import (
+    ADVERTISE,
+    CONSISTENCY,
+    DONE,
+    SHARE,
+    STAGE_NAMES,
+    UNMASK,
+    WITHDRAW_REASONS,
+)
 from privacy.secagg.vectors import unflatten
 
 if TYPE_CHECKING:
@@ -133,12 +141,13 @@ class SecureRelay:
         """One secure-aggregation stage message; waits until the stage has closed.
 
         ``stage`` is the internal stage number of :mod:`privacy.secagg` (advertise,
-        share: submit then wait; masked: wait for the unmask request; unmask: submit).
+        share, consistency: submit then wait; masked: wait for the unmask request; unmask:
+        submit).
         """
         board = self.board
         with board.cv:
             rnd, sec = board.secure_member(client_id, round_, nonce)
-            if stage in (ADVERTISE, SHARE, UNMASK):
+            if stage in (ADVERTISE, SHARE, CONSISTENCY, UNMASK):
                 sec.submit(stage, client_id, payload)
                 board.cv.notify_all()
                 if stage == UNMASK:
@@ -262,9 +271,11 @@ class SecureRelay:
                     "secure aggregation aborted: the round ended before the key stages completed"
                 )
             self.close_stage(rnd)  # masked input -> unmask request
-            while not self.board.stopping and not sec.ready():
-                self.board.cv.wait(timeout=0.25)
-            self.close_stage(rnd)  # unmask -> the sum
+            # SecAgg: consistency check -> signatures, then unmask -> the sum (CKKS: unmask)
+            while sec.stage < DONE:
+                while not self.board.stopping and not sec.ready():
+                    self.board.cv.wait(timeout=0.25)
+                self.close_stage(rnd)
         except RoundAborted as exc:
             return str(exc)
         return ""

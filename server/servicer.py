@@ -22,6 +22,7 @@ from fl_secure.errors import FlSecureError, ProtocolError, RoundAborted
 from fl_secure.logsafe import RefusalLog, safe
 from fl_secure.v1 import transport_pb2 as pb
 from fl_secure.v1 import transport_pb2_grpc as pb_grpc
+from privacy.secagg.stages import FROM_WIRE
 from server.wire import Undecodable, decoded
 
 if TYPE_CHECKING:
@@ -238,12 +239,12 @@ class FlSecureServicer(pb_grpc.FlSecureServicer):
             except FlSecureError as exc:  # not (or no longer) in that round, or attending
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             return pb.SecAggMessage(round=request.round, nonce=request.nonce, stage=request.stage)
-        if not pb.SECAGG_STAGE_ADVERTISE_KEYS <= request.stage <= pb.SECAGG_STAGE_UNMASK_REPLY:
+        if request.stage not in FROM_WIRE:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"unknown secure-aggregation stage {int(request.stage)}",
             )
-        stage = int(request.stage) - 1  # wire stages start at 1, privacy.secagg.stages at 0
+        stage = FROM_WIRE[int(request.stage)]  # privacy.secagg.stages numbers them otherwise
         try:
             payload = self.coordinator.secagg_exchange(
                 client_id, round_, nonce, stage, bytes(request.payload)

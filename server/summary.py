@@ -228,6 +228,15 @@ def _secure_aggregation(
     return {
         "scheme": sa.scheme,
         "server_sees": "only the sum of the surviving clients' masked updates",
+        # what holds if the server deviates from the protocol (docs/secure-aggregation.md)
+        "malicious_server": (
+            "no one client's masked input can be unmasked, even by a server that deviates "
+            "from the protocol, while at most corrupt_fraction "
+            f"{sa.corrupt_fraction:g} of a cohort colludes with it: a client reveals shares "
+            "only once more than (n + c) / 2 of the cohort signed the same survivor set "
+            "(consistency check); it can still choose which clients are in the sum, abort "
+            "rounds and return a wrong model"
+        ),
         "modulus_bits": sa.modulus_bits,
         "clip_range": sa.clip_range,
         "scale_bits": sa.scale_bits,

@@ -114,6 +114,11 @@ class _SecAggStageEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SecAggSta
     when the round ends; if the call closes before, the client is gone (a dropout noticed at
     once instead of at a deadline).
     """
+    SECAGG_STAGE_CONSISTENCY: _SecAggStage.ValueType  # 7
+    """send: this survivor's signature on the survivor set of the unmask request (the consistency
+    check, Bonawitz et al. Round 3); reply: the survivors' signatures on it. Between
+    SECAGG_STAGE_UNMASK and SECAGG_STAGE_UNMASK_REPLY; SecAgg / SecAgg+ only, not CKKS.
+    """
 
 class SecAggStage(_SecAggStage, metaclass=_SecAggStageEnumTypeWrapper): ...
 
@@ -135,6 +140,11 @@ SECAGG_STAGE_ATTEND: SecAggStage.ValueType  # 6
 """send: nothing; held open by the client from the start of its round. The server answers
 when the round ends; if the call closes before, the client is gone (a dropout noticed at
 once instead of at a deadline).
+"""
+SECAGG_STAGE_CONSISTENCY: SecAggStage.ValueType  # 7
+"""send: this survivor's signature on the survivor set of the unmask request (the consistency
+check, Bonawitz et al. Round 3); reply: the survivors' signatures on it. Between
+SECAGG_STAGE_UNMASK and SECAGG_STAGE_UNMASK_REPLY; SecAgg / SecAgg+ only, not CKKS.
 """
 Global___SecAggStage: _TypeAlias = SecAggStage  # noqa: Y015
 
@@ -159,6 +169,8 @@ class _WithdrawReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Withdr
     """an unexpected local error"""
     WITHDRAW_REASON_DECLINED: _WithdrawReason.ValueType  # 7
     """the site's own policy declined the round (its budget)"""
+    WITHDRAW_REASON_CONSISTENCY: _WithdrawReason.ValueType  # 8
+    """the consistency check failed: it revealed no share"""
 
 class WithdrawReason(_WithdrawReason, metaclass=_WithdrawReasonEnumTypeWrapper):
     """Why a client withdraws (with SECAGG_STAGE_WITHDRAW): a category of its own failure, never
@@ -180,6 +192,8 @@ WITHDRAW_REASON_OTHER: WithdrawReason.ValueType  # 6
 """an unexpected local error"""
 WITHDRAW_REASON_DECLINED: WithdrawReason.ValueType  # 7
 """the site's own policy declined the round (its budget)"""
+WITHDRAW_REASON_CONSISTENCY: WithdrawReason.ValueType  # 8
+"""the consistency check failed: it revealed no share"""
 Global___WithdrawReason: _TypeAlias = WithdrawReason  # noqa: Y015
 
 @_typing.final

@@ -32,9 +32,11 @@ and round; the server only relays ciphertexts); masks are AES-256-CTR keystreams
 little-endian 64-bit words. Shamir sharing is over the prime field ``GF(2^521 - 1)`` with
 randomness from :mod:`secrets`.
 
-Not implemented: Round 3 (*ConsistencyCheck*), which only matters against an actively malicious
-server. The server here is honest-but-curious; the local guards (signed keys, ``2t > k``, the
-refusal to reveal both shares of a client) are the ones a client can enforce by itself.
+Round 3 (*ConsistencyCheck*, :mod:`~privacy.secagg.consistency`) holds against a server that
+deviates from the protocol: each survivor signs the survivor set ``U3`` (with the round id and
+the advertisement set it saw) and reveals nothing until more than ``(n + c) / 2`` of the cohort
+signed the same one, so every client that reveals acts on one ``U3`` and no client's two
+secrets can both be rebuilt from honest shares (docs/secure-aggregation.md).
 
 The protocol, one module per concept: :mod:`~privacy.secagg.messages` (the wire messages, in
 the strict binary format of :mod:`~privacy.secagg.codec`), :mod:`~privacy.secagg.shamir`,

@@ -1,8 +1,9 @@
 """A client's side of one SecAgg round (Bonawitz et al., CCS 2017, Figure 4, client steps).
 
 Advertise two fresh X25519 keys (Round 0), share ``b_u`` and ``s_u^SK`` with the neighbours
-(Round 1), send the masked input ``y_u`` (Round 2) and reveal the shares the server may have
-(Round 4); see :mod:`privacy.secagg` for the protocol and its equations.
+(Round 1), send the masked input ``y_u`` (Round 2), sign the survivor set (Round 3,
+:mod:`privacy.secagg.consistency`) and reveal the shares the server may have (Round 4); see
+:mod:`privacy.secagg` for the protocol and its equations.
 """
 
 from __future__ import annotations
@@ -21,8 +22,15 @@ from fl_secure.errors import PrivacyError, ProtocolError, RoundAborted, UpdateEr
 from privacy.secagg.arithmetic import CHUNK, check_vector, modulus_mask, word_dtype
 from privacy.secagg.codec import KIND_SHARE_PLAINTEXT, NONCE_BYTES, Reader, Writer
 from privacy.secagg.config import SecAggConfig
+from privacy.secagg.consistency import (
+    ConsistencySignature,
+    advert_set_digest,
+    check_signatures,
+    check_survivor_set,
+    statement,
+)
 from privacy.secagg.encoding import FixedPointEncoder, UniformSource
-from privacy.secagg.graph import advert_seed, describe_groups, survivor_groups
+from privacy.secagg.graph import advert_seed
 from privacy.secagg.keys import SECRET_BYTES, agree, kdf, public_bytes, share_ad, verify_advert
 from privacy.secagg.masks import Keystreams
 from privacy.secagg.messages import (
@@ -40,8 +48,9 @@ from privacy.secagg.shamir import FIELD_BYTES, shamir_split
 class SecAggClient:
     """One client's side of one round (create a new one per round: all keys are fresh).
 
-    Call :meth:`advertise_keys`, :meth:`share_keys`, :meth:`masked_input`, :meth:`unmask`
-    in this order, each with what the server relayed. Every incoming message is verified.
+    Call :meth:`advertise_keys`, :meth:`share_keys`, :meth:`masked_input`,
+    :meth:`sign_survivors`, :meth:`unmask` in this order, each with what the server relayed.
+    Every incoming message is verified.
 
     Args:
         client_id: This client's id (in ``config.cohort``).
@@ -88,7 +97,10 @@ class SecAggClient:
         self._peers: dict[str, AdvertiseKeys] = {}
         self._share_keys: dict[str, bytes] = {}  # peer -> AES-GCM key (see _share_key)
         self._held: dict[str, tuple[int, int, int]] = {}  # sender -> (x, y of b, y of s_sk)
-        self._revealed: dict[str, str] = {}  # owner -> "b" or "s"
+        self._u1: frozenset[str] = frozenset()
+        self._u1_digest = b""  # the advertisement set this client saw (consistency check)
+        self._request: UnmaskRequest | None = None  # the survivor set it signed
+        self._statement = b""
         self._stage = 0
 
     def _expect_stage(self, stage: int, what: str) -> None:
@@ -152,6 +164,10 @@ class SecAggClient:
                 f"the server left out the advertisement of {self.client_id!r} (this client): "
                 "the graph must be seeded by it"
             )
+        self._u1, self._u1_digest = (
+            frozenset(seen),
+            advert_set_digest(seen.values(), self.config.cohort),
+        )
         self._graph = self.config.graph(advert_seed(a.signed_payload() for a in seen.values()))
         self._neighbours = self._graph[self.client_id]
         self._peers = {v: seen[v] for v in sorted(self._neighbours & set(seen))}
@@ -160,6 +176,12 @@ class SecAggClient:
             raise RoundAborted(
                 f"{self.client_id!r}: only {len(self._peers)} neighbours advertised keys, "
                 f"fewer than the threshold t = {t}"
+            )
+        if len(seen) < self.config.min_adverts:
+            raise PrivacyError(
+                f"{self.client_id!r} refuses an advertisement set of {len(seen)} clients: the "
+                f"round needs at least {self.config.min_adverts} (threshold, fewest inputs and "
+                "consistency check)"
             )
         peers = sorted(self._peers)
         xs = [self.config.share_x(v) for v in peers]
@@ -294,69 +316,81 @@ class SecAggClient:
         self._stage = 3
         return MaskedInput(self.client_id, self.config.round_id, self.config.modulus_bits, acc)
 
-    def unmask(self, request: UnmaskRequest) -> UnmaskResponse:
-        """Round 4 (*Unmasking*): reveal ``b_v`` shares of survivors, ``s_v^SK`` of dropouts.
+    def sign_survivors(self, request: UnmaskRequest) -> ConsistencySignature:
+        """Round 3 (*ConsistencyCheck*): check the survivor set ``U3``, sign it (once a round).
 
-        Refuses to reveal both kinds of share of one client, in one request or across
-        requests, and refuses a request that counts this client as dropped.
+        The signature binds the round id, the digest of the advertisement set this client
+        received (``U1``) and the sorted ``U3`` (:mod:`privacy.secagg.consistency`). Every check
+        on what the unmasking would reveal is made here, before anything is signed.
 
         Args:
-            request: The server's request.
+            request: The server's request (``U3`` and the clients it counts as dropped).
+
+        Returns:
+            This client's signature on ``(round id, U1 digest, U3)``.
+
+        Raises:
+            PrivacyError: If the request would reveal both shares of a client, counts this
+                client as dropped, lists fewer than the fewest inputs, or splits the survivors.
+            ProtocolError: If the request is malformed, out of order, or names a client
+                that did not advertise keys.
+            RoundAborted: If fewer than ``t`` survivors are listed.
+        """
+        self._expect_stage(3, "sign_survivors")
+        check_survivor_set(request, self.config, self.client_id, self._u1, self._graph)
+        survivors = frozenset(request.survivors)
+        self._request = request
+        self._statement = statement(self.config.round_id, self._u1_digest, survivors)
+        self._stage = 4
+        return ConsistencySignature(
+            self.client_id, self.config.round_id, self._identity.sign(self._statement)
+        )
+
+    def unmask(
+        self, request: UnmaskRequest, signatures: Sequence[ConsistencySignature]
+    ) -> UnmaskResponse:
+        """Round 4 (*Unmasking*): once ``U3`` is consistent, reveal ``b_v`` or ``s_v^SK`` shares.
+
+        Reveals nothing unless ``request`` is the one this client signed and ``signatures``
+        holds valid signatures on the same statement from at least
+        ``config.consistency_threshold`` distinct survivors. Then it reveals shares of ``b_v``
+        exactly for its neighbours in ``U3`` and of ``s_v^SK`` only for its neighbours
+        outside ``U3`` (never both for one client); it answers once.
+
+        Args:
+            request: The server's request (the one signed in :meth:`sign_survivors`).
+            signatures: The consistency signatures the server relayed.
 
         Returns:
             The shares this client holds for the requested clients.
 
         Raises:
-            PrivacyError: If the request would reveal both shares of a client.
-            ProtocolError: If the request is malformed or out of order.
-            RoundAborted: If fewer than ``t`` survivors are listed.
+            PrivacyError: If the request differs from the signed one, or the consistency
+                check fails (:class:`~privacy.secagg.consistency.ConsistencyFailed`).
+            ProtocolError: If a signature is malformed or repeated, or out of order.
         """
-        if self._stage != 3:
-            raise ProtocolError(f"{self.client_id!r}: unmask called before masked_input")
-        if request.round_id != self.config.round_id:
-            raise ProtocolError("unmask request is for another round")
-        survivors, dropped = set(request.survivors), set(request.dropped)
-        if len(survivors) != len(request.survivors) or len(dropped) != len(request.dropped):
-            raise ProtocolError("unmask request lists a client twice")
-        unknown = (survivors | dropped) - set(self.config.cohort)
-        if unknown:
-            raise ProtocolError(f"unmask request names clients outside the cohort: {unknown}")
-        both = sorted(survivors & dropped)
-        both += sorted(u for u in survivors if self._revealed.get(u) == "s")
-        both += sorted(u for u in dropped if self._revealed.get(u) == "b")
-        if both:
-            raise PrivacyError(
-                f"{self.client_id!r} refuses to reveal shares of both the self mask b_u and the "
-                f"mask key s_u^SK of {', '.join(map(repr, both))}: that would expose the input"
+        if self._stage != 4:
+            raise ProtocolError(
+                f"{self.client_id!r}: unmask called out of order (it answers one request, "
+                "after signing its survivor set)"
             )
-        if self.client_id in dropped:
+        if request != self._request:
             raise PrivacyError(
-                f"the server lists {self.client_id!r} as dropped although it sent its masked "
-                "input; refusing to help reconstruct its mask key"
+                f"{self.client_id!r} refuses an unmask request that differs from the survivor "
+                "set it signed"
             )
-        t = self.config.threshold
-        if len(survivors) < t:
-            raise RoundAborted(f"only {len(survivors)} survivors, fewer than t = {t}")
-        if len(survivors) < self.config.min_inputs:
-            raise PrivacyError(
-                f"{self.client_id!r} refuses to unmask a sum of {len(survivors)} inputs: the "
-                f"round needs at least {self.config.min_inputs} (under distributed DP, the "
-                "noise shares the sum must carry)"
-            )
-        groups = survivor_groups(self._graph, survivors)
-        if len(groups) > 1:
-            raise PrivacyError(
-                f"{self.client_id!r} refuses to unmask: the survivors split into "
-                f"{len(groups)} groups no pairwise mask joins ({describe_groups(groups)}), "
-                "so the server would learn each group's own sum"
-            )
+        survivors = frozenset(request.survivors)
+        check_signatures(
+            signatures, self._statement, round_id=self.config.round_id, survivors=survivors,
+            registry=self._registry, needed=self.config.consistency_threshold,
+            who=self.client_id,
+        )  # fmt: skip
         b_out, s_out = [], []
         for owner in sorted(self._held):
             x, b_y, s_y = self._held[owner]
             if owner in survivors:
                 b_out.append(RevealedShare(owner, x, b_y))
-                self._revealed[owner] = "b"
-            elif owner in dropped:
+            else:  # a neighbour that shared its keys but is not in the signed U3
                 s_out.append(RevealedShare(owner, x, s_y))
-                self._revealed[owner] = "s"
+        self._stage = 5
         return UnmaskResponse(self.client_id, self.config.round_id, tuple(b_out), tuple(s_out))

@@ -13,9 +13,19 @@ from fl_secure.messages import Tensors
 from privacy.dp.discrete_gaussian import ddg_encode
 from privacy.dp.noise import SecureGaussian
 from privacy.secagg.client import SecAggClient
+from privacy.secagg.consistency import ConsistencySignature
 from privacy.secagg.messages import AdvertiseKeys, EncryptedShare, UnmaskRequest
 from privacy.secagg.round_setup import RoundSetup
-from privacy.secagg.stages import ADVERTISE, MASKED, SHARE, UNMASK, Exchange, pack, unpack
+from privacy.secagg.stages import (
+    ADVERTISE,
+    CONSISTENCY,
+    MASKED,
+    SHARE,
+    UNMASK,
+    Exchange,
+    pack,
+    unpack,
+)
 from privacy.secagg.vectors import concatenate, flatten
 
 
@@ -28,7 +38,7 @@ def client_secure_update(
     compute_update: Callable[[], Tensors],
     upload: Callable[[np.ndarray], None],
 ) -> None:
-    """A client's whole secure round: keys, shares, local training, masked upload, unmasking.
+    """A client's whole secure round: keys, shares, training, masked upload, consistency, unmasking.
 
     Keys are exchanged before training, so a client that drops while training is recovered
     by its neighbours' shares.
@@ -67,4 +77,7 @@ def client_secure_update(
     masked = client.masked_input(incoming, vector, encoded=encoded)
     upload(masked.vector)
     request = UnmaskRequest.from_bytes(exchange(MASKED, b""))
-    exchange(UNMASK, client.unmask(request).to_bytes())
+    # the consistency check: sign U3, get the survivors' signatures; nothing revealed before
+    signed = exchange(CONSISTENCY, client.sign_survivors(request).to_bytes())
+    signatures = [ConsistencySignature.from_bytes(b) for b in unpack(signed, "signatures")]
+    exchange(UNMASK, client.unmask(request, signatures).to_bytes())

@@ -23,6 +23,7 @@ DOMAIN = b"fl-secure/secagg/v1/"
 #: The message-kind byte of each message (and of the plaintext inside an encrypted share).
 KIND_ADVERT, KIND_SHARE, KIND_MASKED, KIND_REQUEST, KIND_RESPONSE = 1, 2, 3, 4, 5
 KIND_SHARE_PLAINTEXT = 6
+KIND_CONSISTENCY = 7
 NONCE_BYTES = 12
 MAX_ID_BYTES = 255
 MAX_ROUND_ID_BYTES = 255

@@ -8,6 +8,7 @@ import numpy as np
 
 from fl_secure.errors import PrivacyError
 from privacy.secagg.codec import check_id
+from privacy.secagg.consistency import signature_threshold
 from privacy.secagg.encoding import UniformSource, check_modulus, decode, encode
 from privacy.secagg.graph import neighbour_graph
 
@@ -33,6 +34,9 @@ class SecAggConfig:
             own ``t + 1``). Under distributed DP each input carries a share of the noise, so a
             sum of fewer than the shares it needs would be under-noised: the server aborts
             before asking for shares, and a client refuses an unmask request listing fewer.
+        corrupt: ``c``: the most cohort members that may collude with the server; a client
+            reveals shares only once more than ``(n + c) / 2`` of them signed the same
+            survivor set (:attr:`consistency_threshold`, :mod:`~privacy.secagg.consistency`).
     """
 
     round_id: bytes
@@ -43,6 +47,7 @@ class SecAggConfig:
     neighbours: int = 0
     modulus_bits: int = 32
     min_inputs: int = 0
+    corrupt: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.round_id, bytes) or not 1 <= len(self.round_id) <= 255:
@@ -65,6 +70,8 @@ class SecAggConfig:
             )
         if not 0 <= self.min_inputs <= n:
             raise PrivacyError(f"min_inputs = {self.min_inputs}: expected 0..{n} for {n} clients")
+        if not 0 <= self.corrupt < n:
+            raise PrivacyError(f"corrupt = {self.corrupt}: expected 0..{n - 1} for {n} clients")
         check_modulus(n, self.clip_range, self.scale, self.modulus_bits)
 
     @property
@@ -72,6 +79,16 @@ class SecAggConfig:
         """Neighbours per client ``k`` (``n - 1`` for SecAgg)."""
         n = len(self.cohort)
         return n - 1 if self.neighbours == 0 else self.neighbours
+
+    @property
+    def consistency_threshold(self) -> int:
+        """Signatures on one survivor set a client needs before it reveals a share."""
+        return signature_threshold(len(self.cohort), self.corrupt)
+
+    @property
+    def min_adverts(self) -> int:
+        """The smallest advertisement set ``U1`` a round can finish with (clients refuse less)."""
+        return max(self.threshold + 1, self.min_inputs, self.consistency_threshold)
 
     def graph(self, seed: bytes) -> dict[str, frozenset[str]]:
         """The round's communication graph (see :func:`neighbour_graph`).

@@ -21,6 +21,7 @@ from fl_secure.config import Config, SecureAggregationConfig
 from fl_secure.errors import JSON_DOCUMENT_ERRORS, PrivacyError, ProtocolError
 from privacy.dp.discrete_gaussian import check_ddg_slack, ddg_client_sigma, integer_l2_bound
 from privacy.secagg.config import SecAggConfig
+from privacy.secagg.consistency import signature_threshold
 from privacy.secagg.parameters import Rates, derive, smallest_threshold
 from privacy.secagg.parameters import check as check_parameters
 
@@ -41,6 +42,7 @@ class RoundSetup:
     ddg_sigma: float = 0.0  # ddg: each client's N_Z(0, sigma^2), in units of 1 / scale
     clip_norm: float = 0.0  # ddg: the L2 bound C every client's update is clipped to
     min_inputs: int = 0  # the fewest masked inputs the sum may be unmasked with (0: t + 1)
+    corrupt: int = 0  # c: cohort members that may collude (the consistency check's threshold)
 
     def config(self) -> SecAggConfig:
         """The protocol configuration (validates threshold, graph and modulus)."""
@@ -53,12 +55,13 @@ class RoundSetup:
             neighbours=self.neighbours,
             modulus_bits=self.modulus_bits,
             min_inputs=self.min_inputs,
+            corrupt=self.corrupt,
         )
 
     def to_bytes(self) -> bytes:
-        """Canonical JSON (version 2: version 1 plus ``min_inputs``)."""
+        """Canonical JSON (version 3: version 1 plus ``min_inputs`` and ``corrupt``)."""
         doc = {
-            "version": 2,
+            "version": 3,
             "round_id": self.round_id.hex(),
             "cohort": list(self.cohort),
             "threshold": self.threshold,
@@ -71,6 +74,7 @@ class RoundSetup:
             "ddg_sigma": self.ddg_sigma,
             "clip_norm": self.clip_norm,
             "min_inputs": self.min_inputs,
+            "corrupt": self.corrupt,
         }
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
@@ -79,11 +83,11 @@ class RoundSetup:
         """Strict inverse of :meth:`to_bytes`."""
         try:
             doc = json.loads(data)
-            if doc.pop("version") != 2:
+            if doc.pop("version") != 3:
                 raise ValueError("unsupported version (server and client releases differ)")
             keys = {"round_id", "cohort", "threshold", "neighbours", "modulus_bits",
                     "clip_range", "scale", "vector_length", "encoding", "ddg_sigma",
-                    "clip_norm", "min_inputs"}  # fmt: skip
+                    "clip_norm", "min_inputs", "corrupt"}  # fmt: skip
             if set(doc) != keys:
                 raise ValueError(f"keys {sorted(doc)}")
             setup = cls(
@@ -99,6 +103,7 @@ class RoundSetup:
                 ddg_sigma=float(doc["ddg_sigma"]),
                 clip_norm=float(doc["clip_norm"]),
                 min_inputs=int(doc["min_inputs"]),
+                corrupt=int(doc["corrupt"]),
             )
         except JSON_DOCUMENT_ERRORS as exc:
             raise ProtocolError(f"invalid secure-aggregation setup: {exc}") from exc
@@ -125,12 +130,15 @@ def neighbourhood(cfg: SecureAggregationConfig, n: int) -> tuple[int, int]:
     stated rates (:func:`privacy.secagg.parameters.derive`); set values must meet the same
     bounds (:func:`privacy.secagg.parameters.check`). SecAgg (the complete graph) keeps the
     majority threshold by default, and any threshold must exceed the ``floor(gamma n)``
-    clients that may collude.
+    clients that may collude. Both must leave, after ``floor(delta n)`` dropouts, the
+    signatures the consistency check needs
+    (:func:`~privacy.secagg.consistency.signature_threshold`).
 
     Raises:
         PrivacyError: The configured threshold is not a strict majority of ``k`` and at most
-            ``k`` (:class:`privacy.secagg.config.SecAggConfig`'s rule), or ``(k, t)`` fails
-            the bounds of the stated rates. (An odd SecAgg+ ``k``, which has no graph on an
+            ``k`` (:class:`privacy.secagg.config.SecAggConfig`'s rule), ``(k, t)`` fails
+            the bounds of the stated rates, or too few may remain to sign the survivor set.
+            (An odd SecAgg+ ``k``, which has no graph on an
             odd cohort, is refused when the config is read.)
     """
     stated = rates(cfg)
@@ -165,6 +173,15 @@ def neighbourhood(cfg: SecureAggregationConfig, n: int) -> tuple[int, int]:
             )
     else:
         check_parameters(n, k, threshold, stated)
+    c, d = stated.corrupt(n), stated.dropped(n)
+    need = signature_threshold(n, c)
+    if n - d < need:
+        raise PrivacyError(
+            f"the consistency check needs {need} of a cohort of {n} to sign the survivor set "
+            f"(more than (n + c) / 2 with c = {c} corrupt, corrupt_fraction "
+            f"{cfg.corrupt_fraction:g}), but with dropout_fraction {cfg.dropout_fraction:g} only "
+            f"{n - d} may remain; lower corrupt_fraction or dropout_fraction, or use larger cohorts"
+        )
     return k, threshold
 
 
@@ -215,6 +232,7 @@ def make_setup(
         ddg_sigma=sigma,
         clip_norm=clip_norm,
         min_inputs=min_inputs,
+        corrupt=rates(cfg).corrupt(n),
     )
 
 
@@ -280,6 +298,8 @@ def check_setup(
         problems.append(f"noise sigma {setup.ddg_sigma:g} < {expected.ddg_sigma:g}")
     if setup.min_inputs < expected.min_inputs:
         problems.append(f"min_inputs {setup.min_inputs} < {expected.min_inputs}")
+    if setup.corrupt < expected.corrupt:  # a lower c: fewer signatures on the survivor set
+        problems.append(f"corrupt {setup.corrupt} < {expected.corrupt}")
     if problems:
         raise ProtocolError(
             "refusing a secure-aggregation setup weaker than the run this client joined: "

@@ -17,6 +17,12 @@ from fl_secure.errors import PrivacyError, ProtocolError, RoundAborted
 from privacy.secagg.arithmetic import check_vector, modulus_mask, word_dtype
 from privacy.secagg.codec import MAX_CIPHERTEXT_BYTES, NONCE_BYTES
 from privacy.secagg.config import SecAggConfig
+from privacy.secagg.consistency import (
+    ConsistencySignature,
+    advert_set_digest,
+    statement,
+    verify_signature,
+)
 from privacy.secagg.graph import advert_seed, describe_groups, survivor_groups
 from privacy.secagg.keys import SECRET_BYTES, agree, kdf, public_bytes, verify_advert
 from privacy.secagg.masks import apply_keystreams
@@ -40,7 +46,8 @@ class SecAggServer:
     1. :meth:`add_shares` for each client, then :meth:`route_shares` (Round 1),
     2. :meth:`add_masked_input` for each client (folded into a running sum mod ``2^bits``,
        memory ``O(d)``), then :meth:`unmask_request` (Round 2),
-    3. :meth:`add_unmask_response` for each survivor, then :meth:`finish` (Round 4).
+    3. :meth:`add_consistency` for each survivor, then :meth:`route_signatures` (Round 3),
+    4. :meth:`add_unmask_response` for each signer, then :meth:`finish` (Round 4).
 
     Args:
         config: The round's configuration.
@@ -70,6 +77,10 @@ class SecAggServer:
         self._sum: np.ndarray | None = None
         self._b_shares: dict[str, list[tuple[int, int]]] = {}
         self._s_shares: dict[str, list[tuple[int, int]]] = {}
+        self._u1_digest = b""
+        self._statement = b""
+        self._signatures: dict[str, ConsistencySignature] = {}
+        self._u4: frozenset[str] = frozenset()  # survivors whose consistency signature came in
         self._responders: set[str] = set()
         self._result: np.ndarray | None = None
         self._stage = 0
@@ -101,11 +112,34 @@ class SecAggServer:
                 f"only {m} clients {stage}; the round needs at least {self.config.min_inputs} "
                 "inputs in its sum, so it is aborted before any share is revealed"
             )
+        need = self.config.consistency_threshold
+        if m < need:
+            raise self._abort(
+                f"only {m} clients {stage}; the consistency check needs {need} signatures on "
+                f"the survivor set (more than half of the {len(self.config.cohort)} in the "
+                "cohort plus its corrupt allowance), so it is aborted before any share is revealed"
+            )
+
+    def _require_holders(self, holders: frozenset[str], who: str) -> None:
+        """Abort unless every secret to rebuild has ``t`` share holders among ``holders``."""
+        t = self.config.threshold
+        counts = {u: len(self._graph[u] & holders) for u in sorted(self._u3 | self._dropped)}
+        detail = ", ".join(f"{u!r} ({m})" for u, m in counts.items() if m < t)
+        if detail:
+            raise self._abort(
+                f"too few {who} hold shares of {detail}; t = {t} are needed; round aborted "
+                "before any share was revealed"
+            )
 
     @property
     def graph(self) -> dict[str, frozenset[str]]:
         """The round's graph, once :meth:`route_adverts` fixed it (empty before)."""
         return dict(self._graph)
+
+    @property
+    def signers(self) -> tuple[str, ...]:
+        """``U4``: survivors whose consistency signature arrived (sorted; after Round 3)."""
+        return tuple(sorted(self._u4))
 
     @property
     def survivors(self) -> tuple[str, ...]:
@@ -149,6 +183,7 @@ class SecAggServer:
         self._u1 = frozenset(self._adverts)
         self._require_participants(self._u1, "advertised keys")
         adverts = tuple(self._adverts[v] for v in sorted(self._u1))
+        self._u1_digest = advert_set_digest(adverts, self.config.cohort)
         self._graph = self.config.graph(advert_seed(a.signed_payload() for a in adverts))
         self._stage = 1
         return dict.fromkeys(sorted(self._u1), adverts)
@@ -239,18 +274,7 @@ class SecAggServer:
         self._require_participants(self._u3, "sent masked inputs")
         u3 = frozenset(self._u3)
         self._dropped = frozenset(u for u in self._u2 - u3 if self._graph[u] & u3)
-        t = self.config.threshold
-        short = {
-            u: len(self._graph[u] & u3)
-            for u in sorted(u3 | self._dropped)
-            if len(self._graph[u] & u3) < t
-        }
-        if short:
-            detail = ", ".join(f"{u!r} ({m})" for u, m in short.items())
-            raise self._abort(
-                f"too few surviving neighbours hold shares of {detail}; t = {t} are needed; "
-                "round aborted before any share was revealed"
-            )
+        self._require_holders(u3, "surviving neighbours")
         groups = survivor_groups(self._graph, u3)
         if len(groups) > 1:
             raise self._abort(
@@ -258,8 +282,46 @@ class SecAggServer:
                 f"joins ({describe_groups(groups)}): unmasking would reveal each group's own "
                 "sum; round aborted before any share was revealed"
             )
+        self._statement = statement(self.config.round_id, self._u1_digest, u3)
         self._stage = 3
         return UnmaskRequest(self.config.round_id, tuple(sorted(u3)), tuple(sorted(self._dropped)))
+
+    # -- Round 3 ----------------------------------------------------------------------------
+
+    def add_consistency(self, sig: ConsistencySignature) -> None:
+        """Record one survivor's signature on ``(round id, U1 digest, U3)`` after verifying it.
+
+        Raises:
+            ProtocolError: If the signer is not a survivor, repeated or for another round.
+            PrivacyError: If the signature does not verify (naming the signer).
+        """
+        self._expect_stage(3, "add_consistency")
+        who = sig.client_id
+        if who not in self._u3:
+            raise ProtocolError(f"consistency signature from {who!r}, which is not a survivor")
+        if who in self._signatures:
+            raise ProtocolError(f"client {who!r} sent its consistency signature twice")
+        verify_signature(sig, self._statement, self.config.round_id, self._registry)
+        self._signatures[who] = sig
+
+    def route_signatures(self) -> tuple[ConsistencySignature, ...]:
+        """Close Round 3: ``U4``, the signers; every one of them gets every signature.
+
+        Raises:
+            RoundAborted: If fewer than ``config.consistency_threshold`` survivors signed, or
+                a secret has fewer than ``t`` holders among the signers (nothing was revealed).
+        """
+        self._expect_stage(3, "route_signatures")
+        self._u4 = frozenset(self._signatures)
+        need = self.config.consistency_threshold
+        if len(self._u4) < need:
+            raise self._abort(
+                f"too few survivors signed the survivor set ({len(self._u4)}); the "
+                f"consistency check needs {need}; round aborted before any share was revealed"
+            )
+        self._require_holders(self._u4, "signers")
+        self._stage = 4
+        return tuple(self._signatures[u] for u in sorted(self._u4))
 
     # -- Round 4 ----------------------------------------------------------------------------
 
@@ -270,10 +332,12 @@ class SecAggServer:
             ProtocolError: If the responder is not a survivor, repeated, or the shares are not
                 exactly those requested from it (owners, kinds, abscissa, field range).
         """
-        self._expect_stage(3, "add_unmask_response")
+        self._expect_stage(4, "add_unmask_response")
         who = response.client_id
-        if who not in self._u3:
-            raise ProtocolError(f"unmask response from {who!r}, which is not a survivor")
+        if who not in self._u4:
+            raise ProtocolError(
+                f"unmask response from {who!r}, which did not sign the survivor set"
+            )
         if who in self._responders:
             raise ProtocolError(f"client {who!r} responded twice")
         if response.round_id != self.config.round_id:
@@ -306,7 +370,7 @@ class SecAggServer:
                 no sum is ever produced).
             ProtocolError: If rebuilt secrets are inconsistent (a bad share).
         """
-        self._expect_stage(3, "finish")
+        self._expect_stage(4, "finish")
         assert self._sum is not None
         t = self.config.threshold
         short = {u: len(self._b_shares.get(u, ())) for u in self._u3}
@@ -343,5 +407,5 @@ class SecAggServer:
         apply_keystreams(total, seeds)
         total = total.astype(np.uint64) & modulus_mask(self.config.modulus_bits)
         self._result, self._sum = total, None
-        self._stage = 4
+        self._stage = 5
         return total.copy()

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from fl_secure.errors import ProtocolError, RoundAborted
+from fl_secure.errors import PrivacyError, ProtocolError, RoundAborted
 from fl_secure.messages import TensorSpec
 from privacy.dp.discrete_gaussian import ddg_decode
+from privacy.secagg.consistency import ConsistencySignature
 from privacy.secagg.messages import (
     AdvertiseKeys,
     EncryptedShare,
@@ -29,6 +30,7 @@ from privacy.secagg.round_setup import RoundSetup, ddg_peak
 from privacy.secagg.server import SecAggServer
 from privacy.secagg.stages import (
     ADVERTISE,
+    CONSISTENCY,
     MASKED,
     MASKED_TENSOR,
     SHARE,
@@ -55,6 +57,7 @@ class ServerSecureRound(StagedRound):
     gone: set[str] = field(default_factory=set)
     routed: dict[str, bytes] = field(default_factory=dict)
     unmask_payload: bytes = b""
+    signatures_payload: bytes = b""  # the consistency signatures relayed to the signers
     aborted: str = ""
     dropped: dict[str, str] = field(default_factory=dict)  # client -> the stage it missed
     result: np.ndarray | None = None
@@ -91,10 +94,12 @@ class ServerSecureRound(StagedRound):
             return set(self.setup.cohort)
         if self.stage == SHARE:
             return set(self.routed)
-        return set(self.server.survivors) if self.stage == UNMASK else set()
+        if self.stage == CONSISTENCY:
+            return set(self.server.survivors)
+        return set(self.server.signers) if self.stage == UNMASK else set()
 
     def submit(self, stage: int, client_id: str, payload: bytes) -> None:
-        """One client's message of ``stage`` (advertise, share, or unmask reply)."""
+        """One client's message of ``stage`` (advertise, share, signature or unmask reply)."""
         if self.aborted:
             raise RoundAborted(self.aborted)
         if stage != self.stage:
@@ -112,6 +117,14 @@ class ServerSecureRound(StagedRound):
         elif stage == SHARE:
             shares = [EncryptedShare.from_bytes(b) for b in unpack(payload, "shares")]
             self.server.add_shares(client_id, shares)
+        elif stage == CONSISTENCY:
+            try:
+                sig = ConsistencySignature.from_bytes(payload)
+                if sig.client_id != client_id:
+                    raise ProtocolError(f"it sent the signature of {sig.client_id!r}")
+                self.server.add_consistency(sig)
+            except (ProtocolError, PrivacyError) as exc:  # this client alone is refused
+                raise type(exc)(f"consistency signature from {client_id} refused: {exc}") from exc
         elif stage == UNMASK:
             response = UnmaskResponse.from_bytes(payload)
             if response.client_id != client_id:
@@ -150,6 +163,9 @@ class ServerSecureRound(StagedRound):
         elif self.stage == MASKED:
             request: UnmaskRequest = self.server.unmask_request()
             self.unmask_payload = request.to_bytes()
+        elif self.stage == CONSISTENCY:
+            signatures = self.server.route_signatures()
+            self.signatures_payload = pack([s.to_bytes() for s in signatures])
         elif self.stage == UNMASK:  # decoded here, so a corrupted sum aborts the attempt
             self.result = self.server.finish()
             self.decoded = self._decode(self.result)
@@ -164,6 +180,10 @@ class ServerSecureRound(StagedRound):
             return self.routed[client_id]
         if stage == MASKED:
             return self.unmask_payload
+        if stage == CONSISTENCY:
+            if client_id not in self.server.signers:
+                raise ProtocolError(f"client {client_id} did not sign the survivor set in time")
+            return self.signatures_payload
         return b"ok"
 
     def survivors(self) -> tuple[str, ...]:

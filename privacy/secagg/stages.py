@@ -26,9 +26,14 @@ if TYPE_CHECKING:
 #: Name of the single tensor a masked upload carries.
 MASKED_TENSOR = "secagg.masked"
 #: Stages of a secure round (:class:`~privacy.secagg.server_round.ServerSecureRound`), in order.
-ADVERTISE, SHARE, MASKED, UNMASK, DONE = range(5)
+#: CKKS rounds go from :data:`MASKED` to :data:`UNMASK` (they have no consistency check).
+ADVERTISE, SHARE, MASKED, CONSISTENCY, UNMASK, DONE = range(6)
 STAGE_NAMES = {ADVERTISE: "advertise keys", SHARE: "share keys", MASKED: "masked input",
-               UNMASK: "unmasking", DONE: "done"}  # fmt: skip
+               CONSISTENCY: "consistency check", UNMASK: "unmasking", DONE: "done"}  # fmt: skip
+#: A stage's number on the wire (``fl_secure.v1.SecAggStage``): the consistency check was
+#: added after the others, so it is numbered after them there.
+WIRE_STAGES = {ADVERTISE: 1, SHARE: 2, MASKED: 3, UNMASK: 4, CONSISTENCY: 7}
+FROM_WIRE = {wire: stage for stage, wire in WIRE_STAGES.items()}
 _MAX_ITEMS = 100_000
 
 #: Why a client withdrew from a secure round (``fl_secure.v1.WithdrawReason``, same numbers),
@@ -46,6 +51,8 @@ WITHDRAW_REASONS = {
     5: "a call to the server failed",
     6: "an unexpected local error",
     7: "the site's own policy declined the round, such as its privacy budget",
+    8: "the consistency check failed (too few cohort members signed the survivor set it was "
+    "shown, or a relayed signature did not verify): it revealed no share",
 }
 
 
@@ -114,6 +121,10 @@ class StagedRound:
         """Whether the open stage may close now."""
         return self.expected() - self.gone <= self.answered or self.clock() >= self.deadline
 
+    def next_stage(self) -> int:
+        """The stage that follows the open one."""
+        return self.stage + 1
+
     def mark_gone(self, client_id: str) -> None:
         """``client_id``'s connection closed: the open and later stages stop waiting for it.
 
@@ -131,6 +142,6 @@ class StagedRound:
         except (RoundAborted, PrivacyError, ProtocolError) as exc:
             self.aborted = str(exc)
             raise RoundAborted(f"{what} aborted: {exc}") from exc
-        self.stage += 1
+        self.stage = self.next_stage()
         self.answered = set()
         self.deadline = self.clock() + self.stage_timeout

@@ -343,7 +343,7 @@ def secagg_message(draw: st.DrawFn) -> Build:
     plan = {
         "round": draw(round_pick),
         "nonce": draw(nonce_pick),
-        "stage": draw(st.one_of(st.integers(1, 6), enum_int)),
+        "stage": draw(st.one_of(st.integers(1, 7), enum_int)),
         "payload": draw(payload_plan),
         "round_id": draw(round_id_pick),
         "reason": draw(enum_int),

@@ -3,7 +3,9 @@
 ``python tests/server/secagg_worker.py --port P --id client-i --certs DIR --shift S [--die]``
 joins the federation over gRPC + mTLS and sends ``S`` in every coordinate as its update.
 With ``--die`` it writes ``DIR/../<id>.masked`` right after uploading its masked input and
-then hangs, so that the test can ``kill -9`` it at exactly that point of the protocol.
+then hangs, so that the test can ``kill -9`` it at exactly that point of the protocol. With
+``--die-after-signing`` it goes on to sign the survivor set and receive the signatures
+(the consistency check), then writes ``DIR/../<id>.signed`` and hangs before it reveals.
 """
 
 from __future__ import annotations
@@ -44,7 +46,28 @@ def main() -> None:
     parser.add_argument("--certs", type=Path, required=True)
     parser.add_argument("--shift", type=float, required=True)
     parser.add_argument("--die", action="store_true")
+    parser.add_argument("--die-after-signing", action="store_true")
     args = parser.parse_args()
+    if args.die_after_signing:
+        from privacy.secagg.stages import CONSISTENCY
+
+        real_round = session.client_secure_update
+        signed = args.certs.parent / f"{args.id}.signed"
+
+        def hang_after_signing(setup, client_id, identity, registry, exchange, compute, upload):
+            def exchange_then_hang(stage: int, payload: bytes) -> bytes:
+                reply = exchange(stage, payload)
+                if stage == CONSISTENCY:
+                    signed.write_text("signed")
+                    while True:  # wait for SIGKILL
+                        time.sleep(1)
+                return reply
+
+            return real_round(
+                setup, client_id, identity, registry, exchange_then_hang, compute, upload
+            )
+
+        session.client_secure_update = hang_after_signing
     if args.die:
         real_upload_round = session.client_secure_update
         marker = args.certs.parent / f"{args.id}.masked"

@@ -518,7 +518,7 @@ def test_ten_client_processes_two_killed_9_after_their_masked_input(tmp_path: Pa
     sa = RunDir(tmp_path / "run").read_metrics()[-1]["secure_aggregation"]
     assert (sa["scheme"], sa["neighbours"], sa["threshold"]) == ("secagg+", 6, 4), sa
     assert len(sa["survivors"]) == 10
-    assert sa["dropped"] == {"client-3": "unmasking", "client-7": "unmasking"}, sa
+    assert sa["dropped"] == {"client-3": "consistency check", "client-7": "consistency check"}, sa
     assert sa["left"] == ["client-3", "client-7"], sa
     assert codes == [0] * 8, logs  # the eight others finished normally
 

@@ -71,6 +71,7 @@ def secure_aggregation_section(
     return {
         "scheme": sa.pop("scheme", "none"),
         "server_sees": sa.pop("server_sees", None),
+        "malicious_server": sa.pop("malicious_server", None),  # SecAgg: the guarantee
         "parameters": {k: v for k, v in sa.items() if not k.endswith("_per_round")},
         "rounds": rounds,
         "aborted_rounds": aborted,

@@ -135,6 +135,8 @@ def render_html(
         f" Parameters: <code>{e(fmt(sa['parameters']))}</code>. Aborted rounds: "
         f"{e(fmt(sa['aborted_rounds']) if sa['aborted_rounds'] else 'none')}.</p>"
     )
+    if sa.get("malicious_server"):
+        parts.append(f"<p>Against a malicious server: {e(sa['malicious_server'])}.</p>")
     if sa["rounds"]:
         parts.append(table(*secure_rows(sa)))
     parts.append("<h2>Threat model and design</h2>")

@@ -118,6 +118,8 @@ def render_markdown(report: dict[str, Any], image_files: Sequence[str]) -> str:
         f"parameters: {t(fmt(sa['parameters']))}; aborted rounds: "
         f"{t(fmt(sa['aborted_rounds'])) if sa['aborted_rounds'] else 'none'}.",
     ]
+    if sa.get("malicious_server"):
+        out += ["", f"Against a malicious server: {t(sa['malicious_server'])}."]
     if sa["rounds"]:
         out += ["", table(*secure_rows(sa))]
     out += [

@@ -172,6 +172,10 @@ def test_every_number_traces_to_the_run_records(run_dir: Path) -> None:
     assert [r["round"] for r in report["ledger"]["epsilon_by_round"]] == [1, 2, 3]
     assert report["secure_aggregation"]["scheme"] == "secagg"
     assert [len(r["survivors"]) for r in report["secure_aggregation"]["rounds"]] == [3, 3, 3]
+    # the guarantee against a server that deviates from the protocol is stated, with c
+    against = report["secure_aggregation"]["malicious_server"]
+    assert "no one client's masked input can be unmasked" in against
+    assert "consistency check" in against
     partition = json.loads((run_dir / "partition.json").read_text())  # sampled once, kept
     assert [len(c["identities"]) for c in partition["clients"].values()] == [6, 6, 6]
     assert report["threat_model"]["audited"] is True

@@ -15,6 +15,7 @@ from scipy import stats
 from fl_secure.errors import PrivacyError, ProtocolError, RoundAborted
 from privacy.secagg.client import SecAggClient
 from privacy.secagg.config import SecAggConfig
+from privacy.secagg.consistency import ConsistencySignature
 from privacy.secagg.graph import advert_seed, neighbour_graph, survivor_groups
 from privacy.secagg.messages import (
     AdvertiseKeys,
@@ -33,8 +34,9 @@ from tests.privacy.secagg.helpers import ids as _ids
 
 # A client with drop stage s completes the stages before s and sends nothing from s on:
 # 0 = never advertises, 1 = advertised only, 2 = shared keys but no masked input,
-# 3 = sent its masked input but does not answer the unmask request, 4 = completes the round.
-COMPLETES = 4
+# 3 = sent its masked input but does not sign the survivor set (consistency check),
+# 4 = signed it but does not answer the unmask request, 5 = completes the round.
+COMPLETES = 5
 
 
 def _identities(config: SecAggConfig) -> dict[str, Ed25519PrivateKey]:
@@ -112,11 +114,23 @@ class Round:
                 self.server.add_masked_input(MaskedInput.from_bytes(m.to_bytes()))
         return UnmaskRequest.from_bytes(self.server.unmask_request().to_bytes())
 
-    def run(self, drop: Mapping[str, int]) -> np.ndarray:
-        request = self.masked(drop)
+    def consistency(
+        self, request: UnmaskRequest, drop: Mapping[str, int]
+    ) -> list[ConsistencySignature]:
+        """Round 3: the survivors not dropped there sign ``U3``; the signatures relayed."""
         for u in request.survivors:
             if drop.get(u, COMPLETES) > 3:
-                response = self.clients[u].unmask(request)
+                sig = self.clients[u].sign_survivors(request)
+                self.server.add_consistency(ConsistencySignature.from_bytes(sig.to_bytes()))
+        relayed = self.server.route_signatures()
+        return [ConsistencySignature.from_bytes(s.to_bytes()) for s in relayed]
+
+    def run(self, drop: Mapping[str, int]) -> np.ndarray:
+        request = self.masked(drop)
+        signatures = self.consistency(request, drop)
+        for u in self.server.signers:
+            if drop.get(u, COMPLETES) > 4:
+                response = self.clients[u].unmask(request, signatures)
                 self.server.add_unmask_response(UnmaskResponse.from_bytes(response.to_bytes()))
         return self.server.finish()
 
@@ -131,16 +145,22 @@ def _predicted_success(rnd: Round, drop: Mapping[str, int]) -> bool:
     config = rnd.config
     g, t = rnd.graph(drop), config.threshold
     stage = {u: drop.get(u, COMPLETES) for u in config.cohort}
+    # signatures on U3: more than (n + c) / 2 of the cohort, c = config.corrupt
+    signed = (len(config.cohort) + config.corrupt) // 2 + 1
     u1 = {u for u in config.cohort if stage[u] >= 1}
     u2 = {u for u in u1 if stage[u] >= 2 and len(g[u] & u1) >= t}
     u3 = {u for u in u2 if stage[u] >= 3 and len(g[u] & u2) >= t}
-    if min(len(u1), len(u2), len(u3)) < t + 1:
+    if min(len(u1), len(u2), len(u3)) < max(t + 1, signed):
         return False
     dropped = {u for u in u2 - u3 if g[u] & u3}
-    responders = {u for u in u3 if stage[u] >= 4}
-    if _components(g, u3) > 1:  # masks cancel only within one connected group
+    signers = {u for u in u3 if stage[u] >= 4}
+    responders = {u for u in signers if stage[u] >= 5}
+    if _components(g, u3) > 1 or len(signers) < signed:  # masks cancel only within a group
         return False
-    return all(len(g[u] & u3) >= t and len(g[u] & responders) >= t for u in u3 | dropped)
+    return all(
+        len(g[u] & u3) >= t and len(g[u] & signers) >= t and len(g[u] & responders) >= t
+        for u in u3 | dropped
+    )
 
 
 def _components(graph: Mapping[str, frozenset[str]], nodes: set[str]) -> int:
@@ -173,7 +193,7 @@ def _scenarios(draw: st.DrawFn, within_budget: bool) -> tuple[SecAggConfig, dict
         n_drop = draw(st.integers(0, k - t).map(lambda i: k - t - i))
     else:
         n_drop = draw(st.integers(0, n))
-    drop = {u: draw(st.integers(0, 3)) for u in order[:n_drop]}
+    drop = {u: draw(st.integers(0, 4)) for u in order[:n_drop]}
     return config, drop, draw(st.integers(1, 8))
 
 
@@ -287,14 +307,14 @@ def test_survivors_split_into_unjoined_groups_abort_and_clients_refuse_to_unmask
     request = UnmaskRequest(config.round_id, tuple(sorted(survivors)), tuple(sorted(cut)))
     for u in survivors:
         with pytest.raises(PrivacyError, match="refuses to unmask: the survivors split"):
-            rnd.clients[u].unmask(request)
+            rnd.clients[u].sign_survivors(request)
 
 
 def test_too_few_unmask_responses_abort_and_no_sum_exists() -> None:
     # Prepare: everybody sends its masked input, only two of five answer the request (t = 3)
     config = _config(5, 3)
     rnd = Round.start(config, d=4)
-    drop = {"client-002": 3, "client-003": 3, "client-004": 3}
+    drop = {"client-002": 4, "client-003": 4, "client-004": 4}
     # Execute / Assert
     with pytest.raises(RoundAborted, match="too few unmasking responses"):
         rnd.run(drop)
@@ -326,7 +346,7 @@ def test_a_sum_of_fewer_than_min_inputs_is_never_unmasked() -> None:
     # and a client asked anyway (a server that skips the check) refuses to reveal a share
     request = UnmaskRequest(ROUND, tuple(_ids(7)), tuple(gone))
     with pytest.raises(PrivacyError, match="refuses to unmask a sum of 7 inputs.*at least 8"):
-        rnd.clients["client-000"].unmask(request)
+        rnd.clients["client-000"].sign_survivors(request)
     # with all 8 needed inputs, the same round unmasks the exact sum
     rnd = Round.start(config, d=4)
     result = rnd.run(dict.fromkeys(gone[1:], 2))
@@ -454,22 +474,29 @@ def test_client_refuses_to_reveal_both_shares_of_a_client() -> None:
     request = rnd.masked({})
     everyone = request.survivors
     holder = rnd.clients["client-000"]
-    # Execute / Assert: in one request
+    # Execute / Assert: a request naming a client both survived and dropped is not signed
     both = UnmaskRequest(ROUND, everyone, ("client-001",))
     with pytest.raises(PrivacyError, match="both.*'client-001'"):
-        holder.unmask(both)
-    # ... and across requests: first b_u of client-001, then its s_sk
-    first = holder.unmask(UnmaskRequest(ROUND, everyone, ()))
+        holder.sign_survivors(both)
+    # a request that lists the responder itself as dropped is refused too
+    with pytest.raises(PrivacyError, match="lists 'client-003' as dropped"):
+        rnd.clients["client-003"].sign_survivors(
+            UnmaskRequest(ROUND, ("client-000", "client-001", "client-002"), ("client-003",))
+        )
+    # ... and across requests: once it signed U3 (and revealed b_u of client-001), it signs
+    # no other set and answers no request but the signed one
+    signatures = rnd.consistency(request, {})
+    first = holder.unmask(request, signatures)
     assert {s.owner for s in first.self_mask_shares} == {"client-001", "client-002", "client-003"}
     assert first.key_shares == ()
     rest = tuple(u for u in everyone if u != "client-001")
-    with pytest.raises(PrivacyError, match="both.*'client-001'"):
-        holder.unmask(UnmaskRequest(ROUND, rest, ("client-001",)))
-    # a request that lists the responder itself as dropped is refused too
-    with pytest.raises(PrivacyError, match="lists 'client-003' as dropped"):
-        rnd.clients["client-003"].unmask(
-            UnmaskRequest(ROUND, ("client-000", "client-001"), ("client-003",))
-        )
+    with pytest.raises(ProtocolError, match="sign_survivors called out of order"):
+        holder.sign_survivors(UnmaskRequest(ROUND, rest, ("client-001",)))
+    with pytest.raises(ProtocolError, match="unmask called out of order"):
+        holder.unmask(UnmaskRequest(ROUND, rest, ("client-001",)), signatures)
+    # another holder, asked with a request other than the one it signed, refuses
+    with pytest.raises(PrivacyError, match="differs from the survivor set it signed"):
+        rnd.clients["client-002"].unmask(UnmaskRequest(ROUND, rest, ("client-001",)), signatures)
 
 
 def test_server_rejects_responses_that_are_not_what_it_asked() -> None:
@@ -477,7 +504,7 @@ def test_server_rejects_responses_that_are_not_what_it_asked() -> None:
     config = _config(4, 2)
     rnd = Round.start(config, d=3)
     request = rnd.masked({"client-003": 2})
-    response = rnd.clients["client-000"].unmask(request)
+    response = rnd.clients["client-000"].unmask(request, rnd.consistency(request, {}))
     # Execute / Assert: a missing share, a wrong abscissa, a duplicate
     missing = dataclasses.replace(response, self_mask_shares=response.self_mask_shares[1:])
     with pytest.raises(ProtocolError, match="wrong owners"):

@@ -110,7 +110,7 @@ def test_round_setups_round_trip_and_malformed_ones_are_protocol_errors() -> Non
     malformed = [
         raw.replace(b'"threshold":3', b'"threshold":Infinity'),  # int(inf): OverflowError
         raw.replace(b'"min_inputs":4', b'"min_inputs":1e999'),
-        raw.replace(b'"version":2', b'"version":1'),  # an older release's setup
+        raw.replace(b'"version":3', b'"version":2'),  # an older release's setup
         b"[" * 100_000,  # nesting beyond the parser's recursion limit
     ]
     assert all(m != raw for m in malformed[:3])
