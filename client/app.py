@@ -247,9 +247,10 @@ class FlClient:
             return
         if self._run_config.secure_aggregation.scheme not in ("secagg", "secagg+"):
             return
-        if self.conn.cert_dir is None:
+        site = self.conn.site_dir
+        if site is None:
             raise TlsError("secure aggregation needs the certificate folder (signing keys)")
-        self._signing = load_signing_identity(self.conn.cert_dir, self.conn.client_id)
+        self._signing = load_signing_identity(site, self.conn.client_id)
 
     def _do_task(self, stub: pb_grpc.FlSecureStub, task: Task) -> None:
         trainer = self.trainer
@@ -396,7 +397,8 @@ class FlClient:
         trainer = self.trainer
         run_config = self._run_config
         assert trainer is not None and run_config is not None
-        if self.conn.cert_dir is None:
+        site = self.conn.site_dir
+        if site is None:
             raise TlsError("secure aggregation needs the certificate folder (signing keys)")
         ckks = is_ckks_setup(task.secagg_setup)
         scheme = run_config.secure_aggregation.scheme
@@ -419,7 +421,7 @@ class FlClient:
             self._withdraw(stub, task, WithdrawReason.MESSAGE_REFUSED)
             return
         if self._signing is None and not ckks:
-            self._signing = load_signing_identity(self.conn.cert_dir, self.conn.client_id)
+            self._signing = load_signing_identity(site, self.conn.client_id)
         exchange = SecureExchange(
             stub,
             task,
@@ -435,7 +437,7 @@ class FlClient:
         try:
             if ckks:
                 if self._ckks_secret is None:
-                    self._ckks_secret = load_secret_context(self.conn.cert_dir)
+                    self._ckks_secret = load_secret_context(site)
                 exchange.ckks(CkksSetup.from_bytes(task.secagg_setup), self._ckks_secret)
             else:
                 assert self._signing is not None

@@ -53,6 +53,7 @@ def write_signing_keys(
     signer: PrivateKey,
     replace: bool = False,
     fresh: bool = False,
+    public_keys: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Create an Ed25519 key per client and the CA-signed registry; return id -> hex public.
 
@@ -62,7 +63,9 @@ def write_signing_keys(
     Otherwise the existing registry must verify against ``ca.pem`` before its entries are
     signed again: the CA key must not launder a key substituted in the folder. The registry
     is signed with ``signer`` (the CA key). The new files are added to ``files``, written
-    together with the certificates they belong to.
+    together with the certificates they belong to. ``public_keys`` (id -> hex Ed25519 public
+    key) enrolls keys a site made itself (``certs sign``): no private key is made or written
+    for those ids.
 
     Raises:
         TlsError: the existing registry or its signature is missing or does not verify.
@@ -70,6 +73,9 @@ def write_signing_keys(
     directory = paths.directory
     registry = {} if fresh else enrolled_signing_keys(directory)
     for client_id in client_ids:
+        if public_keys and client_id in public_keys:  # the site's own key: no secret here
+            registry[client_id] = public_keys[client_id]
+            continue
         key_path = signing_key_path(directory, client_id)
         if client_id in registry and key_path.exists() and not replace:
             continue
