@@ -200,7 +200,7 @@ def process_rounds(
                 __file__,
                 "--worker",
                 f"localhost:{port}",
-                str(certs),
+                str(certs / "sites" / f"client-{i}"),  # its own site folder only
                 f"client-{i}",
                 str(0.01 * (i + 1)),
             ],
