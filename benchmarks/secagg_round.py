@@ -56,7 +56,7 @@ from fl_secure.messages import LocalTraining, Tensors  # noqa: E402
 from fl_secure.runs import RunDir  # noqa: E402
 from fl_secure.tls import init_certificates  # noqa: E402
 from fl_secure.tls.identity import load_signing_registry  # noqa: E402
-from privacy.ckks.keys import load_public_context, write_ckks_keys  # noqa: E402
+from privacy.ckks.keys import distribute_ckks_keys, load_public_context  # noqa: E402
 from server.app import load_enrollment, start_server  # noqa: E402
 from server.coordinator import Coordinator  # noqa: E402
 from server.settings import CoordinatorSettings  # noqa: E402
@@ -108,7 +108,7 @@ def _coordinator(
         enrolled=set(load_enrollment(certs).fingerprints),
         run_dir=RunDir(out / settings.run_id),
         server_step=lambda p, u, r: OrderedDict((n, p[n] + u[n]) for n in p),
-        signing_registry=load_signing_registry(certs),
+        signing_registry=load_signing_registry(certs / "server"),
     )
 
 
@@ -200,7 +200,7 @@ def process_rounds(
                 __file__,
                 "--worker",
                 f"localhost:{port}",
-                str(certs),
+                str(certs / "sites" / f"client-{i}"),  # its own site folder only
                 f"client-{i}",
                 str(0.01 * (i + 1)),
             ],
@@ -308,7 +308,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         certs = Path(tmp) / "certs"
         init_certificates(certs, clients=args.clients)
-        write_ckks_keys(certs)
+        distribute_ckks_keys(certs)
         for _ in range(args.repeats):  # sides alternate, so machine noise hits both
             for side in times:
                 run = (args.clients, args.params, side, args.neighbours)

@@ -273,13 +273,13 @@ class FlClient:
             TlsError: no certificate folder, or the key or registry is refused
                 (:func:`fl_secure.tls.identity.load_signing_identity`).
         """
-        cert_dir = self.conn.cert_dir
-        if cert_dir is None:
+        site = self.conn.site_dir
+        if site is None:
             raise TlsError("secure aggregation needs the certificate folder (signing keys)")
         if self._registry_seen is None:
             state = self.site.path.parent if self.site.path is not None else None
-            self._registry_seen = RegistrySeen(seen_path(state, cert_dir, self.conn.client_id))
-        return load_signing_identity(cert_dir, self.conn.client_id, seen=self._registry_seen)
+            self._registry_seen = RegistrySeen(seen_path(state, site, self.conn.client_id))
+        return load_signing_identity(site, self.conn.client_id, seen=self._registry_seen)
 
     def _do_task(self, stub: pb_grpc.FlSecureStub, task: Task) -> None:
         trainer = self.trainer
@@ -427,7 +427,8 @@ class FlClient:
         trainer = self.trainer
         run_config = self._run_config
         assert trainer is not None and run_config is not None
-        if self.conn.cert_dir is None:
+        site = self.conn.site_dir
+        if site is None:
             raise TlsError("secure aggregation needs the certificate folder (signing keys)")
         ckks = is_ckks_setup(task.secagg_setup)
         scheme = run_config.secure_aggregation.scheme
@@ -469,7 +470,7 @@ class FlClient:
             identity, registry = self._signing
             if ckks:
                 if self._ckks_secret is None:
-                    self._ckks_secret = load_secret_context(self.conn.cert_dir)
+                    self._ckks_secret = load_secret_context(site)
                 exchange.ckks(
                     CkksSetup.from_bytes(task.secagg_setup),
                     self._ckks_secret,

@@ -15,6 +15,7 @@ import grpc
 
 from fl_secure.errors import TlsError
 from fl_secure.tls import channel_credentials, warn_insecure
+from fl_secure.tls.layout import site_bundle
 
 #: The header a plaintext (``--insecure``) client names itself with: there is no certificate.
 INSECURE_ID_HEADER = "x-fl-secure-client-id"
@@ -40,6 +41,11 @@ class Connection:
     cert_dir: Path | None = None
     insecure: bool = False
     server_name: str = ""  # TLS name to check when the address is an IP without SAN
+
+    @property
+    def site_dir(self) -> Path | None:
+        """This site's folder: ``cert_dir``, or its ``sites/<id>/`` when given a whole set."""
+        return None if self.cert_dir is None else site_bundle(self.cert_dir, self.client_id)
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:

@@ -12,12 +12,12 @@ import grpc
 from fl_secure.errors import ConfigError
 from fl_secure.memory import retain_freed_memory
 from fl_secure.tls import (
-    CertificateSet,
     EnrollmentList,
     require_enrolled,
     server_credentials,
     warn_insecure,
 )
+from fl_secure.tls.layout import Bundle, server_bundle
 from server.servicer import MAX_CALLS_PER_CLIENT, Authenticator, FlSecureServicer
 from server.wire import add_servicer
 
@@ -70,8 +70,8 @@ def insecure_authenticator(enrolled: set[str]) -> Authenticator:
 
 
 def load_enrollment(cert_dir: Path) -> EnrollmentList:
-    """The enrollment list written by ``fl-secure certs init``."""
-    return EnrollmentList.load(CertificateSet(cert_dir).enrollment)
+    """The server folder's enrollment list (``enrolled.json``; ``server/`` of a whole set)."""
+    return EnrollmentList.load(Bundle(server_bundle(cert_dir)).enrollment)
 
 
 def _num_values(coordinator: Coordinator) -> int:

@@ -26,6 +26,7 @@ from fl_secure.data.plan import FederatedData, plan_federation
 from fl_secure.data.types import FaceDataset
 from fl_secure.errors import ConfigError, PrivacyError
 from fl_secure.tls.identity import load_signing_registry
+from fl_secure.tls.layout import server_bundle
 from fl_secure.training import (
     build_run_model,
     evaluate_verification,
@@ -37,6 +38,7 @@ from privacy.dp.noise import NoiseSource, seeded_source
 from privacy.ledger.signed_head import HeadSigner
 from privacy.server_round import ServerPrivacy, open_server_privacy
 from server.coordinator import Coordinator
+from server.custody import check_server_folder
 from server.preflight import check_dpsgd_model, check_encoding_range
 from server.round import round_rules
 from server.run_files import recorded_run_id, write_partition_record
@@ -99,8 +101,15 @@ def build_server(
     noise: NoiseSource | None = None,
     cert_dir: Path | None = None,
 ) -> ServerSide:
-    """Initial shared parameters (same seed as the clients), evaluator and coordinator."""
+    """Initial shared parameters (same seed as the clients), evaluator and coordinator.
+
+    ``cert_dir`` is the server's folder (``server/`` of a whole ``certs init`` folder); one
+    that holds a client's private key or the CKKS secret is refused (:mod:`server.custody`).
+    """
     check_config(config)
+    if cert_dir is not None:
+        cert_dir = server_bundle(cert_dir)
+        check_server_folder(cert_dir)
     strategy = get_strategy(
         config.algorithm.name, config.algorithm, head=config.model.head, scale=config.model.scale
     )

@@ -1,8 +1,9 @@
 """Embedded mode: the server in this process, N client processes on localhost, mutual TLS.
 
-``fl-secure train`` runs this. Certificates are made in the run directory; every client is a
-separate ``fl-secure client`` process that talks to the server over gRPC exactly as on
-separate machines.
+``fl-secure train`` runs this. Certificates are made in the run directory (``RUN/certs``, one
+folder per party); every client is a separate ``fl-secure client`` process that talks to the
+server over gRPC exactly as on separate machines, and reads only its own site folder
+(``RUN/certs/sites/<id>``), as the server reads only ``RUN/certs/server``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from fl_secure.config import Config, load_config
 from fl_secure.data.plan import plan_client_id
 from fl_secure.errors import CheckpointError
 from fl_secure.runs import RunDir, new_run_dir, removed_if_setup_fails
-from fl_secure.tls import init_certificates
+from fl_secure.tls import CertificateSet, init_certificates
 from server.app import load_enrollment, start_server
 from server.bootstrap import build_server
 from server.preflight import preflight
@@ -64,7 +65,8 @@ def client_command(
         # (reproducible) DP noise is theirs to make
         "--accept-seeded-noise",
     ]
-    cmd += ["--insecure"] if insecure else ["--certs", str(run.certs)]
+    site = CertificateSet(run.certs).site_dir(client_id)  # its own keys, no other site's
+    cmd += ["--insecure"] if insecure else ["--certs", str(site)]
     return cmd
 
 
@@ -123,18 +125,17 @@ def _run_held(
             init_certificates(run.certs, clients=config.partition.num_clients)
             if config.secure_aggregation.scheme == "ckks":  # the clients' shared key, made here
                 # deferred: privacy.ckks imports tenseal, which only CKKS runs need
-                from privacy.ckks.keys import write_ckks_keys
+                from privacy.ckks.keys import distribute_ckks_keys
 
-                write_ckks_keys(run.certs)
-        enrolled = set(load_enrollment(run.certs).fingerprints)
-        side = build_server(
-            config, run, enrolled=enrolled, cert_dir=None if insecure else run.certs
-        )
+                distribute_ckks_keys(run.certs)
+        served = CertificateSet(run.certs).server_dir  # no client secret in it
+        enrolled = set(load_enrollment(served).fingerprints)
+        side = build_server(config, run, enrolled=enrolled, cert_dir=None if insecure else served)
         coordinator = side.coordinator
         done = coordinator.resume()
         record_start(run)
         server, port = start_server(
-            coordinator, config.server.address, cert_dir=run.certs, insecure=insecure
+            coordinator, config.server.address, cert_dir=served, insecure=insecure
         )
     procs = spawn_clients(port, run, config.partition.num_clients, insecure=insecure)
     bar = tqdm(

@@ -1,8 +1,9 @@
 """A certificate directory: create the CA, server and client certificates; add clients later.
 
-The CA key (``ca.key``) is what makes a client identity: whoever holds it can enroll anyone the
-server would accept. Keep it offline once the certificates are issued and pass its path to
-``issue_client_certificate`` (``ca_key=``) when adding a client.
+The CA key (``ca/ca.key``) is what makes a client identity: whoever holds it can enroll anyone
+the server would accept. Keep it offline once the certificates are issued and pass its path to
+``issue_client_certificate`` (``ca_key=``) when adding a client. Each party's folder holds only
+its own private keys (:class:`~fl_secure.tls.layout.CertificateSet`).
 """
 
 from __future__ import annotations
@@ -13,18 +14,38 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from fl_secure.errors import TlsError
 from fl_secure.tls.certs import (
     CLOCK_SKEW,
     CertifiedKey,
     KeyType,
+    PrivateKey,
     check_days,
     load_certified_key,
     make_certificate,
 )
 from fl_secure.tls.enrollment import EnrollmentList, certificate_fingerprint
-from fl_secure.tls.identity import REGISTRY_FILE, enrolled_signing_keys, write_signing_keys
-from fl_secure.tls.layout import CertificateSet, StagedFiles, validate_client_id
+from fl_secure.tls.identity import (
+    REGISTRY_FILE,
+    enrolled_signing_keys,
+    signing_key_path,
+    write_signing_keys,
+)
+from fl_secure.tls.layout import (
+    CA_CERT,
+    CA_KEY,
+    CA_PART,
+    Bundle,
+    CertificateSet,
+    StagedFiles,
+    is_layout_root,
+    read_bytes,
+    validate_client_id,
+)
 from fl_secure.tls.registry import (
     REGISTRY_SIGNATURE,
     encode_registry,
@@ -49,7 +70,12 @@ def init_certificates(
     key_type: KeyType = "ec-p256",
     overwrite: bool = False,
 ) -> CertificateSet:
-    """Create a CA, a server certificate, client certificates and ``enrolled.json``.
+    """Create a CA, a server, client certificates and keys: one folder per party.
+
+    The one-machine convenience (and the embedded mode's): every key is made here, then each
+    party gets only its own. ``ca/`` holds the CA key and its records, ``server/`` what the
+    server reads (no client secret), ``sites/<id>/`` what one site reads. On separate machines
+    a site makes its own keys instead (:mod:`fl_secure.tls.request`).
 
     Args:
         out_dir: directory to write into (created if needed).
@@ -59,11 +85,11 @@ def init_certificates(
         ca_days: validity of the CA; no certificate it signs outlives it.
         key_type: key algorithm of every key.
         overwrite: replace an existing CA (every certificate it signed stops being trusted).
-            Client files of the old CA that are not re-issued are left in ``clients/`` but are
+            Site folders of the old CA that are not re-issued are left in ``sites/`` but are
             no longer enrolled.
 
     Returns:
-        The paths written. ``ca.key`` must be moved offline after issuing.
+        The paths written. ``ca/ca.key`` must be moved offline after issuing.
 
     Raises:
         TlsError: invalid or duplicate client ids, invalid hosts or days, or an existing CA
@@ -72,7 +98,9 @@ def init_certificates(
     ids = _client_ids(clients)
     check_days(days)
     paths = CertificateSet(Path(out_dir), ids)
-    existing = [p for p in (paths.ca_cert, paths.ca_key) if p.exists()]
+    old = Path(out_dir)  # the single-folder layout of earlier versions
+    candidates = (paths.ca_cert, paths.ca_key, old / CA_CERT, old / CA_KEY)
+    existing = [p for p in candidates if p.exists()]
     if existing and not overwrite:
         raise TlsError(
             f"{existing[0]} already exists: a new CA would invalidate every certificate the old "
@@ -80,7 +108,7 @@ def init_certificates(
             "pass overwrite=True (--overwrite) to start over"
         )
     ca = make_certificate("ca", CA_COMMON_NAME, days=ca_days, key_type=key_type)
-    start, end = _leaf_validity(ca, days, "the server and client certificates")
+    start, end = leaf_validity(ca, days, "the server and client certificates")
     server = make_certificate(
         "server",
         SERVER_COMMON_NAME,
@@ -103,19 +131,31 @@ def init_certificates(
         )
         for client_id in ids
     }
+    signing = {client_id: Ed25519PrivateKey.generate() for client_id in ids}
     # Everything is generated before anything is replaced: a bad argument or a failed write
     # (a full disk) leaves the old set whole, never a new ca.pem beside the old ca.key.
     with StagedFiles() as files:
         ca.stage(files, paths.ca_cert, paths.ca_key)
         server.stage(files, paths.server_cert, paths.server_key)
+        files.write(paths.server.ca_cert, ca.cert_pem, mode=0o644)
         enrollment = EnrollmentList({})
         for client_id, cert in issued.items():
-            cert.stage(files, paths.client_cert(client_id), paths.client_key(client_id))
+            _stage_site(files, paths.site(client_id), client_id, ca, cert, signing[client_id])
+            files.write(paths.ca.client_cert(client_id), cert.cert_pem, mode=0o644)
             fingerprint = certificate_fingerprint(cert.certificate)
             enrollment = enrollment.with_client(client_id, fingerprint)
-        files.write(paths.enrollment, enrollment.to_json(), mode=0o644)
+        for bundle in (paths.ca, paths.server):
+            files.write(bundle.enrollment, enrollment.to_json(), mode=0o644)
         # Ed25519 identities for secure aggregation, a CA-signed list of exactly these clients
-        write_signing_keys(paths, ids, files, signer=ca.private_key, replace=True, fresh=True)
+        stage_registry(
+            files,
+            paths.ca_dir,
+            _public_hex(signing),
+            signer=ca.private_key,
+            copies=[paths.server_dir, *(paths.site_dir(c) for c in ids)],
+            replace=True,
+            fresh=True,
+        )
     logger.info("wrote a CA, a server and %d client certificates to %s", len(ids), out_dir)
     logger.warning("move %s OFFLINE: whoever holds it can mint client identities", paths.ca_key)
     return paths
@@ -130,20 +170,24 @@ def issue_client_certificate(
     ca_key: str | os.PathLike[str] | None = None,
     overwrite: bool = False,
 ) -> CertifiedKey:
-    """Issue a certificate for one more client and enroll it in ``enrolled.json``.
+    """Issue a certificate and keys for one more client in a set of ``init_certificates``.
+
+    The one-machine convenience: the keys are made here and written to ``sites/<id>/``. The
+    client is enrolled in ``ca/`` and ``server/``, and the re-signed registry is copied to the
+    server and every site folder. (A site on its own machine uses ``certs request`` instead.)
 
     Args:
         ca_dir: a directory written by ``init_certificates``.
         client_id: the new client's id.
         days: validity, capped at the CA's own expiry.
         key_type: key algorithm.
-        ca_key: path of the CA key when it is kept outside ``ca_dir`` (e.g. on offline media).
-        overwrite: re-issue an existing client (one with ``clients/<id>.pem``, or listed in
-            ``enrolled.json`` or ``signing_keys.json``); with fingerprint pinning this revokes
-            its old certificate.
+        ca_key: path of the CA key when it is kept outside ``ca/`` (e.g. on offline media).
+        overwrite: re-issue an existing client (one with ``sites/<id>/clients/<id>.pem``, or
+            listed in ``enrolled.json`` or ``signing_keys.json``); with fingerprint pinning
+            this revokes its old certificate.
 
     Returns:
-        The new certificate and key, also written to ``clients/<id>.pem`` / ``clients/<id>.key``.
+        The new certificate and key, also written to ``sites/<id>/clients/<id>.pem`` / ``.key``.
 
     Raises:
         TlsError: invalid id or days, client already issued without ``overwrite``, CA or
@@ -153,25 +197,8 @@ def issue_client_certificate(
     paths = CertificateSet(Path(ca_dir), (validate_client_id(client_id),))
     check_days(days)
     cert_path = paths.client_cert(client_id)
-    enrollment = EnrollmentList.load(paths.enrollment)
-    signing_keys = enrolled_signing_keys(paths.directory)  # an altered registry stops here
-    found = [
-        str(where)
-        for where, present in (
-            (cert_path, cert_path.exists()),
-            (paths.enrollment, enrollment.is_enrolled(client_id)),
-            (paths.directory / REGISTRY_FILE, client_id in signing_keys),
-        )
-        if present
-    ]
-    if found and not overwrite:
-        raise TlsError(
-            f"client {client_id!r} is already issued: found in {', '.join(found)}; re-issue it "
-            "with overwrite=True (`fl-secure certs issue --overwrite`); with fingerprint "
-            "pinning the old certificate is then refused"
-        )
-    ca = load_certified_key(paths.ca_cert, Path(ca_key) if ca_key else paths.ca_key)
-    start, end = _leaf_validity(ca, days, f"the certificate of {client_id}")
+    ca = load_ca_for_issue(paths.ca_dir, client_id, overwrite, ca_key, also=[cert_path])
+    start, end = leaf_validity(ca, days, f"the certificate of {client_id}")
     cert = make_certificate(
         "client",
         client_id,
@@ -181,11 +208,20 @@ def issue_client_certificate(
         not_after=end,
         key_type=key_type,
     )
-    enrollment = enrollment.with_client(client_id, certificate_fingerprint(cert.certificate))
+    signing = Ed25519PrivateKey.generate()
+    sites = [paths.site_dir(c) for c in {*paths.site_ids(), client_id}]
     with StagedFiles() as files:  # all of the files, or none (a failed write changes nothing)
-        cert.stage(files, cert_path, paths.client_key(client_id))
-        files.write(paths.enrollment, enrollment.to_json(), mode=0o644)
-        write_signing_keys(paths, [client_id], files, signer=ca.private_key, replace=overwrite)
+        _stage_site(files, paths.site(client_id), client_id, ca, cert, signing)
+        stage_enrollment(
+            files,
+            paths.ca_dir,
+            client_id,
+            cert.certificate,
+            _public_hex({client_id: signing})[client_id],
+            signer=ca.private_key,
+            copies=[*([paths.server_dir] if paths.server_dir.is_dir() else []), *sites],
+            replace=overwrite,
+        )
     return cert
 
 
@@ -196,34 +232,200 @@ def resign_registry(
 
     It also migrates a registry written before versions (signed over the bare file, which
     sites refuse): its old signature is checked against ``ca.pem`` and its entries signed
-    again as version 1. Every site then needs the new ``signing_keys.json`` and
-    ``signing_keys.sig``.
+    again as version 1. Given a folder of ``init_certificates`` (or its ``ca/``), the new
+    registry is also copied to its ``server/`` and every ``sites/<id>/``; elsewhere every
+    site needs the new ``signing_keys.json`` and ``signing_keys.sig``.
 
     Args:
-        ca_dir: a directory written by ``init_certificates``.
-        ca_key: path of the CA key when it is kept outside ``ca_dir``.
+        ca_dir: the CA's folder (``ca/``), or the folder ``init_certificates`` wrote.
+        ca_key: path of the CA key when it is kept outside the CA's folder.
 
     Raises:
         TlsError: the registry is missing, or verifies neither in the current format nor in
             the old one (an altered list is never re-signed); the CA key is unreadable.
     """
     directory = Path(ca_dir)
+    if is_layout_root(directory):
+        root: CertificateSet | None = CertificateSet(directory)
+    elif directory.name == CA_PART and is_layout_root(directory.parent):
+        root = CertificateSet(directory.parent)
+    else:
+        root = None
+    folder = root.ca_dir if root is not None else directory
+    copies = []
+    if root is not None:
+        server = [root.server_dir] if root.server_dir.is_dir() else []
+        copies = [*server, *(root.site_dir(c) for c in root.site_ids())]
     try:
-        current = read_registry(directory)
+        current = read_registry(folder)
         keys, version = dict(current.keys), current.version + 1
     except TlsError:
-        keys, version = legacy_registry_keys(directory), 1  # the old format, checked
-    paths = CertificateSet(directory)
-    ca = load_certified_key(paths.ca_cert, Path(ca_key) if ca_key else paths.ca_key)
+        keys, version = legacy_registry_keys(folder), 1  # the old format, checked
+    ca_files = Bundle(folder)
+    ca = load_certified_key(ca_files.ca_cert, Path(ca_key) if ca_key else ca_files.ca_key)
     body = encode_registry(keys, version)
-    with StagedFiles() as files:
-        files.write(directory / REGISTRY_FILE, body, mode=0o644)
-        files.write(directory / REGISTRY_SIGNATURE, sign_registry(ca.private_key, body), mode=0o644)
-    logger.info("re-signed %s as version %d", directory / REGISTRY_FILE, version)
+    signature = sign_registry(ca.private_key, body)
+    with StagedFiles() as files:  # every copy, or none
+        for target in (folder, *copies):
+            files.write(target / REGISTRY_FILE, body, mode=0o644)
+            files.write(target / REGISTRY_SIGNATURE, signature, mode=0o644)
+    logger.info("re-signed %s as version %d", folder / REGISTRY_FILE, version)
     return version
 
 
-def _leaf_validity(ca: CertifiedKey, days: int, what: str) -> tuple[dt.datetime, dt.datetime]:
+def load_ca_for_issue(
+    ca_dir: Path,
+    client_id: str,
+    overwrite: bool,
+    ca_key: str | os.PathLike[str] | None,
+    *,
+    also: Sequence[Path] = (),
+) -> CertifiedKey:
+    """The CA, once ``client_id`` is known to be new (or ``overwrite``) and the registry verifies.
+
+    Raises:
+        TlsError: the id is already issued (its certificate in ``ca_dir`` or ``also``, its
+            entry in ``enrolled.json`` or ``signing_keys.json``) without ``overwrite``; the
+            enrollment list, the registry or the CA cannot be loaded or does not verify.
+    """
+    ca_files = Bundle(ca_dir)
+    enrollment = EnrollmentList.load(ca_files.enrollment)
+    signing_keys = enrolled_signing_keys(ca_dir)  # an altered registry stops here
+    cert_paths = [ca_files.client_cert(client_id), *also]
+    found = [
+        str(where)
+        for where, present in (
+            *((p, p.exists()) for p in cert_paths),
+            (ca_files.enrollment, enrollment.is_enrolled(client_id)),
+            (ca_dir / REGISTRY_FILE, client_id in signing_keys),
+        )
+        if present
+    ]
+    if found and not overwrite:
+        raise TlsError(
+            f"client {client_id!r} is already issued: found in {', '.join(found)}; re-issue it "
+            "with overwrite=True (`fl-secure certs issue --overwrite`, `certs sign "
+            "--overwrite`); with fingerprint pinning the old certificate is then refused"
+        )
+    return load_certified_key(ca_files.ca_cert, Path(ca_key) if ca_key else ca_files.ca_key)
+
+
+def stage_enrollment(
+    files: StagedFiles,
+    ca_dir: Path,
+    client_id: str,
+    cert: x509.Certificate,
+    signing_public_hex: str,
+    *,
+    signer: PrivateKey,
+    copies: Sequence[Path],
+    replace: bool,
+) -> None:
+    """Enroll one client: the CA's records, and the server's and sites' copies of them.
+
+    ``ca_dir/enrolled.json`` gets the certificate's fingerprint, ``ca_dir/clients/<id>.pem``
+    the certificate, the registry (re-signed only if it verifies) its signing key. A folder in
+    ``copies`` that holds a server certificate gets the client added to its own
+    ``enrolled.json``; every folder in ``copies`` gets the re-signed registry and ``ca.pem``.
+    """
+    ca_files = Bundle(ca_dir)
+    fingerprint = certificate_fingerprint(cert)
+    enrollment = EnrollmentList.load(ca_files.enrollment).with_client(client_id, fingerprint)
+    files.write(ca_files.enrollment, enrollment.to_json(), mode=0o644)
+    pem = cert.public_bytes(serialization.Encoding.PEM)
+    files.write(ca_files.client_cert(client_id), pem, mode=0o644)
+    for copy in copies:
+        served = Bundle(copy)
+        if served.server_cert.exists():  # a server folder keeps its own list, plus this id
+            own = EnrollmentList.load(served.enrollment) if served.enrollment.exists() else None
+            listed = (own or EnrollmentList({})).with_client(client_id, fingerprint)
+            files.write(served.enrollment, listed.to_json(), mode=0o644)
+    stage_registry(
+        files,
+        ca_dir,
+        {client_id: signing_public_hex},
+        signer=signer,
+        copies=copies,
+        replace=replace,
+    )
+
+
+def stage_registry(
+    files: StagedFiles,
+    ca_dir: Path,
+    public_keys: dict[str, str],
+    *,
+    signer: PrivateKey,
+    copies: Sequence[Path],
+    replace: bool,
+    fresh: bool = False,
+) -> None:
+    """Re-sign the CA's registry with ``public_keys`` added; copy it (and ``ca.pem``) to ``copies``.
+
+    The registry is made by :func:`~fl_secure.tls.identity.write_signing_keys` in ``ca_dir``;
+    its files are then written into each copy as well, so that a server or a site verifies
+    exactly the list the CA signed. No private key is written anywhere.
+    """
+    captured = _CapturedFiles()
+    write_signing_keys(
+        CertificateSet(ca_dir),
+        list(public_keys),
+        captured,
+        signer=signer,
+        replace=replace,
+        fresh=fresh,
+        public_keys=public_keys,
+    )
+    ca_pem = files.staged(Bundle(ca_dir).ca_cert) or read_bytes(
+        Bundle(ca_dir).ca_cert, "CA certificate"
+    )
+    for path, data, mode in captured.written:
+        relative = path.relative_to(ca_dir)
+        for folder in (ca_dir, *copies):
+            files.write(folder / relative, data, mode=mode)
+    for folder in copies:
+        files.write(Bundle(folder).ca_cert, ca_pem, mode=0o644)
+
+
+class _CapturedFiles(StagedFiles):
+    """What :func:`write_signing_keys` writes, kept in memory to be written where it belongs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[tuple[Path, bytes, int]] = []
+
+    def write(self, path: Path, data: bytes, *, mode: int) -> None:
+        """Keep ``data`` for ``path``; nothing is written."""
+        self.written.append((path, data, mode))
+
+
+def _stage_site(
+    files: StagedFiles,
+    site: Bundle,
+    client_id: str,
+    ca: CertifiedKey,
+    cert: CertifiedKey,
+    signing: Ed25519PrivateKey,
+) -> None:
+    """A site folder's own files: ``ca.pem``, its certificate and key, its signing key."""
+    cert.stage(files, site.client_cert(client_id), site.client_key(client_id))
+    files.write(site.ca_cert, ca.cert_pem, mode=0o644)
+    files.write(signing_key_path(site.directory, client_id), signing_key_pem(signing), mode=0o600)
+
+
+def signing_key_pem(key: Ed25519PrivateKey) -> bytes:
+    """An Ed25519 private key as unencrypted PKCS#8 PEM (written 0600)."""
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def _public_hex(keys: dict[str, Ed25519PrivateKey]) -> dict[str, str]:
+    """Id -> hex raw public key, as the registry lists it."""
+    return {c: k.public_key().public_bytes_raw().hex() for c, k in keys.items()}
+
+
+def leaf_validity(ca: CertifiedKey, days: int, what: str) -> tuple[dt.datetime, dt.datetime]:
     """Start and end of a certificate signed by ``ca``: ``days`` from now, cut at the CA's end.
 
     A certificate must not outlive the CA that vouches for it; ``what`` names it in the warning

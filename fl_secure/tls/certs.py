@@ -22,6 +22,7 @@ from fl_secure.tls.layout import INIT_HINT, StagedFiles, read_bytes
 KeyType = Literal["ec-p256", "ec-p384", "rsa-2048", "rsa-3072"]
 Role = Literal["ca", "server", "client"]
 PrivateKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
+PublicKey = ec.EllipticCurvePublicKey | rsa.RSAPublicKey
 
 CLIENT_URI_PREFIX = "urn:fl-secure:client:"
 CLOCK_SKEW = dt.timedelta(minutes=5)
@@ -99,25 +100,59 @@ def make_certificate(
         not_before = min(now - CLOCK_SKEW, not_after - dt.timedelta(days=days))
     if not_before >= not_after:
         raise TlsError(f"not_before {not_before} must be earlier than not_after {not_after}")
-    key = _generate_key(key_type)
+    key = generate_key(key_type)
+    certificate = issue_certificate(
+        role,
+        common_name,
+        key.public_key(),
+        issuer=issuer,
+        self_signing_key=key,
+        hosts=hosts,
+        not_before=not_before,
+        not_after=not_after,
+    )
+    return CertifiedKey(certificate, key)
+
+
+def issue_certificate(
+    role: Role,
+    common_name: str,
+    public_key: PublicKey,
+    *,
+    issuer: CertifiedKey | None,
+    not_before: dt.datetime,
+    not_after: dt.datetime,
+    hosts: Sequence[str] = (),
+    self_signing_key: PrivateKey | None = None,
+) -> x509.Certificate:
+    """A certificate of ``role`` for ``public_key``, signed by ``issuer``.
+
+    ``certs sign`` calls it with the public key of a site's request: the site's private key
+    never reaches the CA. The extensions are the role's own (those a request asks for are
+    ignored). ``self_signing_key`` signs a CA's own certificate when ``issuer`` is None.
+    """
+    if role == "server" and not hosts:
+        raise TlsError("a server certificate needs hosts: the DNS names / IPs clients dial")
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     builder = (
         x509.CertificateBuilder()
         .subject_name(subject)
         .issuer_name(issuer.certificate.subject if issuer else subject)
-        .public_key(key.public_key())
+        .public_key(public_key)
         .serial_number(x509.random_serial_number())
         .not_valid_before(not_before)
         .not_valid_after(not_after)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), False)
     )
     if issuer is not None:
         aki = x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer.private_key.public_key())
         builder = builder.add_extension(aki, critical=False)
-    for extension, critical in _role_extensions(role, common_name, hosts, key):
+    for extension, critical in _role_extensions(role, common_name, hosts, public_key):
         builder = builder.add_extension(extension, critical=critical)
-    signing_key = issuer.private_key if issuer else key
-    return CertifiedKey(builder.sign(signing_key, hashes.SHA256()), key)
+    signing_key = issuer.private_key if issuer else self_signing_key
+    if signing_key is None:
+        raise TlsError("a certificate needs an issuer (or its own key, for a CA)")
+    return builder.sign(signing_key, hashes.SHA256())
 
 
 def check_days(days: int) -> None:
@@ -201,7 +236,7 @@ def _is_ca(cert: x509.Certificate) -> bool:
 
 
 def _role_extensions(
-    role: Role, common_name: str, hosts: Sequence[str], key: PrivateKey
+    role: Role, common_name: str, hosts: Sequence[str], key: PublicKey
 ) -> Iterator[tuple[x509.ExtensionType, bool]]:
     """Yield (extension, critical) pairs for ``role``."""
     is_ca = role == "ca"
@@ -209,7 +244,7 @@ def _role_extensions(
     key_usage = x509.KeyUsage(
         digital_signature=not is_ca,
         content_commitment=False,
-        key_encipherment=not is_ca and isinstance(key, rsa.RSAPrivateKey),
+        key_encipherment=not is_ca and isinstance(key, rsa.RSAPublicKey),
         data_encipherment=False,
         key_agreement=False,
         key_cert_sign=is_ca,
@@ -248,7 +283,7 @@ def _general_name(host: str) -> x509.GeneralName:
     raise TlsError(f"invalid host {host!r}: {reason}")
 
 
-def _generate_key(key_type: KeyType) -> PrivateKey:
+def generate_key(key_type: KeyType) -> PrivateKey:
     """A fresh private key from the OpenSSL CSPRNG."""
     match key_type:
         case "ec-p256":

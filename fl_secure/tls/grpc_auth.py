@@ -27,7 +27,7 @@ from fl_secure.tls.certs import (
     load_certified_key,
 )
 from fl_secure.tls.enrollment import EnrollmentList
-from fl_secure.tls.layout import CertificateSet, validate_client_id
+from fl_secure.tls.layout import Bundle, server_bundle, site_bundle, validate_client_id
 
 logger = logging.getLogger(__name__)
 #: Refused peers, one line per address per interval (a loop of refused calls is no flood).
@@ -41,11 +41,13 @@ class InsecureTransportWarning(RuntimeWarning):
 def server_credentials(cert_dir: str | os.PathLike[str]) -> grpc.ServerCredentials:
     """Server credentials that require a client certificate signed by the directory's CA.
 
+    ``cert_dir`` is the server's folder (or the whole ``certs init`` folder: its ``server/``).
+
     Raises:
         TlsError: ``ca.pem``, ``server.pem`` or ``server.key`` is missing, invalid, mismatched
             or expired, or ``server.pem`` was not issued by ``ca.pem``.
     """
-    paths = CertificateSet(Path(cert_dir))
+    paths = Bundle(server_bundle(cert_dir))
     server = load_certified_key(paths.server_cert, paths.server_key)
     ca_pem = _trusted_ca_pem(paths, server, paths.server_cert)
     return grpc.ssl_server_credentials(
@@ -58,11 +60,14 @@ def channel_credentials(
 ) -> grpc.ChannelCredentials:
     """Channel credentials presenting ``clients/<client_id>.pem`` and trusting ``ca.pem``.
 
+    ``cert_dir`` is the site's folder (or the whole ``certs init`` folder: its
+    ``sites/<client_id>/``).
+
     Raises:
         TlsError: a file is missing, invalid, mismatched or expired, or the client certificate
             was not issued by ``ca.pem``.
     """
-    paths = CertificateSet(Path(cert_dir), (validate_client_id(client_id),))
+    paths = Bundle(site_bundle(cert_dir, validate_client_id(client_id)))
     client = load_certified_key(paths.client_cert(client_id), paths.client_key(client_id))
     ca_pem = _trusted_ca_pem(paths, client, paths.client_cert(client_id))
     return grpc.ssl_channel_credentials(
@@ -70,7 +75,7 @@ def channel_credentials(
     )
 
 
-def _trusted_ca_pem(paths: CertificateSet, own: CertifiedKey, own_path: Path) -> bytes:
+def _trusted_ca_pem(paths: Bundle, own: CertifiedKey, own_path: Path) -> bytes:
     """``ca.pem`` parsed and checked to have issued ``own``, as PEM for gRPC.
 
     gRPC takes the raw bytes without checking them: a damaged file would only surface as a

@@ -71,6 +71,7 @@ def write_signing_keys(
     signer: PrivateKey,
     replace: bool = False,
     fresh: bool = False,
+    public_keys: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Create an Ed25519 key per client and the CA-signed registry; return id -> hex public.
 
@@ -82,7 +83,8 @@ def write_signing_keys(
     is signed with ``signer`` (the CA key), as the next version of the existing one (version 1
     when ``fresh`` or when there is none), so that a site refuses the old one from then on.
     The new files are added to ``files``, written together with the certificates they belong
-    to.
+    to. ``public_keys`` (id -> hex Ed25519 public key) enrolls keys a site made itself
+    (``certs sign``): no private key is made or written for those ids.
 
     Raises:
         TlsError: the existing registry or its signature is missing or does not verify.
@@ -91,6 +93,9 @@ def write_signing_keys(
     current = None if fresh else _current_registry(directory)
     registry = dict(current.keys) if current is not None else {}
     for client_id in client_ids:
+        if public_keys and client_id in public_keys:  # the site's own key: no secret here
+            registry[client_id] = public_keys[client_id]
+            continue
         key_path = signing_key_path(directory, client_id)
         if client_id in registry and key_path.exists() and not replace:
             continue

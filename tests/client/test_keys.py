@@ -43,7 +43,7 @@ def _session(certs: Path, client_id: str, scheme: str) -> tuple[FlClient, _Stub]
 def test_a_missing_signing_key_stops_the_client_at_join(tmp_path: Path) -> None:
     certs = tmp_path / "certs"
     init_certificates(certs, clients=2)
-    (certs / "clients" / "client-0.sign.key").unlink()
+    (certs / "sites" / "client-0" / "clients" / "client-0.sign.key").unlink()
     client, stub = _session(certs, "client-0", "secagg")
     with pytest.raises(TlsError, match=r"client-0\.sign\.key"):
         client._session(stub, Backoff())  # type: ignore[arg-type]
@@ -64,14 +64,14 @@ def test_a_stale_signing_key_stops_the_client_at_join(tmp_path: Path) -> None:
     # the site was re-issued but kept its old signing key: peers would reject its signatures
     certs = tmp_path / "certs"
     init_certificates(certs, clients=2)
-    stale = (certs / "clients" / "client-0.sign.key").read_bytes()
+    stale = (certs / "sites" / "client-0" / "clients" / "client-0.sign.key").read_bytes()
     issue_client_certificate(certs, "client-0", overwrite=True)
-    (certs / "clients" / "client-0.sign.key").write_bytes(stale)
+    (certs / "sites" / "client-0" / "clients" / "client-0.sign.key").write_bytes(stale)
     client, stub = _session(certs, "client-0", "secagg")
     with pytest.raises(TlsError, match=r"client-0\.sign\.key is not the key enrolled"):
         client._session(stub, Backoff())  # type: ignore[arg-type]
     assert not stub.polled and client._signing is None
     # a damaged key file is named too, not a ValueError traceback
-    (certs / "clients" / "client-0.sign.key").write_bytes(b"garbage")
+    (certs / "sites" / "client-0" / "clients" / "client-0.sign.key").write_bytes(b"garbage")
     with pytest.raises(TlsError, match=r"client-0\.sign\.key is not a readable"):
         client._session(stub, Backoff())  # type: ignore[arg-type]

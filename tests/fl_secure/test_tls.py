@@ -50,6 +50,7 @@ from fl_secure.tls import (
     validate_client_id,
     warn_insecure,
 )
+from fl_secure.tls.layout import server_bundle
 
 SERVICE, METHOD = "fl_secure.test.Identity", "WhoAmI"
 TIMEOUT_S = 5.0  # every call and readiness wait; a refused handshake fails in milliseconds
@@ -81,7 +82,7 @@ class Server:
 
 @contextmanager
 def serve(cert_dir: Path, enrollment: EnrollmentList, *, secure: bool = True) -> Iterator[Server]:
-    state = Server(port=0, ca_pem=(cert_dir / "ca.pem").read_bytes())
+    state = Server(port=0, ca_pem=(server_bundle(cert_dir) / "ca.pem").read_bytes())
 
     def who_am_i(request: bytes, context: grpc.ServicerContext) -> bytes:
         state.reached.append(peer_client_id(context))
@@ -233,16 +234,24 @@ def test_key_files_are_private_and_certificates_readable(certs: CertificateSet) 
 
     assert {p.stat().st_mode & 0o777 for p in keys} == {0o600}
     assert {p.stat().st_mode & 0o777 for p in pems} == {0o644}
-    assert sorted(p.name for p in certs.directory.iterdir()) == [
-        "ca.key",
-        "ca.pem",
-        "clients",
-        "enrolled.json",
-        "server.key",
-        "server.pem",
-        "signing_keys.json",
-        "signing_keys.sig",
-    ]
+    # one folder per party, each with its own private keys only
+    assert sorted(p.name for p in certs.directory.iterdir()) == ["ca", "server", "sites"]
+    registry = ["signing_keys.json", "signing_keys.sig"]
+    assert _names(certs.ca_dir) == sorted(
+        ["ca.key", "ca.pem", "clients/client-0.pem", "clients/client-1.pem", "enrolled.json",
+         *registry]
+    )  # fmt: skip
+    assert _names(certs.server_dir) == sorted(
+        ["ca.pem", "enrolled.json", "server.key", "server.pem", *registry]
+    )
+    for c in certs.client_ids:
+        assert _names(certs.site_dir(c)) == sorted(
+            ["ca.pem", f"clients/{c}.key", f"clients/{c}.pem", f"clients/{c}.sign.key", *registry]
+        )
+
+
+def _names(directory: Path) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
 
 
 def test_each_key_belongs_to_its_certificate(certs: CertificateSet) -> None:
@@ -370,18 +379,19 @@ def test_reissue_needs_overwrite_even_when_the_certificate_file_was_moved_away(
 ) -> None:
     # Prepare: client-0's certificate moved off the operator's machine (given to its site)
     certs.client_cert("client-0").rename(certs.directory / "client-0.pem.handed-out")
-    enrolled = EnrollmentList.load(certs.enrollment)
-    registry = (certs.directory / "signing_keys.json").read_bytes()
+    certs.ca.client_cert("client-0").unlink()  # and the CA's record of it lost
+    enrolled = EnrollmentList.load(certs.ca.enrollment)
+    registry = (certs.ca_dir / "signing_keys.json").read_bytes()
     # Execute / Assert: still enrolled, so no silent re-issue (it would revoke the site)
     with pytest.raises(TlsError, match=r"'client-0' is already issued: .*enrolled\.json"):
         issue_client_certificate(certs.directory, "client-0")
     # enrolled.json edited by hand to drop it: the signing-key registry still lists it
     without = {k: v for k, v in enrolled.fingerprints.items() if k != "client-0"}
-    EnrollmentList(without).save(certs.enrollment)
-    with pytest.raises(TlsError, match=r"already issued: .*signing_keys\.json"):
+    EnrollmentList(without).save(certs.ca.enrollment)
+    with pytest.raises(TlsError, match=r"already issued: found in [^,;]*signing_keys\.json;"):
         issue_client_certificate(certs.directory, "client-0")
     assert not certs.client_cert("client-0").exists()
-    assert (certs.directory / "signing_keys.json").read_bytes() == registry
+    assert (certs.ca_dir / "signing_keys.json").read_bytes() == registry
     # an explicit re-issue is still possible
     issue_client_certificate(certs.directory, "client-0", overwrite=True)
     assert EnrollmentList.load(certs.enrollment).is_enrolled("client-0")
@@ -484,27 +494,33 @@ def test_a_damaged_or_foreign_ca_pem_is_named_before_grpc_sees_it(
     loaders: list[Callable[[], object]] = [
         lambda: server_credentials(certs.directory),
         lambda: channel_credentials(certs.directory, "client-0"),
-        lambda: load_signing_registry(certs.directory),
+        lambda: load_signing_registry(certs.server_dir),
     ]
+    copies = [certs.ca_cert, certs.server.ca_cert, certs.site("client-0").ca_cert]
+
+    def write_ca(data: bytes) -> None:  # every party's copy
+        for path in copies:
+            path.write_bytes(data)
+
     # a damaged file: gRPC would only fail later, as "port in use" or endless retries
-    certs.ca_cert.write_bytes(good[:200])
+    write_ca(good[:200])
     for load in loaders:
         with pytest.raises(TlsError, match=r"ca\.pem is not a readable PEM CA certificate"):
             load()
     # a certificate that is not a CA (the server's own, copied by mistake)
-    certs.ca_cert.write_bytes(certs.server_cert.read_bytes())
+    write_ca(certs.server_cert.read_bytes())
     for load in loaders:
         with pytest.raises(TlsError, match=r"ca\.pem holds a certificate that is not a CA"):
             load()
     # another CA's certificate: our own certificate was not issued by it
     other = init_certificates(tmp_path / "other", clients=0)
-    certs.ca_cert.write_bytes(other.ca_cert.read_bytes())
+    write_ca(other.ca_cert.read_bytes())
     with pytest.raises(TlsError, match=r"server\.pem was not issued by the CA in .*ca\.pem"):
         server_credentials(certs.directory)
     with pytest.raises(TlsError, match=r"client-0\.pem was not issued by the CA in .*ca\.pem"):
         channel_credentials(certs.directory, "client-0")
     # a bundle holding the right CA next to another one is accepted
-    certs.ca_cert.write_bytes(other.ca_cert.read_bytes() + good)
+    write_ca(other.ca_cert.read_bytes() + good)
     server_credentials(certs.directory)
     channel_credentials(certs.directory, "client-0")
 

@@ -167,9 +167,9 @@ class FuzzServer:
             enrolled=set(load_enrollment(self.certs).fingerprints),
             run_dir=RunDir(root / "run"),
             server_step=lambda p, u, r: OrderedDict((k, p[k] + u[k]) for k in p),
-            signing_registry=load_signing_registry(self.certs),
+            signing_registry=load_signing_registry(self.certs / "server"),
         )
-        self.keys = {c: load_signing_key(self.certs, c) for c in CLIENTS}
+        self.keys = {c: load_signing_key(self.certs / "sites" / c, c) for c in CLIENTS}
         self.servicer = FlSecureServicer(self.coordinator, lambda ctx: ctx.client)  # type: ignore[attr-defined]
         self.server, self.port = start_server(self.coordinator, "127.0.0.1:0", cert_dir=self.certs)
         self.errors = ServerErrors()

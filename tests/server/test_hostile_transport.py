@@ -272,7 +272,7 @@ def test_a_secagg_client_id_with_newline_and_escape_codes_is_logged_escaped(
         enrolled=set(load_enrollment(certs).fingerprints),
         run_dir=RunDir(tmp_path / "run"),
         server_step=lambda p, u, r: p,
-        signing_registry=load_signing_registry(certs),
+        signing_registry=load_signing_registry(certs / "server"),
     )
     server, port = start_server(coord, "127.0.0.1:0", cert_dir=certs)
     driver = threading.Thread(target=coord.run, daemon=True)

@@ -114,7 +114,8 @@ class Federation:
         self.server: subprocess.Popen[bytes] | None = None
 
     def start_server(self, *extra: str) -> None:
-        args = ["server", "--certs", str(self.certs), "--address", f"localhost:{self.port}"]
+        served = self.certs / "server"  # the server's own folder: no client secret
+        args = ["server", "--certs", str(served), "--address", f"localhost:{self.port}"]
         if "--resume" not in extra:
             args += ["--config", str(self.config), "--out", str(self.out)]
         self.server = _cli(*args, *extra, log=self.tmp / "server.log")
@@ -129,7 +130,7 @@ class Federation:
                     "--id",
                     f"client-{i}",
                     "--certs",
-                    str(self.certs),
+                    str(self.certs / "sites" / f"client-{i}"),  # its own keys only
                     "--config",
                     str(self.config),
                     "--plan-index",
@@ -290,8 +291,10 @@ def test_ckks_aggregation_with_local_noise_in_processes(federation) -> None:
     fed = federation(rounds=2, min_clients=3, timeout=120.0, privacy=section)
     keys = _cli("certs", "ckks", "--out", str(fed.certs), log=fed.tmp / "certs.log")
     assert keys.wait(timeout=120) == 0, fed.logs()
-    secret = fed.certs / "ckks" / "clients.secret"
-    assert secret.stat().st_mode & 0o777 == 0o600
+    for i in range(3):  # in each site's folder, never in the server's
+        secret = fed.certs / "sites" / f"client-{i}" / "ckks" / "clients.secret"
+        assert secret.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in (fed.certs / "server" / "ckks").iterdir()) == ["server.public"]
     # Execute
     fed.start_server()
     fed.start_clients()

@@ -68,7 +68,7 @@ def test_orl_fedpe_over_mtls(tmp_path: Path) -> None:
     written = {p.suffix for p in run_dir.rglob("*") if p.is_file()}
     allowed = {".toml", ".jsonl", ".json", ".safetensors", ".pem", ".key", ".sig", ".log"}
     assert written <= allowed | {".lock"}  # no image: the run lock holds a pid
-    assert (run_dir / "certs" / "ca.pem").exists()  # the run used mutual TLS
+    assert (run_dir / "certs" / "server" / "ca.pem").exists()  # the run used mutual TLS
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import RunDir
 from fl_secure.tls import init_certificates
 from fl_secure.tls.identity import load_signing_registry
-from privacy.ckks.keys import load_public_context, write_ckks_keys
+from privacy.ckks.keys import distribute_ckks_keys, load_public_context
 from privacy.ledger.site_ledger import SiteLedger
 from server.app import load_enrollment, start_server
 from server.coordinator import Coordinator
@@ -98,7 +98,7 @@ def _serve(
         )
     ckks_public = b""
     if scheme == "ckks":
-        write_ckks_keys(certs)
+        distribute_ckks_keys(certs)
         ckks_public = load_public_context(certs)
     secure = SecureAggregationConfig(
         scheme=scheme,  # type: ignore[arg-type]
@@ -126,7 +126,7 @@ def _serve(
         enrolled=set(load_enrollment(certs).fingerprints),
         run_dir=RunDir(tmp_path / "run"),
         server_step=lambda p, u, r: OrderedDict((k, p[k] + u[k]) for k in p),
-        signing_registry=load_signing_registry(certs),
+        signing_registry=load_signing_registry(certs / "server"),
         privacy=privacy,
         **({"clock": clock} if clock is not None else {}),
     )

@@ -21,7 +21,7 @@ def test_a_server_that_cannot_start_leaves_no_run_directory(tmp_path: Path, caps
     held.listen()
     port = held.getsockname()[1]
     config = str(ROOT / "examples" / "quickstart.toml")
-    base = ["server", "--config", config, *TINY, "--certs", str(tmp_path / "certs"),
+    base = ["server", "--config", config, *TINY, "--certs", str(tmp_path / "certs" / "server"),
             "--out", str(tmp_path / "runs"), "--quiet"]  # fmt: skip
     try:
         # Execute: the port is taken; then a --port-file in a folder that does not exist
@@ -69,7 +69,8 @@ def test_a_run_held_by_one_process_is_refused_to_a_second(tmp_path: Path, capsys
         assert (run.path / ".run.lock").read_text() == str(os.getpid())
         trained = main(["train", "--resume", str(run.path), "--quiet"])
         train_err = capsys.readouterr().err
-        served = main(["server", "--resume", str(run.path), "--certs", str(tmp_path / "certs"),
+        served = main(["server", "--resume", str(run.path),
+                       "--certs", str(tmp_path / "certs" / "server"),
                        "--address", "127.0.0.1:0", "--quiet"])  # fmt: skip
         serve_err = capsys.readouterr().err
     # Assert: both refused, naming the holder; nothing was written but the lock file

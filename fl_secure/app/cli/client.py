@@ -24,7 +24,9 @@ def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser("client", help="run one client; it connects out to the server")
     p.add_argument("--server", required=True, help="host:port of the server")
     p.add_argument("--id", required=True, help="client id = CN of this client's certificate")
-    p.add_argument("--certs", type=Path, help="folder with ca.pem and clients/<id>.pem/.key")
+    p.add_argument(
+        "--certs", type=Path, help="this site's folder (ca.pem, clients/<id>.pem, .key, .sign.key)"
+    )
     p.add_argument("--data", type=Path, help="identity folders of this client's own faces")
     p.add_argument(
         "--config",

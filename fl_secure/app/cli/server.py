@@ -27,7 +27,11 @@ def add_parser(sub: Subparsers) -> None:
     """Add ``server``."""
     p = sub.add_parser("server", help="run the server for clients on other machines")
     add_run_args(p)
-    p.add_argument("--certs", type=Path, help="folder made by `fl-secure certs init`")
+    p.add_argument(
+        "--certs", type=Path,
+        help="the server's folder (DIR/server of `certs init`); one with a client secret is "
+        "refused",
+    )  # fmt: skip
     p.add_argument("--address", help="host:port to listen on (default: server.address)")
     p.add_argument("--port-file", help="write the bound port here (useful with port 0)")
     p.add_argument("--no-eval", action="store_true", help="skip held-out evaluation")
@@ -43,11 +47,14 @@ def cmd_server(args: argparse.Namespace) -> int:
     from fl_secure.algorithms.registry import check_config
     from fl_secure.config import load_config
     from server.app import check_address, load_enrollment
+    from server.custody import check_server_folder
     from server.preflight import preflight
 
     check_resume(args)
     if not args.insecure and args.certs is None:
-        raise FlSecureError("server needs --certs DIR (made by `fl-secure certs init`)")
+        raise FlSecureError(
+            "server needs --certs DIR (the server's folder: DIR/server of `fl-secure certs init`)"
+        )
     run: RunDir | None = None
     if args.resume is not None:
         run = RunDir(args.resume)
@@ -60,6 +67,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     if args.insecure:
         enrolled = {f"client-{i}" for i in range(config.partition.num_clients)}
     else:
+        check_server_folder(args.certs)  # no client key, no CKKS secret: before anything else
         enrolled = set(load_enrollment(args.certs).fingerprints)
         if (Path(args.certs) / "ca.key").exists():
             log.warning(

@@ -345,7 +345,8 @@ def test_the_signed_upload_format_is_strict() -> None:
 def test_a_bundle_over_the_message_limit_aborts_the_round(
     secret_ctx: bytes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Prepare: a limit below the bundle of two uploads (the real one is the client's 1 GiB receive limit);
+    # Prepare: a limit below the bundle of two uploads (the real one is the client's 1 GiB
+    # receive limit);
     # patched where the server round reads it (another test may have re-imported the module)
     from privacy.ckks import server_round
 

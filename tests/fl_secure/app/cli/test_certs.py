@@ -21,8 +21,8 @@ def test_certs_issue_enrolls_new_sites_and_reissue_revokes_the_old_certificate(
     certs = tmp_path / "certs"
     init_certificates(certs, clients=2)
     offline = tmp_path / "offline-ca.key"
-    (certs / "ca.key").rename(offline)
-    before = EnrollmentList.load(certs / "enrolled.json").fingerprints
+    (certs / "ca" / "ca.key").rename(offline)
+    before = EnrollmentList.load(certs / "server" / "enrolled.json").fingerprints
 
     # Execute: two new sites, then a re-issue of client-0
     added = main(["certs", "issue", "--out", str(certs), "--id", "site-a", "site-b",
@@ -36,13 +36,13 @@ def test_certs_issue_enrolls_new_sites_and_reissue_revokes_the_old_certificate(
 
     # Assert: enrolled and in the re-signed signing registry; the old client-0 pin is gone
     assert added == 0 and printed["issued"] == ["site-a", "site-b"]
-    after = EnrollmentList.load(certs / "enrolled.json").fingerprints
+    after = EnrollmentList.load(certs / "server" / "enrolled.json").fingerprints
     assert sorted(after) == ["client-0", "client-1", "site-a", "site-b"]
-    assert sorted(load_signing_registry(certs)) == sorted(after)
+    assert sorted(load_signing_registry(certs / "server")) == sorted(after)
     assert again == 2 and "already issued" in again_err  # no silent re-issue
     assert reissued == 0
     assert after["client-1"] == before["client-1"]
-    final = EnrollmentList.load(certs / "enrolled.json").fingerprints
+    final = EnrollmentList.load(certs / "server" / "enrolled.json").fingerprints
     assert final["client-0"] != before["client-0"] and final["client-1"] == before["client-1"]
     assert main(["certs", "issue", "--out", str(certs), "--id", "bad/id",
                  "--ca-key", str(offline)]) == 2  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -99,11 +100,12 @@ def test_a_server_whose_certificate_folder_holds_the_ca_key_warns(
     from fl_secure.app.cli import main
     from fl_secure.tls import init_certificates
 
-    init_certificates(tmp_path / "certs", clients=2)  # ca.key stays in the folder
+    paths = init_certificates(tmp_path / "certs", clients=2)
+    shutil.copy(paths.ca_key, paths.server_dir / "ca.key")  # the CA key beside the server's
     config = tmp_path / "c.toml"
     config.write_text("[partition]\nnum_clients = 2\n[server]\nmin_clients = 2\n")
     with caplog.at_level("WARNING"):  # a bad address stops it right after the checks
-        code = main(["server", "--certs", str(tmp_path / "certs"), "--config", str(config),
+        code = main(["server", "--certs", str(paths.server_dir), "--config", str(config),
                      "--address", "no-port-here"])  # fmt: skip
     assert code != 0
     assert "holds the CA key" in caplog.text and "keep ca.key offline" in caplog.text
