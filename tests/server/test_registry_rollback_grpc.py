@@ -2,9 +2,9 @@
 
 Over real gRPC and mutual TLS: after a re-issue (``certs issue --overwrite``) the old
 ``signing_keys.json`` and ``.sig`` still verify against ``ca.pem``. client-0 accepted the new
-registry, restarts, and finds the old pair in its folder (whoever hands sites their files
-served it again). It must refuse every secure round, said to the server as a withdrawal, never
-a crash; the round completes with the other sites.
+registry (copied to its ``sites/client-0/``), restarts, and finds the old pair in its folder
+(whoever hands sites their files served it again). It must refuse every secure round, said to
+the server as a withdrawal, never a crash; the round completes with the other sites.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from fl_secure.messages import LocalTraining, Tensors
 from fl_secure.runs import RunDir
 from fl_secure.tls import init_certificates, issue_client_certificate
 from fl_secure.tls.identity import load_signing_registry
+from fl_secure.tls.layout import CertificateSet
 from privacy.ledger.site_ledger import SiteLedger
 from server.app import load_enrollment, start_server
 from server.coordinator import Coordinator
@@ -51,13 +52,14 @@ class _Shift:
         return self.num_examples, {}
 
 
-def _site_folder(certs: Path, site: Path, client_id: str) -> None:
+def _site_folder(certs: CertificateSet, site: Path, client_id: str) -> None:
     """What a site holds: ca.pem, its own certificate and keys, the registry pair."""
+    given = certs.site_dir(client_id)
     (site / "clients").mkdir(parents=True, exist_ok=True)
     for name in ("ca.pem", *REGISTRY):
-        shutil.copy(certs / name, site / name)
+        shutil.copy(given / name, site / name)
     for ext in ("pem", "key", "sign.key"):
-        shutil.copy(certs / "clients" / f"{client_id}.{ext}", site / "clients")
+        shutil.copy(given / "clients" / f"{client_id}.{ext}", site / "clients")
 
 
 def _quiet(fn) -> None:
@@ -72,12 +74,13 @@ def test_a_site_handed_the_registry_before_a_reissue_refuses_the_round(
 ) -> None:
     # Prepare: five sites; four take part. client-4 is re-issued after the first registry
     certs = tmp_path / "certs"
-    init_certificates(certs, clients=5)
-    old = {name: (certs / name).read_bytes() for name in REGISTRY}
+    paths = init_certificates(certs, clients=5)
+    old = {name: (paths.site_dir("client-0") / name).read_bytes() for name in REGISTRY}
     issue_client_certificate(certs, "client-4", overwrite=True)
     # client-0 has its own folder and state; it joins a masked run and takes the new registry
     site, state = tmp_path / "site-0", tmp_path / "state-0"
-    _site_folder(certs, site, "client-0")
+    _site_folder(paths, site, "client-0")
+    assert (site / REGISTRY[0]).read_bytes() != old[REGISTRY[0]]  # the re-issue reached it
     secure = SecureAggregationConfig(scheme="secagg", clip_range=4.0, stage_timeout=10)
     run_config = config_to_toml(
         Config(
@@ -105,7 +108,7 @@ def test_a_site_handed_the_registry_before_a_reissue_refuses_the_round(
         enrolled=set(load_enrollment(certs).fingerprints) - {"client-4"},
         run_dir=RunDir(tmp_path / "run"),
         server_step=lambda p, u, r: OrderedDict((k, p[k] + u[k]) for k in p),
-        signing_registry=load_signing_registry(certs),
+        signing_registry=load_signing_registry(paths.server_dir),
         clock=lambda: 0.0,  # no deadline passes: only a withdrawal can leave client-0 out
     )
     server, port = start_server(coord, "127.0.0.1:0", cert_dir=certs)
