@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from fl_secure.runs import RunDir
+from tests.server.secagg_processes import run_client_processes
 from tests.server.test_secagg_grpc import _frozen, _Killed, _run, _serve
 
 TOL = 10 * 2.0**-20  # the fixed-point resolution of ten inputs
@@ -149,51 +150,14 @@ def test_client_processes_killed_9_at_and_after_the_consistency_check(tmp_path: 
     # Prepare: a real server over mTLS and ten client *processes* (SecAgg+, 6 neighbours,
     # t = 4, 7 signatures needed); client-3 is killed with SIGKILL after its masked input,
     # before it signs; client-7 after it signed and got the signatures, before it reveals
-    import os
-    import signal
-    import subprocess
-    import sys
-    import threading
-    import time
-
     shifts = [0.1 * (i + 1) for i in range(10)]
     coord, server, port, certs = _serve(
         tmp_path, 10, min_clients=8, round_timeout=120.0, stage_timeout=20,
         neighbours=6, scheme="secagg+", clock=_frozen,
     )  # fmt: skip
-    worker = Path(__file__).with_name("secagg_worker.py")
-    dying = {3: "--die", 7: "--die-after-signing"}
-    marker = {3: "masked", 7: "signed"}
-    env = {**os.environ, "GRPC_VERBOSITY": "ERROR"}
-    procs = []
-    try:
-        for i, shift in enumerate(shifts):
-            cmd = [sys.executable, str(worker), "--port", str(port), "--id", f"client-{i}"]
-            cmd += ["--certs", str(certs), "--shift", repr(shift)]
-            cmd += [dying[i]] if i in dying else []
-            log = (tmp_path / f"client-{i}.log").open("wb")
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
-        driver = threading.Thread(target=coord.run, daemon=True)
-        driver.start()
-        # Execute: kill -9 each dying client once it reached its point of the protocol
-        deadline = time.monotonic() + 180
-        pending = set(dying)
-        while pending and time.monotonic() < deadline:
-            for i in sorted(pending):
-                if (tmp_path / f"client-{i}.{marker[i]}").exists():
-                    procs[i].send_signal(signal.SIGKILL)
-                    assert procs[i].wait(timeout=10) == -signal.SIGKILL
-                    pending.discard(i)
-            time.sleep(0.05)
-        assert not pending, "the dying clients never reached their point of the protocol"
-        driver.join(timeout=180)
-        codes = [p.wait(timeout=60) for i, p in enumerate(procs) if i not in dying]
-    finally:
-        server.stop(grace=None)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    logs = "\n".join(p.read_text()[-1500:] for p in tmp_path.glob("client-*.log"))
+    # Execute: kill -9 each dying client once it reached its point of the protocol
+    dying = {3: (["--die"], "masked"), 7: (["--die-after-signing"], "signed")}
+    codes, logs = run_client_processes(coord, server, port, certs, tmp_path, shifts, dying)
     # Assert: all ten inputs in the sum, exact to the fixed-point resolution
     assert coord.status == "completed", (coord.stop_reason, logs)
     np.testing.assert_allclose(coord.params["w"], np.mean(shifts), atol=TOL)

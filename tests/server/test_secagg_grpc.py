@@ -30,6 +30,7 @@ from privacy.ledger.site_ledger import SiteLedger
 from server.app import load_enrollment, start_server
 from server.coordinator import Coordinator
 from server.settings import CoordinatorSettings
+from tests.server.secagg_processes import run_client_processes
 
 
 class ShiftTrainer:
@@ -467,49 +468,15 @@ def test_ten_client_processes_two_killed_9_after_their_masked_input(tmp_path: Pa
     # Prepare: a real server over mTLS and ten client *processes* (SecAgg+, 6 neighbours,
     # t = 4); client-3 and client-7 hang right after uploading their masked input and are
     # then killed with SIGKILL, before they reveal any share
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     shifts = [0.1 * (i + 1) for i in range(10)]
     # the coordinator's clock never moves: only the closed connections can end the unmasking
     coord, server, port, certs = _serve(
         tmp_path, 10, min_clients=10, round_timeout=120.0, stage_timeout=20,
         neighbours=6, scheme="secagg+", clock=_frozen,
     )  # fmt: skip
-    worker = Path(__file__).with_name("secagg_worker.py")
-    dying = {3, 7}
-    env = {**os.environ, "GRPC_VERBOSITY": "ERROR"}
-    procs = []
-    try:
-        for i, shift in enumerate(shifts):
-            cmd = [sys.executable, str(worker), "--port", str(port), "--id", f"client-{i}"]
-            cmd += ["--certs", str(certs), "--shift", repr(shift)] + (["--die"] * (i in dying))
-            log = (tmp_path / f"client-{i}.log").open("wb")
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
-        driver = threading.Thread(target=coord.run, daemon=True)
-        driver.start()
-        # Execute: kill -9 each dying client once its masked input is on the server
-        deadline = time.monotonic() + 180
-        pending = set(dying)
-        while pending and time.monotonic() < deadline:
-            for i in sorted(pending):
-                if (tmp_path / f"client-{i}.masked").exists():
-                    procs[i].send_signal(signal.SIGKILL)
-                    assert procs[i].wait(timeout=10) == -signal.SIGKILL
-                    pending.discard(i)
-            time.sleep(0.05)
-        assert not pending, "the dying clients never uploaded their masked input"
-        driver.join(timeout=180)
-        codes = [p.wait(timeout=60) for i, p in enumerate(procs) if i not in dying]
-    finally:
-        server.stop(grace=None)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    logs = "\n".join(p.read_text()[-1500:] for p in tmp_path.glob("client-*.log"))
+    # Execute: kill -9 each dying client once its masked input is on the server
+    dying = {3: (["--die"], "masked"), 7: (["--die"], "masked")}
+    codes, logs = run_client_processes(coord, server, port, certs, tmp_path, shifts, dying)
     # Assert: the round completed over all ten inputs (the killed clients' self masks rebuilt
     # from the survivors' shares): the mean is exact to the fixed-point resolution
     assert coord.status == "completed", (coord.stop_reason, logs)
