@@ -111,8 +111,7 @@ class LoadRun:
             )
         )  # fmt: skip
         self.certs = work / "certs"
-        init_certificates(self.certs, clients=n)
-        (self.certs / "ca.key").unlink()  # the server refuses to sit beside it
+        init_certificates(self.certs, clients=n)  # ca/, server/, sites/<id>/
         self.record = work / "params"
         self.record.mkdir()
         self.events: Queue[tuple[int, dict[str, Any]]] = Queue()
@@ -123,7 +122,7 @@ class LoadRun:
     def start_server(self) -> tuple[subprocess.Popen[bytes], int]:
         port_file = self.work / "port"
         cmd = [sys.executable, "-m", "fl_secure.app.cli", "server", "--config", str(self.config),
-               "--certs", str(self.certs), "--address", "localhost:0", "--port-file",
+               "--certs", str(self.certs / "server"), "--address", "localhost:0", "--port-file",
                str(port_file), "--out", str(self.work / "runs"), "--no-eval"]  # fmt: skip
         env = {**os.environ, "GRPC_VERBOSITY": "ERROR", "OMP_NUM_THREADS": "1"}
         with (self.work / "server.log").open("ab") as log:
