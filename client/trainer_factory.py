@@ -118,9 +118,9 @@ def trainer_factory(
                 min_images_per_identity=run_config.data.min_images_per_identity,
             )
             # the run's target domain (data.degrade), as the server's held-out set has it
-            data = degrade_for_run(data, run_config.data, run_config.run.seed)
+            data = degrade_for_run(data, run_config.data, run_config.data_seed)
             fractions = (1.0 - source.test_fraction, source.test_fraction)
-            tr, te = stratified_split(data, fractions=fractions, seed=run_config.run.seed)
+            tr, te = stratified_split(data, fractions=fractions, seed=run_config.data_seed)
             train, test = data.subset(tr), data.subset(te)
             identities = np.unique(train.labels.numpy())
         else:

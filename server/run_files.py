@@ -59,7 +59,7 @@ def _first_data_manifest(run_dir: RunDir, config: Config) -> dict[str, Any]:
     The report states it: the data the run trained on, hashed when it started, not what the
     folder holds when the report is written.
     """
-    now = data_manifest(dataclasses.asdict(config.data), seed=config.run.seed)
+    now = data_manifest(dataclasses.asdict(config.data), seed=config.data_seed)
     previous = run_dir.path / "partition.json"
     if not previous.is_file():
         return now

@@ -161,7 +161,7 @@ def evaluate_run(
     images = load_pair_images(protocol, lfw_root, image_size=config.data.image_size,
                               center_crop=crop)  # fmt: skip
     # the run's target domain (data.degrade) on the pairs' images too, as on its held-out set
-    pair_faces = degrade_for_run(images.dataset, config.data, config.run.seed)
+    pair_faces = degrade_for_run(images.dataset, config.data, config.data_seed)
     with _scoring(source, remedy):  # unit rows in float64; a zero or non-finite one is refused
         emb = normalise_rows(embed(backbone, pair_faces.images, unit=False))
     scores = np.sum(emb[images.left] * emb[images.right], axis=1)

@@ -7,7 +7,9 @@ An experiment file names a base run config and the grid::
     base = "../quickstart.toml"          # relative to this file
     algorithms = ["fedpe", "fedavg"]
     partitions = ["equal", "lognormal"]
-    seeds = [0, 1, 2]
+    seeds = [0, 1, 2, 3, 4]
+    partition_seed = 0                   # one data split for every cell (-1: each run.seed's)
+    baseline = "fedavg"                  # paired differences against it (default: the first)
     set = ["train.rounds=5"]             # overrides applied to every run (relative file
                                          # paths in them: from this file's folder, as base)
     far = "1e-1"                         # FAR of the client-group tables ("1e-1" or "1e-2")
@@ -24,6 +26,13 @@ the layout of the HF-MAML paper's Tables V-X, TAR@FAR of the training clients an
 held-out clients (``partition.held_out_clients``, joining after training), untuned and tuned
 (``eval.tune_steps`` local batches; :mod:`fl_secure.app.tuning`), each as the mean over clients
 and as the std over clients (fairness), mean ± std over seeds.
+
+The partition is drawn once per grid: every cell sets ``partition.seed = partition_seed``
+(default 0), so all algorithms and seeds train on the same clients' data and ``run.seed``
+varies only the model's initialisation, batch order and noise. ``results.md`` then gives,
+per partition, each algorithm's paired difference against ``baseline`` in the held-out
+TAR@FAR=1e-2, seed by seed, as a mean with a 95% Student-t interval and n
+(:mod:`fl_secure.app.paired`).
 
 A run whose training diverges (NaN/Inf in an update, the global model or its embeddings),
 or whose fine-tuning after training does, aborts as the gRPC coordinator aborts a run: its
@@ -46,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from fl_secure.app.paired import paired_markdown
 from fl_secure.app.simulation import check_simulable, simulate
 from fl_secure.config import load_config, parse_override
 from fl_secure.config.loading import PATH_KEYS
@@ -89,6 +99,14 @@ class Experiment:
     source: str = ""  # the experiment file as given on the command line
     far: str = "1e-1"  # FAR of the client-group tables (the HF-MAML paper reports 0.1)
     folder: Path | None = None  # the experiment file's: relative paths in overrides start here
+    # partition.seed of every cell: one data split for the grid; -1 leaves it to run.seed
+    partition_seed: int = 0
+    baseline: str = ""  # the algorithm the paired differences are taken against ("": first)
+
+    @property
+    def reference(self) -> str:
+        """The baseline algorithm of the paired differences (``baseline`` or the first)."""
+        return self.baseline or self.algorithms[0]
 
     def cells(self) -> list[tuple[str, str, int]]:
         """Every (algorithm, partition, seed) of the grid, in order."""
@@ -102,7 +120,8 @@ class Experiment:
         """
         written = [*self.overrides, *algorithm_overrides(algorithm)]
         anchored = [_anchored(o, self.folder) for o in written] if self.folder else written
-        return [*anchored, f"partition.kind={partition}", f"run.seed={seed}"]
+        split = [f"partition.seed={self.partition_seed}"] if self.partition_seed >= 0 else []
+        return [*anchored, f"partition.kind={partition}", *split, f"run.seed={seed}"]
 
 
 def _anchored(override: str, folder: Path) -> str:
@@ -140,7 +159,8 @@ def load_experiment(path: str | Path) -> Experiment:
         raise ConfigError(f"{p} is not a UTF-8 text file (TOML is UTF-8): {exc}") from exc
     if not isinstance(table, dict):
         raise ConfigError(f"{p} has no [experiment] table")
-    allowed = {"name", "base", "algorithms", "partitions", "seeds", "set", "far"}
+    allowed = {"name", "base", "algorithms", "partitions", "seeds", "set", "far",
+               "partition_seed", "baseline"}  # fmt: skip
     unknown = sorted(set(table) - allowed)
     if unknown:
         raise ConfigError(f"unknown key {', '.join(unknown)} in [experiment]; allowed: "
@@ -165,6 +185,28 @@ def load_experiment(path: str | Path) -> Experiment:
     overrides = table.get("set", [])
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         raise ConfigError('experiment.set must be a list of "section.key=value" strings')
+    if any(parse_override(o)[0] == ["partition", "seed"] for o in overrides):
+        raise ConfigError(
+            "experiment.set holds partition.seed: the grid sets it in every cell; use "
+            "experiment.partition_seed (-1: each run.seed draws its own partition)"
+        )
+    partition_seed = table.get("partition_seed", 0)
+    if (
+        isinstance(partition_seed, bool)
+        or not isinstance(partition_seed, int)
+        or not -1 <= partition_seed < 2**63
+    ):
+        raise ConfigError(
+            f"experiment.partition_seed = {partition_seed!r}: expected an integer in "
+            "[0, 2**63) (one partition for every cell), or -1 (each run.seed's own)"
+        )
+    baseline = table.get("baseline", "")
+    if baseline != "" and baseline not in lists["algorithms"]:
+        raise ConfigError(
+            f"experiment.baseline = {baseline!r} is not one of experiment.algorithms "
+            f"({', '.join(map(repr, lists['algorithms']))}); the paired differences are "
+            "taken against it"
+        )
     name = table.get("name", p.stem)
     if not isinstance(name, str) or not RUN_NAME.fullmatch(name):
         raise ConfigError(
@@ -188,6 +230,8 @@ def load_experiment(path: str | Path) -> Experiment:
         source=str(path),
         far=far,
         folder=p.resolve().parent,
+        partition_seed=partition_seed,
+        baseline=baseline,
     )
 
 
@@ -302,7 +346,11 @@ def _mean_std(values: list[Any]) -> str:
 
 
 def markdown(experiment: Experiment, rows: list[dict[str, Any]], out: Path | None = None) -> str:
-    """The paper-style table: mean ± std over seeds per (algorithm, partition)."""
+    """The results page: the paper-style table, paired differences, aborted runs, groups.
+
+    Mean ± std over seeds per (algorithm, partition); then each algorithm's paired difference
+    against the baseline (:func:`fl_secure.app.paired.paired_markdown`).
+    """
     command = f"fl-secure experiment --config {experiment.source}"
     command += f" --out {out}" if out is not None else ""  # the exact command, to rerun
     head = (
@@ -310,7 +358,8 @@ def markdown(experiment: Experiment, rows: list[dict[str, Any]], out: Path | Non
         f"Produced by `{command}` (in-process "
         "simulation of the gRPC path's algorithm code).\n\n"
         f"Base config `{experiment.base.name}`, overrides {list(experiment.overrides)}, "
-        f"seeds {list(experiment.seeds)}; mean ± std over seeds (population std). "
+        f"seeds {list(experiment.seeds)}, {_split(experiment)}; mean ± std over seeds "
+        "(population std). "
         "Held-out: identities no client saw. Clients: each client's own test images (with its "
         "private personalisation where the design has one, e.g. AdaFedFR's adapter); "
         "'spread' is the std across clients (fairness).\n\n"
@@ -336,9 +385,18 @@ def markdown(experiment: Experiment, rows: list[dict[str, Any]], out: Path | Non
                 f"{col('untrained_tar_at_far_1e-2')} | {_megabytes(cell)} | {_seconds(cell)} |"
             )
     return (
-        head + "\n".join(body) + "\n" + _aborted_markdown(rows)
-        + client_groups_markdown(experiment, rows)
+        head + "\n".join(body) + "\n"
+        + paired_markdown(rows, experiment.algorithms, experiment.partitions,
+                          experiment.reference, experiment.partition_seed)
+        + _aborted_markdown(rows) + client_groups_markdown(experiment, rows)
     )  # fmt: skip
+
+
+def _split(experiment: Experiment) -> str:
+    """How the grid's cells draw their data split (the results page's header says it)."""
+    if experiment.partition_seed >= 0:
+        return f"one partition for every cell (partition.seed = {experiment.partition_seed})"
+    return "each seed's own partition (run.seed draws it)"
 
 
 def _aborted_markdown(rows: list[dict[str, Any]]) -> str:

@@ -115,9 +115,19 @@ class PartitionConfig:
     # this fraction of the training identities; clients 1.. split the rest equally and hold
     # them in the generator's "shifted" domain, as do the held-out identities (the target)
     source_fraction: float = 0.5
+    # seeds the data split: the synthetic faces, data.degrade's draws, the held-out
+    # identities, the partition and each client's train/test split, apart from run.seed
+    # (which still seeds model initialisation, batch order and noise), so runs of several
+    # run.seed share one partition; -1: run.seed seeds these too
+    seed: int = -1
 
     def __post_init__(self) -> None:
         """Check ranges."""
+        check(
+            -1 <= self.seed < 2**63,
+            "partition.seed",
+            "-1 (the split follows run.seed) or an integer in [0, 2**63)",
+        )
         check(1 <= self.num_clients <= 1000, "partition.num_clients", "an integer in [1, 1000]")
         check(0 < self.source_fraction < 1, "partition.source_fraction", "a number in (0, 1)")
         if self.kind == "domain":

@@ -17,7 +17,9 @@ class RunConfig:
     """Identity and seed of a run."""
 
     name: str = "run"  # run directory name under --out (a timestamp is appended)
-    seed: int = 0  # seeds data generation, partitions and model initialisation
+    # seeds model initialisation, batch order and seeded noise; also data generation and
+    # the partition unless partition.seed is set (Config.data_seed)
+    seed: int = 0
 
     def __post_init__(self) -> None:
         check(
@@ -118,6 +120,15 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     secure_aggregation: SecureAggregationConfig = field(default_factory=SecureAggregationConfig)
+
+    @property
+    def data_seed(self) -> int:
+        """The seed of the data and its split: ``partition.seed``, or ``run.seed`` if unset.
+
+        It seeds the synthetic faces, ``data.degrade``'s draws, the held-out identities, the
+        partition and each client's train/test split (:func:`fl_secure.data.plan.plan_federation`).
+        """
+        return self.partition.seed if self.partition.seed >= 0 else self.run.seed
 
     def __post_init__(self) -> None:
         """Cross-section checks that hold whatever the algorithm.

@@ -19,7 +19,9 @@ if TYPE_CHECKING:
 CLIENT_KEYS: dict[str, tuple[str, ...] | None] = {
     "run": ("seed",),
     "data": ("image_size", "center_crop", "min_images_per_identity", "degrade"),
-    "partition": ("num_clients",),  # server.min_clients is checked against it
+    # num_clients: server.min_clients is checked against it; seed: a site's own data is
+    # degraded and split under Config.data_seed, as the server's held-out set is
+    "partition": ("num_clients", "seed"),
     "model": None,
     "algorithm": None,
     "train": None,
@@ -27,6 +29,17 @@ CLIENT_KEYS: dict[str, tuple[str, ...] | None] = {
     "privacy": None,
     "secure_aggregation": None,
 }
+
+
+#: Keys added after runs recorded their config's fingerprint: written only when set, so a
+#: config that leaves them at their default keeps the text (and fingerprint) it had before.
+OMITTED_AT_DEFAULT: dict[tuple[str, str], Any] = {("partition", "seed"): -1}
+
+
+def _written(section: str, name: str, value: Any) -> bool:
+    """Whether ``section.name = value`` goes into the TOML text (see OMITTED_AT_DEFAULT)."""
+    key = (section, name)
+    return key not in OMITTED_AT_DEFAULT or value != OMITTED_AT_DEFAULT[key]
 
 
 def _toml_value(value: Any) -> str:
@@ -48,7 +61,8 @@ def config_to_toml(config: Config) -> str:
         lines.append(f"[{section.name}]")
         sub = getattr(config, section.name)
         for f in fields(sub):
-            lines.append(f"{f.name} = {_toml_value(getattr(sub, f.name))}")
+            if _written(section.name, f.name, getattr(sub, f.name)):
+                lines.append(f"{f.name} = {_toml_value(getattr(sub, f.name))}")
         lines.append("")
     return "\n".join(lines)
 
@@ -66,7 +80,7 @@ def config_sections_to_toml(
         sub = getattr(config, section)
         lines.append(f"[{section}]")
         for f in fields(sub):
-            if keys is None or f.name in keys:
+            if (keys is None or f.name in keys) and _written(section, f.name, getattr(sub, f.name)):
                 lines.append(f"{f.name} = {_toml_value(getattr(sub, f.name))}")
         lines.append("")
     return "\n".join(lines)

@@ -1,7 +1,8 @@
 """The federation's data plan: which identities each client holds, and what is held out.
 
-Deterministic by seed, so the server (held-out evaluation) and every client (its own share)
-derive the same plan independently in embedded mode. Held-out identities are never seen by
+Deterministic by seed (``partition.seed``, or ``run.seed`` when it is unset), so the server
+(held-out evaluation) and every client (its own share) derive the same plan independently in
+embedded mode. Held-out identities are never seen by
 any client; each client's images are split per identity into train and test (the HF-MAML
 paper's stratified split).
 
@@ -232,8 +233,13 @@ def check_held_out(held_out: FaceDataset) -> None:
 
 
 def plan_federation(config: Config, dataset: FaceDataset | None = None) -> FederatedData:
-    """Split ``dataset`` (default: :func:`load_dataset`) into held-out and client shares."""
-    seed = config.run.seed
+    """Split ``dataset`` (default: :func:`load_dataset`) into held-out and client shares.
+
+    Seeded by ``config.data_seed``: ``partition.seed`` when set, else ``run.seed``. Runs that
+    differ only in ``run.seed`` under one ``partition.seed`` get the same plan, image for
+    image (an experiment grid's paired comparison).
+    """
+    seed = config.data_seed
     data = dataset if dataset is not None else load_dataset(config.data, seed)
     labels = data.labels.numpy()
     train_ids, held_ids = held_out_identities(
@@ -282,7 +288,7 @@ def _domain_plan(
     """``partition.kind = "domain"``: client 0 source domain, clients 1.. and held-out shifted."""
     if source.attributes.get("domain") is None:
         raise DataError("partition.kind = 'domain' needs synthetic data (a 'domain' attribute)")
-    seed, num_targets = config.run.seed, config.partition.num_clients - 1
+    seed, num_targets = config.data_seed, config.partition.num_clients - 1
     target = load_dataset(config.data, seed, domain="shifted")
     order = np.random.default_rng([seed, 7]).permutation(train_ids)
     n_source = int(round(config.partition.source_fraction * len(order)))

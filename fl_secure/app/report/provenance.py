@@ -49,7 +49,7 @@ def _recorded_manifest(path: Path, config: dict[str, Any]) -> dict[str, Any]:
 
     try:  # the table with its defaults filled in, as the server hashes it
         parsed = config_from_dict(config)
-        data, seed = dataclasses.asdict(parsed.data), parsed.run.seed
+        data, seed = dataclasses.asdict(parsed.data), parsed.data_seed
     except FlSecureError:
         data, seed = config.get("data", {}), 0
     return {

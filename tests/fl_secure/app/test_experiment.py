@@ -57,7 +57,9 @@ def test_grid_runs_every_cell_and_writes_both_tables(tmp_path: Path) -> None:
     assert all(0.0 <= float(r["tar_at_far_1e-2"]) <= 1.0 for r in table)
     assert rows[0]["untrained_tar_at_far_1e-2"] is not None
     md = (tmp_path / "out" / "results.md").read_text()
-    assert md.count("\n| fed") == 4 and "held-out TAR@FAR=1e-2" in md
+    main_table = md.split("\n## ")[0]  # the paired differences and groups follow it
+    assert main_table.count("\n| fed") == 4 and "held-out TAR@FAR=1e-2" in main_table
+    assert md.count("\n| fedavg | ") == 4  # + fedavg vs fedpe (the first), paired, per partition
 
 
 def test_held_out_clients_and_variants_fill_the_paper_layout(tmp_path: Path) -> None:
