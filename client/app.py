@@ -6,6 +6,10 @@ polls for tasks and answers them: a plain round here, a securely aggregated one 
 reconnects with exponential backoff and jitter and joins again. Before any update leaves, the
 site's ledger (:class:`privacy.ledger.site_ledger.SiteLedger`) counts it, and a task the site has
 answered, or one past its epsilon budget, is refused.
+
+The module is a little over 500 lines because :class:`FlClient`'s join, plain round and secure
+round share one session's state (run config, site ledger, signing identity and its registry
+record); the signing identity's loading is the next part to move out.
 """
 
 from __future__ import annotations
@@ -238,10 +242,7 @@ class FlClient:
         self._run_config, self._run_config_toml, self._run_id = config, run_config_toml, run_id
 
     def _load_signing_keys(self) -> None:
-        """Load this site's signing key at join when the run uses secure aggregation.
-
-        Masking (SecAgg/SecAgg+) signs its key advertisements with it, CKKS its encrypted
-        uploads.
+        """Load this site's signing key at join when the run masks updates (SecAgg/SecAgg+).
 
         A missing or damaged key, or one that is not the key the CA-signed registry enrolls for
         this site (a stale copy after a re-issue, which the peers would reject), then stops
@@ -254,7 +255,7 @@ class FlClient:
         """
         if self._signing is not None or self._run_config is None:
             return
-        if self._run_config.secure_aggregation.scheme not in ("secagg", "secagg+", "ckks"):
+        if self._run_config.secure_aggregation.scheme not in ("secagg", "secagg+"):
             return
         try:
             self._signing = self._load_identity()

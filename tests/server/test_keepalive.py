@@ -53,7 +53,7 @@ def test_a_stage_waiting_past_five_keepalive_pings_keeps_its_cohort(
         settings, OrderedDict([("w", np.zeros((20, 10), np.float32))]),
         enrolled=set(load_enrollment(certs).fingerprints), run_dir=RunDir(tmp_path / "run"),
         server_step=lambda p, u, r: OrderedDict((k, p[k] + u[k]) for k in p),
-        signing_registry=load_signing_registry(certs),
+        signing_registry=load_signing_registry(certs / "server"),
     )  # fmt: skip
     real = session.client_secure_update
 

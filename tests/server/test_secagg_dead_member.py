@@ -53,7 +53,7 @@ def test_the_round_after_a_member_died_does_not_wait_for_it(tmp_path: Path) -> N
         settings, initial, enrolled=set(load_enrollment(certs).fingerprints),
         run_dir=RunDir(tmp_path / "run"),
         server_step=lambda p, u, r: OrderedDict((k, p[k] + u[k]) for k in p),
-        signing_registry=load_signing_registry(certs), clock=_frozen,
+        signing_registry=load_signing_registry(certs / "server"), clock=_frozen,
     )  # fmt: skip
     server, port = start_server(coord, "127.0.0.1:0", cert_dir=certs)
     driver = threading.Thread(target=coord.run, daemon=True)
