@@ -16,17 +16,19 @@ about elsewhere, the CA key.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
-from cryptography import x509
-from cryptography.exceptions import UnsupportedAlgorithm
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fl_secure.errors import TlsError
-from fl_secure.tls.certs import CLIENT_URI_PREFIX
-from fl_secure.tls.identity import REGISTRY_FILE, REGISTRY_SIGNATURE, load_signing_registry
+from fl_secure.tls.identity import REGISTRY_FILE
+from fl_secure.tls.key_scan import (
+    client_certificate_owners,
+    folder_files,
+    private_keys,
+    public_of_certificate_file,
+    registry_owners,
+)
 from fl_secure.tls.layout import CA_CERT, CA_KEY, CLIENTS_DIR, SERVER_CERT, SERVER_KEY, SITES_PART
 from privacy.ledger.signed_head import KEY_FILE as LEDGER_KEY
 
@@ -34,11 +36,6 @@ from privacy.ledger.signed_head import KEY_FILE as LEDGER_KEY
 #: tenseal, which only CKKS runs need).
 CKKS_SECRET_NAME = "clients.secret"  # noqa: S105 - a file name
 
-#: Files larger than this are not read for PEM keys (a CKKS public context is megabytes).
-MAX_SCANNED_BYTES = 1 << 20
-#: A folder with more files than this is not a certificate folder.
-MAX_SCANNED_FILES = 10_000
-_PEM_PRIVATE = b"PRIVATE KEY-----"
 
 FIX = (
     "the server's --certs folder must hold no client secret: remove it (a site's keys stay "
@@ -64,7 +61,7 @@ def check_server_folder(directory: Path) -> None:
             f"the whole `certs init` folder, not the server's part; pass {directory / 'server'}"
             f" instead. {FIX}"
         )
-    files = list(_files(directory))
+    files = folder_files(directory, "pass the folder with ca.pem, server.pem and server.key")
     for path in files:
         relative = path.relative_to(directory)
         if path.name == CKKS_SECRET_NAME or path.suffix == ".secret":
@@ -77,21 +74,13 @@ def check_server_folder(directory: Path) -> None:
 
 def _check_private_keys(directory: Path, files: list[Path]) -> None:
     """Every PEM private key in the folder is the server's, its ledger's or the CA's."""
-    registry = _registry(directory)
-    clients = _client_certificates(files)
+    registry = registry_owners(directory)
+    clients = client_certificate_owners(files)
     own = {
-        _public_of_cert(directory / SERVER_CERT): "the server's TLS key",
-        _public_of_cert(directory / CA_CERT): "the CA key",
+        public_of_certificate_file(directory / SERVER_CERT): "the server's TLS key",
+        public_of_certificate_file(directory / CA_CERT): "the CA key",
     }
-    for path in files:
-        data = _head(path)
-        if data is None or _PEM_PRIVATE not in data:
-            continue
-        try:
-            key = serialization.load_pem_private_key(data, password=None)
-        except (ValueError, TypeError, UnsupportedAlgorithm):
-            continue  # not a key the server could use (an encrypted one is not loaded either)
-        public = _public_bytes(key)
+    for path, key, public in private_keys(files):
         if public in registry:
             raise TlsError(
                 f"{path} is the signing private key of client {registry[public]!r} (its public "
@@ -113,97 +102,3 @@ def _check_private_keys(directory: Path, files: list[Path]) -> None:
             f"server.pem, {LEDGER_KEY}); the server may hold only its own keys: a "
             f"client's key would let it act as that client; {FIX}"
         )
-
-
-def _files(directory: Path) -> Iterator[Path]:
-    """The regular files under ``directory``, sorted, at most ``MAX_SCANNED_FILES``."""
-    count = 0
-    for path in sorted(directory.rglob("*")):
-        if path.is_file() and not path.is_symlink():
-            count += 1
-            if count > MAX_SCANNED_FILES:
-                raise TlsError(
-                    f"{directory} holds more than {MAX_SCANNED_FILES} files: not a server "
-                    "certificate folder; pass the folder with ca.pem, server.pem and server.key"
-                )
-            yield path
-
-
-def _head(path: Path) -> bytes | None:
-    """The file's bytes when it is small enough to be a PEM file."""
-    try:
-        if path.stat().st_size > MAX_SCANNED_BYTES:
-            return None
-        return path.read_bytes()
-    except OSError:
-        return None
-
-
-def _registry(directory: Path) -> dict[bytes, str]:
-    """Raw Ed25519 public key -> client id, from the folder's registry when it verifies."""
-    if not (directory / REGISTRY_FILE).exists() or not (directory / REGISTRY_SIGNATURE).exists():
-        return {}
-    try:
-        registry = load_signing_registry(directory)
-    except TlsError:
-        return {}  # the start-up that needs it names the problem
-    return {k.public_bytes_raw(): c for c, k in registry.items()}
-
-
-def _client_certificates(files: list[Path]) -> dict[bytes, str]:
-    """Public key -> client id of every client certificate among ``files``."""
-    out: dict[bytes, str] = {}
-    for path in files:
-        data = _head(path)
-        if data is None or b"-----BEGIN CERTIFICATE-----" not in data:
-            continue
-        try:
-            certs = x509.load_pem_x509_certificates(data)
-        except ValueError:
-            continue
-        for cert in certs:
-            client = _client_id(cert)
-            if client is not None:
-                out[_public_bytes_of(cert)] = client
-    return out
-
-
-def _client_id(cert: x509.Certificate) -> str | None:
-    """The id of a client certificate (its SAN URI), or None for another certificate."""
-    try:
-        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    except x509.ExtensionNotFound:
-        return None
-    for uri in san.get_values_for_type(x509.UniformResourceIdentifier):
-        if uri.startswith(CLIENT_URI_PREFIX):
-            return uri.removeprefix(CLIENT_URI_PREFIX)
-    return None
-
-
-def _public_of_cert(path: Path) -> bytes:
-    """The public key of the certificate at ``path``; b"" when there is none."""
-    data = _head(path) if path.is_file() else None
-    if data is None:
-        return b""
-    try:
-        return _public_bytes_of(x509.load_pem_x509_certificate(data))
-    except ValueError:
-        return b""
-
-
-def _public_bytes_of(cert: x509.Certificate) -> bytes:
-    return cert.public_key().public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
-
-
-def _public_bytes(key: object) -> bytes:
-    """Raw bytes for an Ed25519 key (as the registry lists it), DER SPKI for the others."""
-    if isinstance(key, Ed25519PrivateKey):
-        return key.public_key().public_bytes_raw()
-    public = key.public_key()  # type: ignore[attr-defined]
-    return bytes(
-        public.public_bytes(
-            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )

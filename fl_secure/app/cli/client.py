@@ -92,6 +92,7 @@ def cmd_client(args: argparse.Namespace) -> int:
     import grpc
 
     from client.app import FlClient
+    from client.custody import check_site_folder
     from client.trainer_factory import ClientDataSource, trainer_factory
     from client.transport import Connection, explain_rpc_error
     from fl_secure.algorithms.registry import check_config
@@ -101,6 +102,8 @@ def cmd_client(args: argparse.Namespace) -> int:
 
     if args.config is not None and args.plan_index is None:
         raise FlSecureError("--config needs --plan-index N (which share of the plan is mine)")
+    if args.certs is not None:
+        check_site_folder(args.certs, args.id)  # no other party's key: before anything else
     # the site ledger first: a budget without a folder to keep it in is refused at once
     site = SiteLedger(
         args.state_dir,
