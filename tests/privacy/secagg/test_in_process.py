@@ -276,3 +276,64 @@ def test_from_the_run_config_the_setup_is_the_coordinators_and_given_keys_sign()
     np.testing.assert_allclose(result.decoded, np.full(D, 10.0), atol=40 / coordinator.scale)
     with pytest.raises(ValueError, match="a key for every cohort member"):
         run_cohort_round(cfg, encoded, round_id=rid, signing_keys={ids[0]: keys[ids[0]]})
+
+
+def test_shared_verification_still_refuses_an_altered_advert_relayed_to_one_client(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Prepare: a hostile server relays client-001's advert with a forged signature to
+    # client-005 only; every other client verifies (and the cohort remembers) the genuine one
+    import dataclasses
+
+    real = SecAggServer.route_adverts
+
+    def forge(self: SecAggServer) -> dict:
+        routed = dict(real(self))
+        ads = routed["client-005"]
+        forged = tuple(
+            dataclasses.replace(a, signature=bytes(64)) if a.client_id == "client-001" else a
+            for a in ads
+        )
+        routed["client-005"] = forged
+        return routed
+
+    monkeypatch.setattr(SecAggServer, "route_adverts", forge)
+    setup, _, encoded = _cohort("secagg", 10)
+    # Execute
+    result = run_cohort_round(setup, encoded, round_id=setup.round_id)
+    # Assert: client-005 refused it (and withdrew); the other nine finish with their sum
+    assert "not signed by its enrolled identity key" in result.left["client-005"]
+    assert set(result.left) == {"client-005"}
+    assert result.stats["shared_verification"] == 1.0
+    _check_exact(result, setup, encoded)
+    assert set(result.survivors) == set(setup.cohort) - {"client-005"}
+
+
+def test_a_shared_verification_key_remembers_only_pairs_that_verified() -> None:
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from privacy.secagg.in_process import SharedVerificationKey
+
+    secret = Ed25519PrivateKey.generate()
+    key = SharedVerificationKey(secret.public_key())
+    signature = secret.sign(b"message")
+    key.verify(signature, b"message")
+    key.verify(signature, b"message")  # remembered
+    for sig, data in ((signature, b"other"), (bytes(64), b"message"), (bytes(64), b"message")):
+        with pytest.raises(InvalidSignature):
+            key.verify(sig, data)
+    assert (
+        key == secret.public_key()
+        and key.public_bytes_raw() == secret.public_key().public_bytes_raw()
+    )
+
+
+def test_a_graph_handed_out_cannot_change_the_one_the_next_member_derives() -> None:
+    from privacy.secagg.graph import neighbour_graph
+
+    ids = tuple(_ids(12))
+    first = neighbour_graph(ids, 4, b"seed")
+    first.clear()
+    again = neighbour_graph(list(ids), 4, b"seed")
+    assert len(again) == 12 and all(len(v) == 4 for v in again.values())
