@@ -21,6 +21,8 @@ says so.
 from __future__ import annotations
 
 import dataclasses
+import random
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -157,6 +159,21 @@ def check_dropouts(dropouts: Mapping[str, int] | None, cohort: Sequence[str]) ->
     if bad:
         raise ValueError(f"dropout stages must be {ADVERTISE}..{DONE} (stages.py): {bad}")
     return drops
+
+
+def random_dropouts(
+    cohort: Sequence[str], fraction: float, *, rng: random.Random | None = None
+) -> dict[str, int]:
+    """``round(fraction n)`` clients of the cohort, each dropping at a uniform stage 0..4.
+
+    ``rng``: a seeded :class:`random.Random` for a reproducible simulation; the CSPRNG
+    (:class:`secrets.SystemRandom`) when None.
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"dropout fraction {fraction}: expected 0..1")
+    draw = rng if rng is not None else secrets.SystemRandom()
+    chosen = draw.sample(sorted(cohort), round(fraction * len(cohort)))
+    return {c: draw.randrange(ADVERTISE, DONE) for c in chosen}
 
 
 def encode_update(

@@ -337,3 +337,18 @@ def test_a_graph_handed_out_cannot_change_the_one_the_next_member_derives() -> N
     first.clear()
     again = neighbour_graph(list(ids), 4, b"seed")
     assert len(again) == 12 and all(len(v) == 4 for v in again.values())
+
+
+def test_random_dropouts_pick_the_fraction_at_stages_before_done() -> None:
+    import random
+
+    from privacy.secagg.in_process import random_dropouts
+
+    ids = _ids(200)
+    drops = random_dropouts(ids, 0.1, rng=random.Random(5))
+    assert len(drops) == 20 and set(drops) <= set(ids)
+    assert set(drops.values()) <= set(range(ADVERTISE, DONE)) and len(set(drops.values())) > 1
+    assert drops == random_dropouts(ids, 0.1, rng=random.Random(5))  # seeded: reproducible
+    assert len(random_dropouts(ids, 0.25)) == 50  # the CSPRNG
+    with pytest.raises(ValueError, match="expected 0..1"):
+        random_dropouts(ids, 1.5)
