@@ -59,7 +59,7 @@ def row(
     extra = {}
     if unshared:  # every client verifies every signature itself, as real clients do
         alone = run_cohort_round(
-            setup, encoded, round_id=setup.round_id, dropouts=drops, share_verification=False
+            setup, encoded, round_id=setup.round_id, dropouts=drops, shared_checks=False
         )
         assert alone.total is not None and np.array_equal(alone.total, real.total)
         extra = {

@@ -20,6 +20,7 @@ says so.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import secrets
@@ -40,6 +41,7 @@ from privacy.secagg.client_round import SecureRoundMember, ddg_encoded
 from privacy.secagg.encoding import UniformSource
 from privacy.secagg.round_setup import RoundSetup, make_setup
 from privacy.secagg.server_round import ServerSecureRound
+from privacy.secagg.sharing import cohort_in_one_process
 from privacy.secagg.stages import (
     ADVERTISE,
     CONSISTENCY,
@@ -314,6 +316,32 @@ class _Cohort:
         self.session.submit(stage, client_id, payload)
 
 
+def _run_stages(
+    session: ServerSecureRound,
+    cohort: _Cohort,
+    steps: Mapping[int, Callable[[str], None]],
+    stats: dict[str, float],
+) -> tuple[float, str | None]:
+    """Each stage's steps, then its close; ``(server seconds, why it aborted or None)``."""
+    server_seconds = 0.0
+    for stage, step in steps.items():
+        stage_start = time.perf_counter()
+        cohort.each(stage, step)
+        close_start = time.perf_counter()
+        aborted = None
+        try:
+            if not session.ready():  # pragma: no cover - everyone answered or is gone
+                raise RoundAborted(f"the {STAGE_NAMES[stage]} stage is still waiting")
+            session.close_stage()
+        except RoundAborted as exc:
+            aborted = str(exc)
+        server_seconds += time.perf_counter() - close_start
+        stats[f"seconds.{STAGE_KEYS[stage]}"] = time.perf_counter() - stage_start
+        if aborted:
+            return server_seconds, aborted
+    return server_seconds, None
+
+
 def run_cohort_round(
     setup_or_config: RoundSetup | SecureAggregationConfig,
     encoded: Mapping[str, np.ndarray],
@@ -321,7 +349,7 @@ def run_cohort_round(
     round_id: bytes,
     dropouts: Mapping[str, int] | None = None,
     signing_keys: Mapping[str, Ed25519PrivateKey] | None = None,
-    share_verification: bool = True,
+    shared_checks: bool = True,
 ) -> CohortSum:
     """One real SecAgg / SecAgg+ round among ``encoded``'s clients, in this process.
 
@@ -334,9 +362,11 @@ def run_cohort_round(
         dropouts: Client id -> the stage (:mod:`privacy.secagg.stages`: ADVERTISE 0 ..
             UNMASK 4) from which it sends nothing; DONE (5) or absent: it completes.
         signing_keys: The clients' Ed25519 identity keys; fresh ones (a CSPRNG) when None.
-        share_verification: The cohort verifies each distinct signature once
-            (:class:`SharedVerificationKey`); False: every client verifies for itself, as
-            real clients do (the seconds are then a real round's compute).
+        shared_checks: The cohort verifies each distinct signature once
+            (:class:`SharedVerificationKey`), checks each advertised key and derives the
+            graph once (:func:`~privacy.secagg.sharing.cohort_in_one_process`); False: every
+            client computes them itself, as real clients do (the seconds are then a real
+            round's compute).
 
     Returns:
         The survivors' modular sum and its decoding, or the reason the round aborted.
@@ -354,7 +384,7 @@ def run_cohort_round(
     else:
         keys = dict(signing_keys)
     registry: dict[str, Ed25519PublicKey] = {c: keys[c].public_key() for c in setup.cohort}
-    if share_verification:
+    if shared_checks:
         registry = {c: SharedVerificationKey(k) for c, k in registry.items()}
     session = ServerSecureRound(setup, registry, stage_timeout=float("inf"), clock=lambda: 0.0)
     cohort = _Cohort(setup, session, drops)
@@ -381,23 +411,10 @@ def run_cohort_round(
         payload = cohort.members[c].unmask(cohort.reply(CONSISTENCY, c))
         cohort.send(UNMASK, c, payload)
 
-    stats: dict[str, float] = {}
-    server_seconds, aborted = 0.0, None
     steps = {ADVERTISE: advertise, SHARE: share, MASKED: mask, CONSISTENCY: sign, UNMASK: unmask}
-    for stage, step in steps.items():
-        stage_start = time.perf_counter()
-        cohort.each(stage, step)
-        close_start = time.perf_counter()
-        try:
-            if not session.ready():  # pragma: no cover - everyone answered or is gone
-                raise RoundAborted(f"the {STAGE_NAMES[stage]} stage is still waiting")
-            session.close_stage()
-        except RoundAborted as exc:
-            aborted = str(exc)
-        server_seconds += time.perf_counter() - close_start
-        stats[f"seconds.{STAGE_KEYS[stage]}"] = time.perf_counter() - stage_start
-        if aborted:
-            break
+    stats: dict[str, float] = {}
+    with cohort_in_one_process() if shared_checks else contextlib.nullcontext():
+        server_seconds, aborted = _run_stages(session, cohort, steps, stats)
     n = len(setup.cohort)
     stats.update(
         {
@@ -414,7 +431,7 @@ def run_cohort_round(
             "bytes_down_max": float(max(cohort.down.values())),
             "bytes_masked_per_client": float(setup.vector_length * dtype.itemsize),
             "secure": 1.0,
-            "shared_verification": float(share_verification),
+            "shared_checks": float(shared_checks),
         }
     )
     mode = "secagg" if setup.neighbours == 0 else "secagg+"
