@@ -30,7 +30,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from fl_secure.config import SecureAggregationConfig
@@ -41,7 +40,7 @@ from privacy.secagg.client_round import SecureRoundMember, ddg_encoded
 from privacy.secagg.encoding import UniformSource
 from privacy.secagg.round_setup import RoundSetup, make_setup
 from privacy.secagg.server_round import ServerSecureRound
-from privacy.secagg.sharing import cohort_in_one_process
+from privacy.secagg.sharing import SharedVerificationKey, cohort_in_one_process
 from privacy.secagg.stages import (
     ADVERTISE,
     CONSISTENCY,
@@ -217,56 +216,6 @@ def mean_update(result: CohortSum, specs: Sequence[TensorSpec]) -> Tensors:
     return OrderedDict((s.name, (total[s.name] / m).astype(s.dtype)) for s in specs)
 
 
-class SharedVerificationKey(Ed25519PublicKey):
-    """An enrolled identity key whose successful verifications a simulated cohort shares.
-
-    In a cohort of ``n`` every client verifies every advertisement and every consistency
-    signature: ``2 n^2`` Ed25519 verifications a round, the bulk of an in-process round's time
-    (measured at ``n = 100``). Verification is deterministic, so a ``(signature, message)``
-    pair that verified once under this key verifies again: the clients still check every
-    signature they receive (an altered one is a new pair and is verified, and refused), but
-    the cohort, sharing one process, verifies each distinct pair once. Failures are not
-    remembered.
-    """
-
-    def __init__(self, key: Ed25519PublicKey) -> None:
-        self._key = key
-        self._verified: set[tuple[bytes, bytes]] = set()
-
-    def verify(
-        self, signature: bytes | bytearray | memoryview, data: bytes | bytearray | memoryview
-    ) -> None:
-        """``key.verify``; raises ``InvalidSignature`` unless the pair verifies (or did)."""
-        pair = (bytes(signature), bytes(data))
-        if pair not in self._verified:
-            self._key.verify(signature, data)
-            self._verified.add(pair)
-
-    def public_bytes(
-        self, encoding: serialization.Encoding, format: serialization.PublicFormat
-    ) -> bytes:
-        """The wrapped key's encoding."""
-        return self._key.public_bytes(encoding, format)
-
-    def public_bytes_raw(self) -> bytes:
-        """The wrapped key's 32 raw bytes."""
-        return self._key.public_bytes_raw()
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, SharedVerificationKey):
-            other = other._key
-        return bool(self._key == other)
-
-    def __hash__(self) -> int:
-        return hash(self.public_bytes_raw())
-
-    def __copy__(self) -> SharedVerificationKey:
-        return self
-
-    def __deepcopy__(self, memo: dict[int, object]) -> SharedVerificationKey:
-        return self
-
-
 class _Cohort:
     """The clients of one in-process round, their dropouts, timings and bytes."""
 
@@ -363,10 +312,10 @@ def run_cohort_round(
             UNMASK 4) from which it sends nothing; DONE (5) or absent: it completes.
         signing_keys: The clients' Ed25519 identity keys; fresh ones (a CSPRNG) when None.
         shared_checks: The cohort verifies each distinct signature once
-            (:class:`SharedVerificationKey`), checks each advertised key and derives the
-            graph once (:func:`~privacy.secagg.sharing.cohort_in_one_process`); False: every
-            client computes them itself, as real clients do (the seconds are then a real
-            round's compute).
+            (:class:`~privacy.secagg.sharing.SharedVerificationKey`), checks each advertised
+            key and derives the graph once
+            (:func:`~privacy.secagg.sharing.cohort_in_one_process`); False: every client
+            computes them itself, as real clients do (the seconds are a real round's compute).
 
     Returns:
         The survivors' modular sum and its decoding, or the reason the round aborted.

@@ -313,7 +313,7 @@ def test_a_shared_verification_key_remembers_only_pairs_that_verified() -> None:
     from cryptography.exceptions import InvalidSignature
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from privacy.secagg.in_process import SharedVerificationKey
+    from privacy.secagg.sharing import SharedVerificationKey
 
     secret = Ed25519PrivateKey.generate()
     key = SharedVerificationKey(secret.public_key())
