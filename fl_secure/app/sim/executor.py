@@ -4,14 +4,14 @@ A *virtual client* is nothing but an index into the run's data plan until it is 
 cohort. The engine (:mod:`fl_secure.app.sim.engine`) then sends a :class:`ClientJob`: what
 the client is sent (:meth:`server.round.RoundState.sent_to`), the round's training
 instructions, and the client's carried state (its private layers as safetensors bytes, its
-batch-order generator, its DP-SGD accountant), which the client returned in its last
-:class:`ClientResult`. A :class:`VirtualClientWorker` builds the client from ``(config,
-index)`` with :func:`client.trainer_factory.build_local_trainer` (the gRPC client's own
-builder, so both train identically), restores the carry, runs the trainer's round (the
-strategy's client step, then :class:`privacy.client_round.ClientPrivacy`'s clipping and
-noise), returns the upload and the new carry, and drops the client. Memory therefore grows
-with the cohort, not with the population: the driver keeps the carry of clients that have
-trained (none for FedAvg, whose clients are stateless).
+DP-SGD accountant), which the client returned in its last :class:`ClientResult`. A
+:class:`VirtualClientWorker` builds the client from ``(config, index)`` with
+:func:`client.trainer_factory.build_local_trainer` (the gRPC client's own builder, so both
+train identically), restores the carry, runs the trainer's round (the strategy's client
+step, then :class:`privacy.client_round.ClientPrivacy`'s clipping and noise), returns the
+upload and the new carry, and drops the client. Memory therefore grows with the cohort, not
+with the population: the driver keeps the carry of clients that have trained (none for
+FedAvg, whose clients are stateless).
 
 Jobs and results are plain picklable data (numpy arrays, frozen dataclasses, bytes), so a
 process pool or a Ray actor can run :meth:`VirtualClientWorker.run` (:class:`ClientExecutor`
@@ -20,14 +20,12 @@ is the interface; :class:`SerialExecutor` runs the jobs here, one after the othe
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
-
-import numpy as np
-import torch
 
 from client.trainer_factory import build_local_trainer
 from fl_secure.data.plan import FederatedData, plan_client_id, plan_federation
@@ -43,7 +41,7 @@ if TYPE_CHECKING:
 TRAIN, EVALUATE = "train", "evaluate"
 
 #: Keys of a virtual client's carried state.
-PRIVATE_KEY, GENERATOR_KEY, ACCOUNTANT_KEY = "private", "generator", "accountant"
+PRIVATE_KEY, ACCOUNTANT_KEY = "private", "accountant"
 
 
 @dataclass(frozen=True)
@@ -108,6 +106,11 @@ class VirtualClientWorker:
             self._plan = plan_federation(self.config)
         return self._plan
 
+    @property
+    def kept(self) -> dict[int, LocalTrainer]:
+        """The clients kept so far (``keep_trainers``), by plan index."""
+        return dict(self._kept)
+
     def trainer(self, index: int) -> LocalTrainer:
         """Client ``index`` as its gRPC process builds it (kept if ``keep_trainers``)."""
         kept = self._kept.get(index)
@@ -132,10 +135,11 @@ class VirtualClientWorker:
 
     def run(self, job: ClientJob) -> ClientResult:
         """Build (or take) the client, restore its carry, run the job, return the upload."""
-        kept = job.index in self._kept
         trainer = self.trainer(job.index)
-        if not kept:
+        if not self.keep_trainers:  # a fresh client: its carry, and this round's batch order
             restore_state(trainer, job.state)
+            seed = batch_seed(self.config.run.seed, job.client_id, job.round)
+            trainer.generator.manual_seed(seed)
         if trainer.privacy is not None and not self.config.privacy.secure_rng:
             # reproducible test noise: a fresh stream per client and round (a rebuilt client
             # would otherwise repeat its first round's noise)
@@ -144,11 +148,10 @@ class VirtualClientWorker:
             )
         if job.kind == EVALUATE:
             examples, metrics = trainer.evaluate(job.sent)
-            return ClientResult(
-                job.client_id, OrderedDict(), examples, metrics, carried_state(trainer)
-            )
+            return ClientResult(job.client_id, OrderedDict(), examples, metrics, job.state)
         upload, examples, metrics = trainer.train(job.sent, job.task)
-        return ClientResult(job.client_id, upload, examples, metrics, carried_state(trainer))
+        carry = {} if self.keep_trainers else carried_state(trainer)  # a kept one holds it
+        return ClientResult(job.client_id, upload, examples, metrics, carry)
 
 
 class SerialExecutor:
@@ -165,13 +168,23 @@ class SerialExecutor:
         """Nothing to free."""
 
 
+def batch_seed(seed: int, client_id: str, round_: int) -> int:
+    """A rebuilt client's batch-order seed in round ``round_`` (reproducible; not secret).
+
+    A client process keeps one generator for the whole run; a virtual client rebuilt for each
+    round it is drawn into takes a fresh one per round instead of carrying the generator's
+    state (5 KB a client).
+    """
+    digest = hashlib.sha256(f"{seed}:{client_id}:round-{round_}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
 def carried_state(trainer: LocalTrainer) -> dict[str, bytes]:
     """What a virtual client carries to its next round (empty for a stateless client)."""
     state: dict[str, bytes] = {}
     private = trainer.export_private()
     if private:
         state[PRIVATE_KEY] = private
-    state[GENERATOR_KEY] = trainer.generator.get_state().numpy().tobytes()
     if trainer.privacy is not None and trainer.privacy.cfg.dpsgd:
         blob = json.dumps(trainer.privacy.accountant.state_dict(), sort_keys=True)
         state[ACCOUNTANT_KEY] = blob.encode("utf-8")
@@ -181,9 +194,6 @@ def carried_state(trainer: LocalTrainer) -> dict[str, bytes]:
 def restore_state(trainer: LocalTrainer, state: dict[str, bytes]) -> None:
     """Restore :func:`carried_state` into a freshly built client (``{}``: its first round)."""
     trainer.import_private(state.get(PRIVATE_KEY, b""))
-    generator = state.get(GENERATOR_KEY)
-    if generator:
-        trainer.generator.set_state(torch.from_numpy(np.frombuffer(generator, np.uint8).copy()))
     accountant = state.get(ACCOUNTANT_KEY)
     if accountant and trainer.privacy is not None:
         trainer.privacy.accountant.load_state_dict(json.loads(accountant))
