@@ -48,14 +48,13 @@ def check_engine(config: Config) -> None:
     """Refuse what the engine does not run, before anything runs.
 
     Raises:
-        ConfigError: secure aggregation, FedAffect, or FedFR with sampled cohorts.
+        ConfigError: CKKS, FedAffect, or FedFR with sampled cohorts.
     """
     check_config(config)
-    if config.secure_aggregation.enabled:
+    if config.secure_aggregation.scheme == "ckks":
         raise ConfigError(
-            "secure_aggregation in the simulation: the in-process SecAgg/SecAgg+ cohort round "
-            "is not wired into this engine yet; run it over gRPC (fl-secure train), or set "
-            "secure_aggregation.scheme = 'none'"
+            "secure_aggregation.scheme = 'ckks' is not simulated (the engine runs SecAgg and "
+            "SecAgg+ rounds in process): run it over gRPC (fl-secure train)"
         )
     if strategy_class(config.algorithm.name).evaluates_expressions:
         raise ConfigError(
