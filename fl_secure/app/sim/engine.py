@@ -39,6 +39,7 @@ from fl_secure.aggregation import StreamingMean
 from fl_secure.app.sim.executor import EVALUATE, ClientJob, ClientResult, SerialExecutor
 from fl_secure.app.sim.secure import secure_round
 from fl_secure.app.sim.server_side import SimServer, sampled
+from fl_secure.checkpoints import CheckpointStore
 from fl_secure.errors import RoundAborted
 from fl_secure.messages import LocalTraining, TaskKind, UpdateHeader
 from privacy.ledger.anchors import STATE_KEY as LEDGER_HEAD_KEY
@@ -49,7 +50,6 @@ from server.round import non_finite_names, update_weight, vet_model
 
 if TYPE_CHECKING:
     from fl_secure.app.sim.executor import ClientExecutor
-    from fl_secure.checkpoints import CheckpointStore
     from fl_secure.config import Config
     from fl_secure.messages import Tensors
     from fl_secure.runs import RunDir
@@ -105,8 +105,6 @@ class SimulationEngine:
         self.run_dir = run_dir
         self.store: CheckpointStore | None = None
         if run_dir is not None:
-            from fl_secure.checkpoints import CheckpointStore
-
             self.store = CheckpointStore(run_dir.checkpoints)
         self.sampled = sampled(config)
         everyone = not self.sampled

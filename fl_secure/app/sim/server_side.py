@@ -22,6 +22,7 @@ from fl_secure.data.plan import plan_client_id, plan_federation
 from fl_secure.errors import ConfigError
 from fl_secure.messages import TaskKind
 from fl_secure.training import build_run_model, get_tensors
+from privacy.dp.noise import seeded_source
 from privacy.ledger.signed_head import HeadSigner
 from privacy.server_round import ServerPrivacy, open_server_privacy
 from server.attempt import RoundBoard
@@ -146,8 +147,6 @@ class SimServer:
         )
         assert privacy is not None
         if not config.privacy.secure_rng:
-            from privacy.dp.noise import seeded_source
-
             privacy.source = seeded_source(config.run.seed, "server")
         over = privacy.first_round_over_budget()
         if over is not None:
