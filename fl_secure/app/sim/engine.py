@@ -113,6 +113,7 @@ class SimulationEngine:
         #: client id -> carried state, for clients that trained and carry any
         self.carry: dict[str, dict[str, bytes]] = {}
         self.cohort_sizes: list[int] = []
+        self.stop_reason = ""  # why the run stopped early (the budget)
 
     # ------------------------------------------------------------ the run
     def run(
@@ -136,8 +137,6 @@ class SimulationEngine:
                 on_round(record)
         s.accounting.end_attempt()
         return records, status
-
-    stop_reason = ""
 
     @property
     def rounds_completed(self) -> int:
