@@ -43,6 +43,8 @@ class SecureOutcome:
     mean: Tensors | None
     survivors: tuple[str, ...]
     record: dict[str, Any]
+    # an aborted round that reached its unmask stage: the server may have seen the sum
+    sum_seen: bool = False
 
 
 def injected_dropouts(
@@ -97,7 +99,7 @@ def secure_round(
         "bytes_down_per_client": result.stats.get("bytes_down_per_client"),
     }
     if result.aborted is not None or result.decoded is None or not result.survivors:
-        return SecureOutcome(None, (), record)
+        return SecureOutcome(None, (), record, sum_seen="seconds.unmask" in result.stats)
     total = unflatten(result.decoded, list(specs))
     if plan is not None:  # client-level DP: (sum + central noise) / W
         assert privacy is not None
