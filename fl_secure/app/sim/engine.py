@@ -85,8 +85,8 @@ class SimulationEngine:
             :class:`SerialExecutor` that keeps its clients when every client trains every
             round (the in-process simulation as it always ran) and rebuilds them otherwise.
         evaluated: how many clients score the global model before and after training.
-        dropout_rate: securely aggregated rounds: the chance that a cohort member leaves
-            the round, at a stage drawn uniformly (:mod:`fl_secure.app.sim.secure`).
+        dropout_rate: securely aggregated rounds: the fraction of a cohort that leaves the
+            round, each at a stage drawn uniformly (:mod:`fl_secure.app.sim.secure`).
     """
 
     def __init__(

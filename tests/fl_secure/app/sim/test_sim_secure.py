@@ -180,3 +180,12 @@ def test_a_secure_round_aborted_after_unmasking_is_counted_like_a_round(
     assert kinds == ["discarded_sum", "discarded_sum"]
     assert engine.server.privacy.discarded_sums == 2  # type: ignore[union-attr]
     assert engine.server.privacy.epsilon > 0  # type: ignore[union-attr]
+
+
+def test_injected_dropouts_take_the_configured_fraction_reproducibly() -> None:
+    cohort = [plan_client_id(i) for i in range(10)]
+    drops = secure_module.injected_dropouts(3, 2, 0, cohort, 0.3)
+    assert len(drops) == 3 and set(drops) <= set(cohort)
+    assert all(ADVERTISE <= stage <= UNMASK for stage in drops.values())
+    assert secure_module.injected_dropouts(3, 2, 0, cohort, 0.3) == drops  # same round: same
+    assert secure_module.injected_dropouts(3, 2, 0, cohort, 0.0) == {}
