@@ -75,6 +75,9 @@ class Strategy(ABC):
     refuses_secure_aggregation: ClassVar[str] = ""
     #: Privacy units the design cannot run under: why, and what to use instead.
     refused_privacy_units: ClassVar[Mapping[PrivacyUnit, str]] = {}
+    #: Client state, beyond its private layers, that a virtual client rebuilt for each round
+    #: it is drawn into would lose: why sampled cohorts are not simulated ("" if they are).
+    unsimulated_sampling: ClassVar[str] = ""
 
     @classmethod
     def from_config(

@@ -190,6 +190,10 @@ class FedFR(Strategy):
     name: ClassVar[str] = "fedfr"
     exposure: ClassVar[Exposure] = "private-embedding"
     shares_head: ClassVar[bool] = False
+    unsimulated_sampling: ClassVar[str] = (
+        "its target clients keep the pseudo labels of the first model they receive, client "
+        "state the engine does not carry between the rounds a client is drawn into"
+    )
     refused_privacy_units: ClassVar[Mapping[PrivacyUnit, str]] = {
         "example": "a target client's pseudo labels come from clustering all its images "
         "(C-FINCH), so one image can change the labels of others and DP-SGD's per-example "

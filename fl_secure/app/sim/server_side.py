@@ -63,12 +63,12 @@ def check_engine(config: Config) -> None:
             "projection head, and its evaluation is expression accuracy): run it over gRPC "
             "(fl-secure train) or with python benchmarks/fedaffect.py"
         )
-    if config.algorithm.name == "fedfr" and sampled(config):
+    unsimulated = strategy_class(config.algorithm.name).unsimulated_sampling
+    if unsimulated and sampled(config):
         raise ConfigError(
-            "algorithm.name = 'fedfr' with sampled cohorts: its target clients keep the pseudo "
-            "labels of the first model they receive, client state the engine does not carry "
-            "between the rounds a client is drawn into; simulate it with every client in every "
-            "round (server.clients_per_round = 0, server.sample_rate = 0)"
+            f"algorithm.name = {config.algorithm.name!r} with sampled cohorts: {unsimulated}; "
+            "simulate it with every client in every round (server.clients_per_round = 0, "
+            "server.sample_rate = 0)"
         )
 
 

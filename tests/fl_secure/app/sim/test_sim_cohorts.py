@@ -158,3 +158,16 @@ def test_a_private_head_survives_the_rounds_its_client_skips(
     )
     same = OrderedDict((k, np.array_equal(again.upload[k], bare.upload[k])) for k in again.upload)
     assert not all(same.values())
+
+
+def test_a_design_with_unsimulated_client_state_is_refused_only_with_sampled_cohorts(
+    tmp_path: Path,
+) -> None:
+    from fl_secure.app.sim.server_side import check_engine
+    from fl_secure.errors import ConfigError
+
+    everyone = _config(tmp_path, ["partition.kind=domain"], algorithm="fedfr")
+    check_engine(everyone)  # every client in every round: its pseudo labels are kept
+    sampled = _config(tmp_path, ["partition.kind=domain", "server.clients_per_round=6"], "fedfr")
+    with pytest.raises(ConfigError, match="'fedfr' with sampled cohorts: its target clients"):
+        check_engine(sampled)
