@@ -9,6 +9,9 @@ from fl_secure.errors import ConfigError
 
 #: data.image_size's allowed sides; 150 is dlib's face chip (the dlib-resnet backbone's input)
 IMAGE_SIZES = (32, 64, 112, 150)
+#: partition.num_clients's limit with kind = "person": one identity per device, a population of
+#: virtual clients (each holds one person's images), not sites with processes of their own
+MAX_PERSON_CLIENTS = 100_000
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,9 @@ def _check_degradation(spec: str, image_size: int) -> None:
 class PartitionConfig:
     """How the training identities are spread over clients."""
 
-    kind: PartitionKind = "equal"  # equal, lognormal (HF-MAML Eq. 5) or dirichlet
+    # equal, lognormal (HF-MAML Eq. 5), dirichlet, attribute, domain, or person (one identity
+    # per client: client-level DP is then person-level DP)
+    kind: PartitionKind = "equal"
     num_clients: int = 4
     # lognormal: mu of S_i (HF-MAML: 3). Eq. 5 normalises the S_i, so mu cancels and only
     # sigma shapes the sizes; kept as the paper states it
@@ -128,7 +133,14 @@ class PartitionConfig:
             "partition.seed",
             "-1 (the split follows run.seed) or an integer in [0, 2**63)",
         )
-        check(1 <= self.num_clients <= 1000, "partition.num_clients", "an integer in [1, 1000]")
+        if self.kind == "person":  # cross-device: one person per (virtual) client
+            check(
+                1 <= self.num_clients <= MAX_PERSON_CLIENTS,
+                "partition.num_clients",
+                f"an integer in [1, {MAX_PERSON_CLIENTS}] with kind = 'person'",
+            )
+        else:
+            check(1 <= self.num_clients <= 1000, "partition.num_clients", "an integer in [1, 1000]")
         check(0 < self.source_fraction < 1, "partition.source_fraction", "a number in (0, 1)")
         if self.kind == "domain":
             check(
