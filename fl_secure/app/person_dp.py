@@ -55,7 +55,7 @@ class PersonDPSettings:
     noise_multiplier: float = 0.0  # z: the noise std on the sum is z C; 0 = not private
     local_steps: int = 5  # full-batch steps on the device's own images
     local_lr: float = 0.5  # SGD on the embedding layer (and the private class vector)
-    server_lr: float = 1.0  # the server's step along the averaged update
+    server_lr: float = 3.0  # the server's step along the averaged update
     scale: float = 30.0  # CosFace s (AdaFedFR: 30)
     margin: float = 0.4  # CosFace m (AdaFedFR: 0.4)
 
@@ -118,13 +118,17 @@ def local_updates(
     m = features.shape[0]
     weight = layer.weight.expand(m, -1, -1).clone().requires_grad_(True)
     bias = layer.bias.expand(m, -1).clone().requires_grad_(True)
+
+    def embed() -> torch.Tensor:  # [m, n, out], unit rows
+        raw = torch.baddbmm(bias.unsqueeze(1), features, weight.transpose(1, 2))
+        return F.normalize(raw, dim=2)
+
     with torch.no_grad():
-        start = F.normalize(torch.baddbmm(bias.unsqueeze(1), features, weight.transpose(1, 2)), dim=2)
-        own = F.normalize(start.mean(dim=1), dim=1)
-    own = own.clone().requires_grad_(True)
+        own = F.normalize(embed().mean(dim=1), dim=1)
+    own.requires_grad_(True)
     target = torch.zeros(features.shape[0] * features.shape[1], dtype=torch.long)
     for _ in range(s.local_steps):
-        emb = F.normalize(torch.baddbmm(bias.unsqueeze(1), features, weight.transpose(1, 2)), dim=2)
+        emb = embed()
         positive = (emb * F.normalize(own, dim=1).unsqueeze(1)).sum(dim=2, keepdim=True)
         logits = s.scale * torch.cat([positive - s.margin, emb @ negatives.T], dim=2)
         loss = F.cross_entropy(logits.flatten(0, 1), target, reduction="sum") / features.shape[1]
