@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save
+from safetensors.torch import load, load_file, save
 
 from fl_secure.algorithms.base import BROADCAST_PREFIX
 from fl_secure.errors import CheckpointError, ProtocolError
@@ -121,6 +121,13 @@ class LocalTrainer:
                 f"the site's private state {path} is damaged ({exc}); restore it from a "
                 "backup, or move it away to start the private layers afresh"
             ) from exc
+        if self._restore(saved, str(path)):
+            log.info("restored private parameters from %s", path)
+        else:
+            log.warning("ignoring private state %s: it does not fit this model", path)
+
+    def _restore(self, saved: dict[str, torch.Tensor], where: str) -> bool:
+        """Load saved private tensors into the model; False if they do not fit it."""
         extra = {
             k[len(STRATEGY_PREFIX) :]: v for k, v in saved.items() if k.startswith(STRATEGY_PREFIX)
         }
@@ -129,14 +136,13 @@ class LocalTrainer:
         if set(saved) != set(self._private_names()) or any(
             saved[k].shape != state[k].shape for k in saved
         ):
-            log.warning("ignoring private state %s: it does not fit this model", path)
-            return
+            return False
         self.model.load_state_dict(saved, strict=False)
         try:
             self.strategy.restore_private_state(self.model, extra)
         except ValueError as exc:
-            log.warning("ignoring the %s state in %s: %s", self.strategy.name, path, exc)
-        log.info("restored private parameters from %s", path)
+            log.warning("ignoring the %s state in %s: %s", self.strategy.name, where, exc)
+        return True
 
     def _adopt_unkeyed_private(self, path: Path) -> None:
         """Take over ``private.safetensors``, written before private state was kept per run.
@@ -159,14 +165,44 @@ class LocalTrainer:
         atomic_write_bytes(path, legacy.read_bytes())
         legacy.replace(legacy.with_name(legacy.name + ".adopted"))
 
-    def _save_private(self) -> None:
-        path = self._private_path()
-        if path is None:
-            return
+    def _private_tensors(self) -> dict[str, torch.Tensor]:
+        """The private layers and the design's own state, as the state file holds them."""
         state = self.model.state_dict()
         tensors = {k: state[k].contiguous().clone() for k in self._private_names()}
         for k, v in self.strategy.private_state(self.model).items():
             tensors[STRATEGY_PREFIX + k] = v.contiguous().clone()
+        return tensors
+
+    def export_private(self) -> bytes:
+        """The private state as safetensors bytes (``b""`` if none): a virtual client's carry.
+
+        The simulation engine (:mod:`fl_secure.app.sim`) rebuilds a client for each round it
+        is drawn into and restores this with :meth:`import_private`, as a restarted client
+        restores its state file.
+        """
+        tensors = self._private_tensors()
+        return save(tensors) if tensors else b""
+
+    def import_private(self, blob: bytes) -> None:
+        """Restore what :meth:`export_private` gave (``b""``: nothing to restore).
+
+        Raises:
+            CheckpointError: the bytes are not this model's private state.
+        """
+        if not blob:
+            return
+        try:
+            saved = load(blob)
+        except (SafetensorError, ValueError) as exc:
+            raise CheckpointError(f"a virtual client's private state is damaged: {exc}") from exc
+        if not self._restore(saved, "the carried private state"):
+            raise CheckpointError("the carried private state does not fit this client's model")
+
+    def _save_private(self) -> None:
+        path = self._private_path()
+        if path is None:
+            return
+        tensors = self._private_tensors()
         if not tensors:
             return
         bad = sorted(

@@ -9,9 +9,6 @@ from fl_secure.errors import ConfigError
 
 #: data.image_size's allowed sides; 150 is dlib's face chip (the dlib-resnet backbone's input)
 IMAGE_SIZES = (32, 64, 112, 150)
-#: partition.num_clients's limit with kind = "person": one identity per device, a population of
-#: virtual clients (each holds one person's images), not sites with processes of their own
-MAX_PERSON_CLIENTS = 100_000
 
 
 @dataclass(frozen=True)
@@ -133,14 +130,11 @@ class PartitionConfig:
             "partition.seed",
             "-1 (the split follows run.seed) or an integer in [0, 2**63)",
         )
-        if self.kind == "person":  # cross-device: one person per (virtual) client
-            check(
-                1 <= self.num_clients <= MAX_PERSON_CLIENTS,
-                "partition.num_clients",
-                f"an integer in [1, {MAX_PERSON_CLIENTS}] with kind = 'person'",
-            )
-        else:
-            check(1 <= self.num_clients <= 1000, "partition.num_clients", "an integer in [1, 1000]")
+        check(
+            1 <= self.num_clients <= 100_000,  # simulated populations (fl_secure.app.sim)
+            "partition.num_clients",
+            "an integer in [1, 100000]",
+        )
         check(0 < self.source_fraction < 1, "partition.source_fraction", "a number in (0, 1)")
         if self.kind == "domain":
             check(
