@@ -147,6 +147,12 @@ def main() -> None:
         default=500,
         help="public identities of the devices' camera whose means are the negatives R",
     )
+    parser.add_argument(
+        "--representation-domain",
+        default="shifted",
+        choices=("shifted", "source"),
+        help="the camera of R's public identities: the devices' (shifted) or the pretraining's",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="runs per row (mean, std)")
     parser.add_argument("--pooled-epochs", type=int, default=20)
     parser.add_argument("--embedding", type=int, default=64)
@@ -192,7 +198,7 @@ def main() -> None:
             image_size=config.data.image_size,
             seed=config.data_seed,
             first_identity=PUBLIC_TARGET_FIRST_IDENTITY,
-            domain="shifted",
+            domain="shifted" if args.representation_domain == "shifted" else None,
         )
     )
     weights = pretrain(args, public.images, public.labels)
@@ -299,6 +305,7 @@ def main() -> None:
                 "held_out_identities": int(len(held_labels.unique())),
                 "public_identities": args.public_identities,
                 "public_representation_identities": args.representation_identities,
+                "representation_domain": args.representation_domain,
                 "repeats": args.repeats,
                 "trained_parameters": int(start.flat().numel()),
                 "delta": delta,

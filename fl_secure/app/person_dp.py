@@ -10,20 +10,27 @@ a person: everything of theirs is in one client's update. The design:
 - **Loss on a device** (AdaFedFR's idea, ``002`` in the papers' folder): a CosFace softmax
   (s = 30, m = 0.4) of each own image against the device's *own* class vector (positive) and
   the server's **public class representations** ``R`` (negatives): the normalised mean
-  embeddings of the public identities under the current model. One identity alone has no
+  embeddings of public identities (none of them a device's) under the current model,
+  recomputed by the server every round from public images only. One identity alone has no
   negatives; ``R`` gives it some without anyone's private data.
 - **What stays private**: the device's class vector is initialised from its own embeddings
   each round and never leaves the device; nothing of it is released.
 - **What the server sees**: only the clipped, noised sum of the cohort's embedding-layer
-  updates (Gaussian noise of std ``z C`` on the sum, from a CSPRNG, central placement; under
-  secure aggregation the same noise is added in shares). ``R`` is computed from public data
-  only. So the whole release is inside the DP statement, unlike FedGC's server-side
+  updates (Gaussian noise of std ``z C`` on the sum, from a CSPRNG). The placement here is
+  central: the server is trusted to add the noise (the rounds run in one process; secure
+  aggregation with noise in shares is the engine's ``distributed`` placement, not wired to
+  this design yet). ``R`` is computed from public data only. So the whole release is inside the DP statement, unlike FedGC's server-side
   correction, which needs every device's class embedding in the clear, or a shared
   (global) head, whose row of a person is trained by that person's device alone.
 - **Cohorts**: Poisson sampling, each device with probability ``q`` per round, decided by
   CSPRNG uniforms; the noisy sum is divided by the *expected* cohort ``q N`` (a fixed
-  denominator, so the sensitivity of the release stays ``C``). Accounting: the subsampled
-  Gaussian over ``T`` rounds (:func:`privacy.dp.calibration.epsilon_for`).
+  denominator, so the sensitivity of the release stays ``C``). Accounting
+  (:func:`spent_epsilon`): the Gaussian over ``T`` rounds. The project states it at rate 1
+  (:mod:`privacy.dp.amplification`: cohorts are published and redrawn), and the subsampled
+  figure at rate ``q`` beside it, which trusts the server to draw in secret.
+- **R's camera**: the public identities behind ``R`` must look like the devices' faces
+  (measured in ``benchmarks/person_dp.py``: ``R`` from the pretraining camera gives the
+  devices no useful negatives, and the non-private run no gain).
 
 The devices' local steps run vectorised over the cohort (one batched tensor per parameter),
 which makes 1,000+ virtual devices a matter of seconds per round on a CPU.
