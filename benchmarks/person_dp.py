@@ -17,7 +17,8 @@
    ``privacy.dp.amplification``); the amplified figure is stated beside it. Each row
    is run ``--repeats`` times (the cohorts and the noise differ): mean, std and every run.
 
-Prints one JSON object: held-out TAR@FAR=1e-2 / 1e-3 of the start, the pooled (centralized)
+Prints one JSON object: held-out TAR@FAR=1e-2 / 1e-3 of the frozen trunk's own features, of a
+random embedding layer, of the start, the pooled (centralized)
 reference, the non-private run, each epsilon and a control (the epsilon-8 noise with the
 devices' updates ~0: what noise alone does), the fraction of the non-private (and of the
 pooled) gain each private run keeps (``(private - start) / (non-private - start)``), the
@@ -53,6 +54,7 @@ from fl_secure.app.person_dp import (  # noqa: E402
 from fl_secure.config import load_config  # noqa: E402
 from fl_secure.data.plan import plan_federation  # noqa: E402
 from fl_secure.data.synthetic import SyntheticFaceConfig, generate_synthetic_faces  # noqa: E402
+from fl_secure.evaluation.verification import verification_metrics  # noqa: E402
 from fl_secure.models.factory import get_backbone, load_pretrained, save_weights  # noqa: E402
 from privacy.dp.amplification import accounted_sample_rate  # noqa: E402
 from privacy.dp.calibration import calibrate_noise  # noqa: E402
@@ -248,7 +250,15 @@ def main() -> None:
         row["seconds"] = round(time.monotonic() - t0, 1)
         return row
 
+    projection = torch.Generator().manual_seed(0)
+    random_layer = EmbeddingLayer(
+        torch.randn(start.weight.shape, generator=projection), start.bias * 0
+    )
+    raw = verification_metrics(held_features.numpy(), held_labels.numpy())
     rows: dict[str, dict[str, object]] = {
+        # references: the frozen trunk's own features, and a random (seeded) embedding layer
+        "trunk_features": {k: raw[k] for k in ("tar_at_far_1e-2", "tar_at_far_1e-3")},
+        "random_embedding_layer": held_out_tar(random_layer, held_features, held_labels),
         "pretrained_start": held_out_tar(start, held_features, held_labels),
         "centralized_pooled": centralized(
             start, device_features, held_features, held_labels, args.pooled_epochs
