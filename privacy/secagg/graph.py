@@ -6,6 +6,7 @@ each client shares its secrets with, and masks against, only its ``k`` neighbour
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable, Sequence
 
@@ -35,6 +36,14 @@ def neighbour_graph(ids: Sequence[str], k: int, seed: bytes) -> dict[str, frozen
     Raises:
         PrivacyError: If ids repeat, ``k`` is out of range or no ``k``-regular graph exists.
     """
+    # a pure function, remembered for the last few rounds: every member of a round derives
+    # the same graph (one process runs them all in privacy.secagg.in_process); a copy of the
+    # dict, so no caller can change another's graph
+    return dict(_graph(tuple(ids), k, seed))
+
+
+@functools.lru_cache(maxsize=8)
+def _graph(ids: tuple[str, ...], k: int, seed: bytes) -> dict[str, frozenset[str]]:
     nodes = sorted(set(ids))
     n = len(nodes)
     if n != len(ids):
