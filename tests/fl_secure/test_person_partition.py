@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 
+from fl_secure.algorithms.registry import check_config
 from fl_secure.config import Config, config_from_dict
 from fl_secure.data.plan import plan_federation
 from fl_secure.data.splits import person_partition
 from fl_secure.errors import ConfigError, DataError
+from fl_secure.models.heads import make_head
 
 
 def _config(num_clients: int = 30, held_out_clients: int = 0, seed: int = 3, **data: int) -> Config:
@@ -81,3 +87,31 @@ def test_person_config_refuses_attribute_predicates() -> None:
             "data": {"num_identities": 46, "held_out_identities": 6},
             "partition": {"kind": "person", "num_clients": 40, "clients": ["male=1"]},
         })  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["softmax", "cosface", "arcface"])
+def test_a_softmax_over_one_own_identity_gives_no_gradient(kind: str) -> None:
+    # why the person partition refuses the softmax-only designs: one class, loss 0, grad 0
+    head = make_head(kind, 1, 8)  # type: ignore[arg-type]
+    embeddings = torch.randn(5, 8, requires_grad=True)
+    loss = F.cross_entropy(
+        head(embeddings, torch.zeros(5, dtype=torch.long)), torch.zeros(5, dtype=torch.long)
+    )
+    loss.backward()
+    assert float(loss.detach()) == 0.0
+    assert embeddings.grad is not None and float(embeddings.grad.abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedpe", "fedgc", "fedcos", "hfmaml", "hfmaml-global"])
+def test_person_partition_refuses_designs_whose_loss_is_a_softmax_over_own_classes(
+    name: str,
+) -> None:
+    config = _config(num_clients=30)
+    config = replace(config, algorithm=replace(config.algorithm, name=name))
+    with pytest.raises(ConfigError, match=f"{name}.*partition.kind = 'person'.*0 for every"):
+        check_config(config)
+
+
+def test_person_partition_accepts_adafedfr_with_public_negatives() -> None:
+    config = _config(num_clients=30)
+    check_config(replace(config, algorithm=replace(config.algorithm, name="adafedfr")))

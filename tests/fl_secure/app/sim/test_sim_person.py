@@ -38,7 +38,9 @@ seed = 1
 backbone = "cnn-small"
 embedding_size = 16
 [algorithm]
-name = "fedavg"
+name = "adafedfr"
+public_identities = 8
+public_images_per_identity = 3
 [train]
 rounds = 3
 local_steps = 1
