@@ -19,9 +19,10 @@ a person: everything of theirs is in one client's update. The design:
   updates (Gaussian noise of std ``z C`` on the sum, from a CSPRNG). The placement here is
   central: the server is trusted to add the noise (the rounds run in one process; secure
   aggregation with noise in shares is the engine's ``distributed`` placement, not wired to
-  this design yet). ``R`` is computed from public data only. So the whole release is inside the DP statement, unlike FedGC's server-side
-  correction, which needs every device's class embedding in the clear, or a shared
-  (global) head, whose row of a person is trained by that person's device alone.
+  this design yet). ``R`` is computed from public data only. So the whole release is inside
+  the DP statement, unlike FedGC's server-side correction, which needs every device's class
+  embedding in the clear, or a shared (global) head, whose row of a person is trained by
+  that person's device alone.
 - **Cohorts**: Poisson sampling, each device with probability ``q`` per round, decided by
   CSPRNG uniforms; the noisy sum is divided by the *expected* cohort ``q N`` (a fixed
   denominator, so the sensitivity of the release stays ``C``). Accounting
