@@ -9,10 +9,13 @@ aggregation: a plain sum) on the same inputs and dropouts. Reported per row: the
 seconds (its stages; the clients' and the server's compute), the protocol bytes a client
 sends and receives (measured: the payloads of the wire, without gRPC framing), the
 cost-only round's seconds and the ratio, and the cost-only mode's modelled seconds and bytes
-(from a real probe round of ``--probe`` clients) against the measured ones.
+(from a real probe round of ``--probe`` clients) against the measured ones. Bytes per client
+are means over the cohort, its dropped members included. The round shares signature
+verification across the cohort (``SharedVerificationKey``); ``--unshared`` also times it with
+every client verifying for itself (a real client's compute).
 
 Usage: python benchmarks/secagg_in_process.py [--sizes 50 100 200] [--params 10000 100000]
-                                              [--dropout 0.1] [--probe 20]
+                                              [--dropout 0.1] [--probe 20] [--unshared]
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ from privacy.secagg.cost_only import cost_only_round, probe_costs  # noqa: E402
 from privacy.secagg.in_process import cohort_setup, encode_update, run_cohort_round  # noqa: E402
 
 
-def row(cfg: SecureAggregationConfig, n: int, d: int, dropout: float, probe: int) -> dict:
+def row(
+    cfg: SecureAggregationConfig, n: int, d: int, dropout: float, probe: int, unshared: bool
+) -> dict:
     """One cohort size and vector length: the real round and the cost-only one."""
     rng = np.random.default_rng(n * 7919 + d)
     ids = [f"site-{i:05d}" for i in range(n)]
@@ -51,6 +56,16 @@ def row(cfg: SecureAggregationConfig, n: int, d: int, dropout: float, probe: int
     assert plain.survivors == real.survivors and plain.total is not None
     assert real.total is not None and np.array_equal(plain.total, real.total)  # bit-exact
     s, m = real.stats, plain.stats
+    extra = {}
+    if unshared:  # every client verifies every signature itself, as real clients do
+        alone = run_cohort_round(
+            setup, encoded, round_id=setup.round_id, dropouts=drops, shared_checks=False
+        )
+        assert alone.total is not None and np.array_equal(alone.total, real.total)
+        extra = {
+            "unshared_round_s": round(alone.stats["seconds.total"], 3),
+            "unshared_over_shared": round(alone.stats["seconds.total"] / s["seconds.total"], 2),
+        }
     return {
         "n": n,
         "params": d,
@@ -80,6 +95,7 @@ def row(cfg: SecureAggregationConfig, n: int, d: int, dropout: float, probe: int
         "modelled_over_measured_bytes_down": round(
             m["modelled.bytes_down_per_client"] / s["bytes_down_per_client"], 2
         ),
+        **extra,
     }
 
 
@@ -89,9 +105,16 @@ def main() -> None:
     parser.add_argument("--params", type=int, nargs="+", default=[10_000, 100_000])
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--probe", type=int, default=20)
+    parser.add_argument(
+        "--unshared", action="store_true", help="also time the round without shared verification"
+    )
     args = parser.parse_args()
     cfg = SecureAggregationConfig(scheme="secagg+")
-    rows = [row(cfg, n, d, args.dropout, args.probe) for d in args.params for n in args.sizes]
+    rows = [
+        row(cfg, n, d, args.dropout, args.probe, args.unshared)
+        for d in args.params
+        for n in args.sizes
+    ]
     print(
         json.dumps(
             {

@@ -37,7 +37,7 @@ def write_simulated_run(
     """Simulate ``config`` and write a run directory under ``base``; return its path.
 
     ``executor``: builds the engine's client executor (default: serial, in this process);
-    ``dropout_rate``: securely aggregated rounds, each member's chance to leave mid-round.
+    ``dropout_rate``: securely aggregated rounds, the fraction of a cohort that leaves mid-round.
     """
     run = RunDir(new_run_dir(base, config.run.name))
     atomic_write_bytes(run.config, config_to_toml(config).encode())

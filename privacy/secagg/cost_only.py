@@ -11,7 +11,10 @@ survivors (bit-exact: the masks cancel), so the learning is unchanged.
 The model, for a cohort of ``n`` with ``k`` neighbours from a probe of ``n_p`` with ``k_p``:
 a client's compute grows with the masks it expands (``k + 1`` keystreams of ``d`` words),
 the server's with ``n (k + 1)``; a client sends its masked vector plus ``k`` shares (twice)
-and receives every advertisement, the survivor list and the signatures (``~n``).
+and receives every advertisement, the survivor list and the signatures (``~n``). Checked
+against real rounds up to ``n = 200`` (``python benchmarks/secagg_in_process.py``: within
+1.4x of the measured seconds, 1.3x of the bytes); beyond that each client's parsing of ``n``
+advertisements and signatures makes a real round grow faster than the model.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 
 from fl_secure.errors import PrivacyError
 from privacy.secagg.codec import DOMAIN, length_prefixed
+from privacy.secagg.sharing import shared
 
 
 def neighbour_graph(ids: Sequence[str], k: int, seed: bytes) -> dict[str, frozenset[str]]:
@@ -36,14 +37,12 @@ def neighbour_graph(ids: Sequence[str], k: int, seed: bytes) -> dict[str, frozen
     Raises:
         PrivacyError: If ids repeat, ``k`` is out of range or no ``k``-regular graph exists.
     """
-    # a pure function, remembered for the last few rounds: every member of a round derives
-    # the same graph (one process runs them all in privacy.secagg.in_process); a copy of the
-    # dict, so no caller can change another's graph
-    return dict(_graph(tuple(ids), k, seed))
+    if shared():  # a whole cohort in one process: derived once (a copy for each caller)
+        return dict(_remembered_graph(tuple(ids), k, seed))
+    return _graph(ids, k, seed)
 
 
-@functools.lru_cache(maxsize=8)
-def _graph(ids: tuple[str, ...], k: int, seed: bytes) -> dict[str, frozenset[str]]:
+def _graph(ids: Sequence[str], k: int, seed: bytes) -> dict[str, frozenset[str]]:
     nodes = sorted(set(ids))
     n = len(nodes)
     if n != len(ids):
@@ -66,6 +65,11 @@ def _graph(ids: tuple[str, ...], k: int, seed: bytes) -> dict[str, frozenset[str
     if k % 2 == 1:
         offsets.append(n // 2)
     return {u: frozenset(ring[(i + o) % n] for o in offsets) for i, u in enumerate(ring)}
+
+
+@functools.lru_cache(maxsize=8)
+def _remembered_graph(ids: tuple[str, ...], k: int, seed: bytes) -> dict[str, frozenset[str]]:
+    return _graph(ids, k, seed)
 
 
 def advert_seed(signed_payloads: Iterable[bytes]) -> bytes:

@@ -20,14 +20,16 @@ says so.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import random
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from fl_secure.config import SecureAggregationConfig
@@ -38,6 +40,7 @@ from privacy.secagg.client_round import SecureRoundMember, ddg_encoded
 from privacy.secagg.encoding import UniformSource
 from privacy.secagg.round_setup import RoundSetup, make_setup
 from privacy.secagg.server_round import ServerSecureRound
+from privacy.secagg.sharing import SharedVerificationKey, cohort_in_one_process
 from privacy.secagg.stages import (
     ADVERTISE,
     CONSISTENCY,
@@ -159,6 +162,21 @@ def check_dropouts(dropouts: Mapping[str, int] | None, cohort: Sequence[str]) ->
     return drops
 
 
+def random_dropouts(
+    cohort: Sequence[str], fraction: float, *, rng: random.Random | None = None
+) -> dict[str, int]:
+    """``round(fraction n)`` clients of the cohort, each dropping at a uniform stage 0..4.
+
+    ``rng``: a seeded :class:`random.Random` for a reproducible simulation; the CSPRNG
+    (:class:`secrets.SystemRandom`) when None.
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"dropout fraction {fraction}: expected 0..1")
+    draw = rng if rng is not None else secrets.SystemRandom()
+    chosen = draw.sample(sorted(cohort), round(fraction * len(cohort)))
+    return {c: draw.randrange(ADVERTISE, DONE) for c in chosen}
+
+
 def encode_update(
     setup: RoundSetup, update: Tensors | np.ndarray, *, rounding: UniformSource | None = None
 ) -> np.ndarray:
@@ -196,56 +214,6 @@ def mean_update(result: CohortSum, specs: Sequence[TensorSpec]) -> Tensors:
     total = unflatten(result.decoded, specs)
     m = len(result.survivors)
     return OrderedDict((s.name, (total[s.name] / m).astype(s.dtype)) for s in specs)
-
-
-class SharedVerificationKey(Ed25519PublicKey):
-    """An enrolled identity key whose successful verifications a simulated cohort shares.
-
-    In a cohort of ``n`` every client verifies every advertisement and every consistency
-    signature: ``2 n^2`` Ed25519 verifications a round, the bulk of an in-process round's time
-    (measured at ``n = 100``). Verification is deterministic, so a ``(signature, message)``
-    pair that verified once under this key verifies again: the clients still check every
-    signature they receive (an altered one is a new pair and is verified, and refused), but
-    the cohort, sharing one process, verifies each distinct pair once. Failures are not
-    remembered.
-    """
-
-    def __init__(self, key: Ed25519PublicKey) -> None:
-        self._key = key
-        self._verified: set[tuple[bytes, bytes]] = set()
-
-    def verify(
-        self, signature: bytes | bytearray | memoryview, data: bytes | bytearray | memoryview
-    ) -> None:
-        """``key.verify``; raises ``InvalidSignature`` unless the pair verifies (or did)."""
-        pair = (bytes(signature), bytes(data))
-        if pair not in self._verified:
-            self._key.verify(signature, data)
-            self._verified.add(pair)
-
-    def public_bytes(
-        self, encoding: serialization.Encoding, format: serialization.PublicFormat
-    ) -> bytes:
-        """The wrapped key's encoding."""
-        return self._key.public_bytes(encoding, format)
-
-    def public_bytes_raw(self) -> bytes:
-        """The wrapped key's 32 raw bytes."""
-        return self._key.public_bytes_raw()
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, SharedVerificationKey):
-            other = other._key
-        return bool(self._key == other)
-
-    def __hash__(self) -> int:
-        return hash(self.public_bytes_raw())
-
-    def __copy__(self) -> SharedVerificationKey:
-        return self
-
-    def __deepcopy__(self, memo: dict[int, object]) -> SharedVerificationKey:
-        return self
 
 
 class _Cohort:
@@ -297,6 +265,32 @@ class _Cohort:
         self.session.submit(stage, client_id, payload)
 
 
+def _run_stages(
+    session: ServerSecureRound,
+    cohort: _Cohort,
+    steps: Mapping[int, Callable[[str], None]],
+    stats: dict[str, float],
+) -> tuple[float, str | None]:
+    """Each stage's steps, then its close; ``(server seconds, why it aborted or None)``."""
+    server_seconds = 0.0
+    for stage, step in steps.items():
+        stage_start = time.perf_counter()
+        cohort.each(stage, step)
+        close_start = time.perf_counter()
+        aborted = None
+        try:
+            if not session.ready():  # pragma: no cover - everyone answered or is gone
+                raise RoundAborted(f"the {STAGE_NAMES[stage]} stage is still waiting")
+            session.close_stage()
+        except RoundAborted as exc:
+            aborted = str(exc)
+        server_seconds += time.perf_counter() - close_start
+        stats[f"seconds.{STAGE_KEYS[stage]}"] = time.perf_counter() - stage_start
+        if aborted:
+            return server_seconds, aborted
+    return server_seconds, None
+
+
 def run_cohort_round(
     setup_or_config: RoundSetup | SecureAggregationConfig,
     encoded: Mapping[str, np.ndarray],
@@ -304,7 +298,7 @@ def run_cohort_round(
     round_id: bytes,
     dropouts: Mapping[str, int] | None = None,
     signing_keys: Mapping[str, Ed25519PrivateKey] | None = None,
-    share_verification: bool = True,
+    shared_checks: bool = True,
 ) -> CohortSum:
     """One real SecAgg / SecAgg+ round among ``encoded``'s clients, in this process.
 
@@ -317,9 +311,11 @@ def run_cohort_round(
         dropouts: Client id -> the stage (:mod:`privacy.secagg.stages`: ADVERTISE 0 ..
             UNMASK 4) from which it sends nothing; DONE (5) or absent: it completes.
         signing_keys: The clients' Ed25519 identity keys; fresh ones (a CSPRNG) when None.
-        share_verification: The cohort verifies each distinct signature once
-            (:class:`SharedVerificationKey`); False: every client verifies for itself, as
-            real clients do (the seconds are then a real round's compute).
+        shared_checks: The cohort verifies each distinct signature once
+            (:class:`~privacy.secagg.sharing.SharedVerificationKey`), checks each advertised
+            key and derives the graph once
+            (:func:`~privacy.secagg.sharing.cohort_in_one_process`); False: every client
+            computes them itself, as real clients do (the seconds are a real round's compute).
 
     Returns:
         The survivors' modular sum and its decoding, or the reason the round aborted.
@@ -337,7 +333,7 @@ def run_cohort_round(
     else:
         keys = dict(signing_keys)
     registry: dict[str, Ed25519PublicKey] = {c: keys[c].public_key() for c in setup.cohort}
-    if share_verification:
+    if shared_checks:
         registry = {c: SharedVerificationKey(k) for c, k in registry.items()}
     session = ServerSecureRound(setup, registry, stage_timeout=float("inf"), clock=lambda: 0.0)
     cohort = _Cohort(setup, session, drops)
@@ -364,23 +360,10 @@ def run_cohort_round(
         payload = cohort.members[c].unmask(cohort.reply(CONSISTENCY, c))
         cohort.send(UNMASK, c, payload)
 
-    stats: dict[str, float] = {}
-    server_seconds, aborted = 0.0, None
     steps = {ADVERTISE: advertise, SHARE: share, MASKED: mask, CONSISTENCY: sign, UNMASK: unmask}
-    for stage, step in steps.items():
-        stage_start = time.perf_counter()
-        cohort.each(stage, step)
-        close_start = time.perf_counter()
-        try:
-            if not session.ready():  # pragma: no cover - everyone answered or is gone
-                raise RoundAborted(f"the {STAGE_NAMES[stage]} stage is still waiting")
-            session.close_stage()
-        except RoundAborted as exc:
-            aborted = str(exc)
-        server_seconds += time.perf_counter() - close_start
-        stats[f"seconds.{STAGE_KEYS[stage]}"] = time.perf_counter() - stage_start
-        if aborted:
-            break
+    stats: dict[str, float] = {}
+    with cohort_in_one_process() if shared_checks else contextlib.nullcontext():
+        server_seconds, aborted = _run_stages(session, cohort, steps, stats)
     n = len(setup.cohort)
     stats.update(
         {
@@ -397,7 +380,7 @@ def run_cohort_round(
             "bytes_down_max": float(max(cohort.down.values())),
             "bytes_masked_per_client": float(setup.vector_length * dtype.itemsize),
             "secure": 1.0,
-            "shared_verification": float(share_verification),
+            "shared_checks": float(shared_checks),
         }
     )
     mode = "secagg" if setup.neighbours == 0 else "secagg+"

@@ -21,6 +21,7 @@ from fl_secure.errors import PrivacyError, ProtocolError
 from privacy.secagg.codec import DOMAIN, length_prefixed
 from privacy.secagg.config import SecAggConfig
 from privacy.secagg.messages import AdvertiseKeys
+from privacy.secagg.sharing import shared
 
 SECRET_BYTES = 32  # seeds and X25519 private keys
 
@@ -95,14 +96,21 @@ def verify_advert(
             )
 
 
-@functools.lru_cache(maxsize=1 << 16)
 def usable_x25519(key: bytes) -> bool:
     """Whether ``key`` is an X25519 public key of large order (see :data:`_LOW_ORDER_PROBE`).
 
-    A pure function of the key, remembered: every member of a round checks every
-    advertisement, so a process that runs a whole cohort (:mod:`privacy.secagg.in_process`)
-    checks each key once instead of once per member.
+    Every member of a round checks every advertisement: a process that runs a whole cohort
+    (:func:`~privacy.secagg.sharing.cohort_in_one_process`) checks each key once.
     """
+    return _remembered_usable(key) if shared() else _usable(key)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _remembered_usable(key: bytes) -> bool:
+    return _usable(key)
+
+
+def _usable(key: bytes) -> bool:
     try:
         _LOW_ORDER_PROBE.exchange(X25519PublicKey.from_public_bytes(key))
     except ValueError:

@@ -85,8 +85,8 @@ class SimulationEngine:
             :class:`SerialExecutor` that keeps its clients when every client trains every
             round (the in-process simulation as it always ran) and rebuilds them otherwise.
         evaluated: how many clients score the global model before and after training.
-        dropout_rate: securely aggregated rounds: the chance that a cohort member leaves
-            the round, at a stage drawn uniformly (:mod:`fl_secure.app.sim.secure`).
+        dropout_rate: securely aggregated rounds: the fraction of a cohort that leaves the
+            round, each at a stage drawn uniformly (:mod:`fl_secure.app.sim.secure`).
     """
 
     def __init__(
@@ -216,6 +216,11 @@ class SimulationEngine:
         )
         # the server received the survivors' inputs only (the ledger counts them)
         rnd.received = {c: h for c, h in rnd.received.items() if c in outcome.survivors}
+        if outcome.mean is None and outcome.sum_seen:  # counted like a round, conservatively:
+            # with the fewest noise shares the sum may carry (as a resumed in-flight attempt)
+            least = min(len(rnd.cohort), self.config.server.min_clients)
+            reason = f"round {rnd.number} attempt {rnd.attempt}: {outcome.record['aborted']}"
+            s.accounting._discard(rnd.number, len(rnd.cohort), least, rnd.attempt, reason)
         return outcome.mean, outcome.record
 
     def _job(self, client_id: str, number: int, task: LocalTraining) -> ClientJob:

@@ -41,7 +41,7 @@ def run_simulation(
     Local training uses ``train.threads`` torch threads, as each client process does (the
     thread count changes the order of float reductions). ``evaluated``: how many clients
     (a seeded choice of a larger population) score the model before and after training;
-    ``dropout_rate``: secure rounds, each member's chance to leave mid-round.
+    ``dropout_rate``: secure rounds, the fraction of a cohort that leaves mid-round.
 
     Raises:
         ConfigError: what the engine does not run

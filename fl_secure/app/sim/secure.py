@@ -1,17 +1,17 @@
 """A simulated round's secure aggregation: the cohort's uploads masked, summed and unmasked.
 
-Each cohort member's upload (already clipped, and noised by a ``local`` placement) is encoded
-as the gRPC client encodes it (:func:`privacy.secagg.in_process.encode_update`: fixed point,
-or the distributed discrete Gaussian with the client's integer noise share), and the cohort
-runs a real SecAgg / SecAgg+ round in this process
+Each cohort member's upload (already clipped, and noised by a ``local`` placement) is
+encoded as the gRPC client encodes it (:func:`privacy.secagg.in_process.encode_update`:
+fixed point, or the distributed discrete Gaussian with the client's integer noise share),
+and the cohort runs a real SecAgg / SecAgg+ round in this process
 (:func:`privacy.secagg.in_process.run_cohort_round`, the gRPC path's protocol objects, with
 the setup the coordinator would send: :func:`~privacy.secagg.in_process.cohort_setup`).
-Dropouts are injected: each member leaves with probability ``dropout_rate`` at a stage drawn
-uniformly from advertise .. unmask. The server then gets only the survivors' sum, turned into
-the round's update as the coordinator's relay does it
-(:meth:`server.secure_relay.SecureRelay.mean`): ``(sum + central noise) / W`` under
-client-level DP (:meth:`~privacy.server_round.ServerPrivacy.finish_sum`), the survivors' mean
-otherwise.
+Dropouts are injected (:func:`~privacy.secagg.in_process.random_dropouts`): ``round(rate
+n)`` members of a cohort of ``n`` leave, each at a stage drawn uniformly from advertise ..
+unmask. The server then gets only the survivors' sum, turned into the round's update as the
+coordinator's relay does it (:meth:`server.secure_relay.SecureRelay.mean`): ``(sum + central
+noise) / W`` under client-level DP (:meth:`~privacy.server_round.ServerPrivacy.finish_sum`),
+the survivors' mean otherwise.
 """
 
 from __future__ import annotations
@@ -24,8 +24,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from privacy.secagg.in_process import cohort_setup, encode_update, run_cohort_round
-from privacy.secagg.stages import ADVERTISE, UNMASK
+from privacy.secagg.in_process import (
+    cohort_setup,
+    encode_update,
+    random_dropouts,
+    run_cohort_round,
+)
 from privacy.secagg.vectors import unflatten
 
 if TYPE_CHECKING:
@@ -43,6 +47,8 @@ class SecureOutcome:
     mean: Tensors | None
     survivors: tuple[str, ...]
     record: dict[str, Any]
+    # an aborted round that reached its unmask stage: the server may have seen the sum
+    sum_seen: bool = False
 
 
 def injected_dropouts(
@@ -53,7 +59,7 @@ def injected_dropouts(
         return {}
     digest = hashlib.sha256(f"{seed}:dropouts:{number}:{attempt}".encode()).digest()
     rng = random.Random(int.from_bytes(digest[:8], "little"))  # noqa: S311 - not a secret
-    return {c: rng.randint(ADVERTISE, UNMASK) for c in cohort if rng.random() < rate}
+    return random_dropouts(cohort, rate, rng=rng)
 
 
 def secure_round(
@@ -97,7 +103,7 @@ def secure_round(
         "bytes_down_per_client": result.stats.get("bytes_down_per_client"),
     }
     if result.aborted is not None or result.decoded is None or not result.survivors:
-        return SecureOutcome(None, (), record)
+        return SecureOutcome(None, (), record, sum_seen="seconds.unmask" in result.stats)
     total = unflatten(result.decoded, list(specs))
     if plan is not None:  # client-level DP: (sum + central noise) / W
         assert privacy is not None

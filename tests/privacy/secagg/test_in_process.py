@@ -304,7 +304,7 @@ def test_shared_verification_still_refuses_an_altered_advert_relayed_to_one_clie
     # Assert: client-005 refused it (and withdrew); the other nine finish with their sum
     assert "not signed by its enrolled identity key" in result.left["client-005"]
     assert set(result.left) == {"client-005"}
-    assert result.stats["shared_verification"] == 1.0
+    assert result.stats["shared_checks"] == 1.0
     _check_exact(result, setup, encoded)
     assert set(result.survivors) == set(setup.cohort) - {"client-005"}
 
@@ -313,7 +313,7 @@ def test_a_shared_verification_key_remembers_only_pairs_that_verified() -> None:
     from cryptography.exceptions import InvalidSignature
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from privacy.secagg.in_process import SharedVerificationKey
+    from privacy.secagg.sharing import SharedVerificationKey
 
     secret = Ed25519PrivateKey.generate()
     key = SharedVerificationKey(secret.public_key())
@@ -329,11 +329,43 @@ def test_a_shared_verification_key_remembers_only_pairs_that_verified() -> None:
     )
 
 
-def test_a_graph_handed_out_cannot_change_the_one_the_next_member_derives() -> None:
-    from privacy.secagg.graph import neighbour_graph
+def test_only_a_cohort_in_one_process_remembers_graphs_and_key_checks() -> None:
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    from privacy.secagg import graph, keys
+    from privacy.secagg.sharing import cohort_in_one_process
 
     ids = tuple(_ids(12))
-    first = neighbour_graph(ids, 4, b"seed")
-    first.clear()
-    again = neighbour_graph(list(ids), 4, b"seed")
-    assert len(again) == 12 and all(len(v) == 4 for v in again.values())
+    low_order = bytes(32)  # the identity point: every agreement with it is refused
+    good = keys.public_bytes(X25519PrivateKey.generate())
+    graph._remembered_graph.cache_clear()
+    keys._remembered_usable.cache_clear()
+    # outside: nothing remembered (a real client's and the server's compute is their own)
+    assert len(graph.neighbour_graph(ids, 4, b"seed")) == 12
+    assert keys.usable_x25519(good) and not keys.usable_x25519(low_order)
+    assert graph._remembered_graph.cache_info().currsize == 0
+    assert keys._remembered_usable.cache_info().currsize == 0
+    with cohort_in_one_process():
+        first = graph.neighbour_graph(ids, 4, b"seed")
+        first.clear()  # a member's copy: the next member's graph is whole
+        again = graph.neighbour_graph(list(ids), 4, b"seed")
+        assert len(again) == 12 and all(len(v) == 4 for v in again.values())
+        for _ in range(2):  # the low-order key stays refused when remembered
+            assert keys.usable_x25519(good) and not keys.usable_x25519(low_order)
+    assert graph._remembered_graph.cache_info().hits == 1
+    assert keys._remembered_usable.cache_info().hits == 2
+
+
+def test_random_dropouts_pick_the_fraction_at_stages_before_done() -> None:
+    import random
+
+    from privacy.secagg.in_process import random_dropouts
+
+    ids = _ids(200)
+    drops = random_dropouts(ids, 0.1, rng=random.Random(5))
+    assert len(drops) == 20 and set(drops) <= set(ids)
+    assert set(drops.values()) <= set(range(ADVERTISE, DONE)) and len(set(drops.values())) > 1
+    assert drops == random_dropouts(ids, 0.1, rng=random.Random(5))  # seeded: reproducible
+    assert len(random_dropouts(ids, 0.25)) == 50  # the CSPRNG
+    with pytest.raises(ValueError, match="expected 0..1"):
+        random_dropouts(ids, 1.5)

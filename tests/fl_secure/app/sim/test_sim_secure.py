@@ -18,8 +18,9 @@ from fl_secure.app.sim.server_side import SimServer
 from fl_secure.app.simulated_run import write_simulated_run
 from fl_secure.config import Config, load_config
 from fl_secure.data.plan import plan_client_id
-from fl_secure.errors import ConfigError
-from fl_secure.runs import RunDir
+from fl_secure.errors import ConfigError, RoundAborted
+from fl_secure.runs import RunDir, new_run_dir
+from privacy.secagg.in_process import CohortSum
 from privacy.secagg.stages import ADVERTISE, MASKED, UNMASK
 
 CONFIG = """
@@ -150,3 +151,41 @@ def test_a_dpsgd_clients_accountant_is_carried_between_its_rounds(
     assert summary["privacy_unit"] == "example"
     assert summary["privacy"]["clients_epsilon"]["client-0"] == pytest.approx(third["dp_epsilon"])
     assert RunDir(run).path == run and (run / "ledger.sqlite").exists()
+
+
+def test_a_secure_round_aborted_after_unmasking_is_counted_like_a_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Prepare: local noise under SecAgg (the guarantee covers the server's view), and rounds
+    # whose sum is unmasked and then cannot be decoded; one retry
+    overrides = [
+        "secure_aggregation.scheme=secagg",
+        "privacy.unit=client",
+        "privacy.noise_placement=local",
+        "privacy.noise_multiplier=2.0",
+        "privacy.clip_norm=0.5",
+        "server.max_retries=1",
+    ]
+    config = _config(tmp_path, overrides)
+    _scheduled(monkeypatch, {1: list(range(4))})
+    unmasked = CohortSum(None, (), "the sum could not be decoded", {"seconds.unmask": 0.1})
+    monkeypatch.setattr(secure_module, "run_cohort_round", lambda *a, **k: unmasked)
+    run = RunDir(new_run_dir(tmp_path, "aborted"))
+    engine = SimulationEngine(config, run_dir=run, evaluated=0)
+    # Execute: both attempts abort after the server saw their sums
+    with pytest.raises(RoundAborted, match="every attempt failed"):
+        engine.train_round(1)
+    # Assert: each attempt's sum is in the ledger as a discarded sum, composed like a round
+    kinds = [e.kind for e in engine.server.privacy.ledger.entries()]  # type: ignore[union-attr]
+    assert kinds == ["discarded_sum", "discarded_sum"]
+    assert engine.server.privacy.discarded_sums == 2  # type: ignore[union-attr]
+    assert engine.server.privacy.epsilon > 0  # type: ignore[union-attr]
+
+
+def test_injected_dropouts_take_the_configured_fraction_reproducibly() -> None:
+    cohort = [plan_client_id(i) for i in range(10)]
+    drops = secure_module.injected_dropouts(3, 2, 0, cohort, 0.3)
+    assert len(drops) == 3 and set(drops) <= set(cohort)
+    assert all(ADVERTISE <= stage <= UNMASK for stage in drops.values())
+    assert secure_module.injected_dropouts(3, 2, 0, cohort, 0.3) == drops  # same round: same
+    assert secure_module.injected_dropouts(3, 2, 0, cohort, 0.0) == {}
