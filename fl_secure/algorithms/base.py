@@ -59,6 +59,10 @@ class Strategy(ABC):
     name: ClassVar[str]
     exposure: ClassVar[Exposure]
     shares_head: ClassVar[bool]
+    #: The local loss is a softmax over the client's own identities only (a private head, or a
+    #: shared one with absent classes masked): with one identity per client
+    #: (``partition.kind = "person"``) it is 0 for every input, so nothing trains; refused.
+    local_softmax_only: ClassVar[bool] = False
     #: ``server-sees-heads`` designs (FedGC): the client's private head travels to the server
     #: with its update (as ``head.*`` values) and back to the client alone.
     uploads_head: ClassVar[bool] = False
@@ -125,6 +129,14 @@ class Strategy(ABC):
             raise ConfigError(
                 f"algorithm.name = {cls.name!r} cannot run with secure_aggregation.scheme = "
                 f"{scheme!r}: {cls.refuses_secure_aggregation}"
+            )
+        if cls.local_softmax_only and config.partition.kind == "person":
+            raise ConfigError(
+                f"algorithm.name = {cls.name!r} cannot train with partition.kind = 'person': "
+                "its local loss is a softmax over the client's own identities, which with one "
+                "identity per client is 0 for every image (no gradient); use 'adafedfr' "
+                "(public identities as negatives), or the person-level DP design "
+                "of benchmarks/person_dp.py"
             )
         unit = config.privacy.unit
         if unit in cls.refused_privacy_units:

@@ -20,6 +20,7 @@ class FedAvg(Strategy):
     name: ClassVar[str] = "fedavg"
     exposure: ClassVar[Exposure] = "global-head"
     shares_head: ClassVar[bool] = True
+    local_softmax_only: ClassVar[bool] = True  # absent classes masked (HF-MAML III-A)
 
     def describe(self) -> str:
         """One line for logs and reports."""

@@ -153,6 +153,7 @@ class FedGC(Strategy):
     exposure: ClassVar[Exposure] = "server-sees-heads"
     shares_head: ClassVar[bool] = False
     uploads_head: ClassVar[bool] = True
+    local_softmax_only: ClassVar[bool] = True
     regularizer: ClassVar[Regularizer] = "softmax"
     # each client's class embeddings are uploaded in the clear, by design
     refuses_secure_aggregation: ClassVar[str] = (

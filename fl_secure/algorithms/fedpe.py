@@ -19,6 +19,7 @@ class FedPE(Strategy):
     name: ClassVar[str] = "fedpe"
     exposure: ClassVar[Exposure] = "private-embedding"
     shares_head: ClassVar[bool] = False
+    local_softmax_only: ClassVar[bool] = True
 
     def describe(self) -> str:
         """One line for logs and reports."""

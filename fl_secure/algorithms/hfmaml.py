@@ -188,6 +188,7 @@ class HFMAML(Strategy):
     exposure: ClassVar[Exposure] = "private-embedding"
     shares_head: ClassVar[bool] = False
     uses_embedding_reg: ClassVar[bool] = True
+    local_softmax_only: ClassVar[bool] = True
 
     def __init__(
         self, alpha: float = 0.01, beta: float = 0.0, delta: float = 0.001, reg: float = 0.0

@@ -99,7 +99,9 @@ def _check_degradation(spec: str, image_size: int) -> None:
 class PartitionConfig:
     """How the training identities are spread over clients."""
 
-    kind: PartitionKind = "equal"  # equal, lognormal (HF-MAML Eq. 5) or dirichlet
+    # equal, lognormal (HF-MAML Eq. 5), dirichlet, attribute, domain, or person (one identity
+    # per client: client-level DP is then person-level DP)
+    kind: PartitionKind = "equal"
     num_clients: int = 4
     # lognormal: mu of S_i (HF-MAML: 3). Eq. 5 normalises the S_i, so mu cancels and only
     # sigma shapes the sizes; kept as the paper states it

@@ -171,6 +171,7 @@ class Config:
                 "partition.kind = 'domain' needs data.source = 'synthetic': the target domain "
                 "is the synthetic generator's 'shifted' domain"
             )
+        _check_person_partition(self)
         if self.server.min_clients > self.partition.num_clients:
             raise ConfigError(
                 f"server.min_clients = {self.server.min_clients} exceeds "
@@ -188,3 +189,29 @@ class Config:
                 "Poisson-sampled (sample_rate) or of fixed size (clients_per_round); set the "
                 "other to 0"
             )
+
+
+def _check_person_partition(config: Config) -> None:
+    """``partition.kind = "person"``: one training identity per client, counted in advance.
+
+    Synthetic data has a known number of identities, so a mismatch is refused here rather than
+    when the data is planned; identity folders are counted by the plan.
+
+    Raises:
+        ConfigError: the synthetic identities not held out differ from the clients in number,
+            or the attribute partition's predicates are set (a person partition has none).
+    """
+    p, d = config.partition, config.data
+    if p.kind != "person":
+        return
+    if p.clients:
+        raise ConfigError("partition.clients: predicates are for kind = 'attribute', not 'person'")
+    total = p.num_clients + p.held_out_clients
+    if d.source == "synthetic" and d.num_identities - d.held_out_identities != total:
+        raise ConfigError(
+            f"partition.kind = 'person' gives each client exactly one identity: "
+            f"data.num_identities - data.held_out_identities = "
+            f"{d.num_identities - d.held_out_identities}, but partition.num_clients + "
+            f"partition.held_out_clients = {total}; set data.num_identities = "
+            f"{total + d.held_out_identities}"
+        )

@@ -13,7 +13,7 @@ from typing import Literal
 from fl_secure.errors import ConfigError
 
 DataSource = Literal["synthetic", "folders", "celeba"]
-PartitionKind = Literal["equal", "lognormal", "dirichlet", "attribute", "domain"]
+PartitionKind = Literal["equal", "lognormal", "dirichlet", "attribute", "domain", "person"]
 AlgorithmName = Literal[
     "fedavg",
     "fedpe",

@@ -16,6 +16,11 @@ identities in the synthetic generator's source domain; clients ``1..K`` split th
 equally and hold them in the ``"shifted"`` domain, as does the held-out set (the target
 domain's evaluation). Every image carries its ``domain`` attribute (0 source, 1 shifted), by
 which the ``fedfr`` strategy tells source from target clients.
+
+``partition.kind = "person"`` (the cross-device FedFace / FedGC setting): every client holds
+all images of exactly one identity, split into train and test like any client's; the
+training identities must number exactly ``num_clients + held_out_clients``. A client's
+update then depends on one person only, so client-level DP is person-level DP.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from fl_secure.data.splits import (
     equal_partition,
     held_out_identities,
     lognormal_partition,
+    person_partition,
     stratified_split,
 )
 from fl_secure.data.synthetic import Domain, SyntheticFaceConfig, generate_synthetic_faces
@@ -179,6 +185,8 @@ def partition_identities(
         return lognormal_partition(train_ids, total, seed, mu=cfg.mu, sigma=cfg.sigma)
     if cfg.kind == "dirichlet":
         return dirichlet_partition(train_ids, total, seed, alpha=cfg.alpha)
+    if cfg.kind == "person":
+        return person_partition(train_ids, total, seed)
     return equal_partition(train_ids, total, seed)
 
 

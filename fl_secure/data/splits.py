@@ -6,6 +6,8 @@
   identity appears in every part, as in HF-MAML (Sec. IV-A: "a stratified split per client,
   which means that every identity is in both the train and the test set"; 70/10/20).
 - :func:`equal_partition`: identities dealt evenly to clients (HF-MAML's equal partition).
+- :func:`person_partition`: one identity per client (the cross-device FedFace / FedGC
+  setting: a device is one person), so client-level DP is person-level DP.
 
 All are deterministic by ``seed`` (numpy ``Generator``; data shuffling, not security).
 """
@@ -143,6 +145,31 @@ def equal_partition(
     _check_partition_ids(ids, num_clients)
     shuffled = np.random.default_rng(seed).permutation(ids)
     return [np.sort(part) for part in np.array_split(shuffled, num_clients)]
+
+
+def person_partition(
+    identity_ids: Sequence[int] | np.ndarray, num_clients: int, seed: int
+) -> list[np.ndarray]:
+    """One identity per client: client ``k`` holds the ``k``-th identity of a seeded shuffle.
+
+    Every identity goes to exactly one client and every client has exactly one identity, so
+    a client's update depends on one person only: client-level DP of such clients is
+    person-level DP.
+
+    Raises:
+        DataError: as :func:`equal_partition`, or a number of identities other than
+            ``num_clients`` (an identity left over would belong to no client's person).
+    """
+    ids = np.asarray(identity_ids, dtype=np.int64)
+    _check_partition_ids(ids, num_clients)
+    if len(ids) != num_clients:
+        raise DataError(
+            f"partition.kind = 'person' gives each client exactly one identity: there are "
+            f"{len(ids)} training identities for {num_clients} clients (partition.num_clients "
+            "+ partition.held_out_clients); make them equal"
+        )
+    shuffled = np.random.default_rng(seed).permutation(ids)
+    return [shuffled[k : k + 1] for k in range(num_clients)]
 
 
 def _check_partition_ids(ids: np.ndarray, num_clients: int) -> None:
