@@ -1,10 +1,12 @@
 """A run directory from the in-process simulation, so that fast runs can be audited too.
 
-:func:`write_simulated_run` runs :func:`fl_secure.app.simulation.simulate` (the gRPC path's
-algorithm code without the network; non-private, no secure aggregation) and writes the layout
-``fl-secure train`` writes (:mod:`fl_secure.runs`): ``config.toml``, ``metrics.jsonl``,
-``summary.json`` (with the ``secure_aggregation`` and privacy fields of
-:mod:`server.summary`) and the final checkpoint, including FedGC's server-held heads in
+:func:`write_simulated_run` runs the simulation engine (:mod:`fl_secure.app.sim`: the gRPC
+path's round code without the network; sampled cohorts and client-level DP with its ledger)
+and writes the layout ``fl-secure train`` writes (:mod:`fl_secure.runs`): ``config.toml``,
+``metrics.jsonl``, ``summary.json`` (with the ``secure_aggregation`` and privacy fields of
+:mod:`server.summary`), a checkpoint per round (with its ledger rows and the ledger's signed
+head, as the coordinator writes them before the ledger commit), ``ledger.sqlite`` of a
+private run; the last checkpoint has FedGC's server-held heads in
 ``clients-%06d.safetensors``. Clients' private heads are not written: the simulation keeps
 them in memory, and neither the server nor another client sees them.
 """
@@ -12,39 +14,66 @@ them in memory, and neither the server nor another client sees them.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fl_secure.app.simulation import simulate
+from fl_secure.app.sim.run import run_simulation
 from fl_secure.checkpoints import CheckpointStore
 from fl_secure.config import Config, config_to_toml
 from fl_secure.runs import RunDir, atomic_write_bytes, new_run_dir
 
+if TYPE_CHECKING:
+    from fl_secure.app.sim.engine import ExecutorFactory
 
-def write_simulated_run(config: Config, base: Path, *, progress: bool = False) -> Path:
-    """Simulate ``config`` and write a run directory under ``base``; return its path."""
-    result = simulate(config, progress=progress)
+
+def write_simulated_run(
+    config: Config,
+    base: Path,
+    *,
+    progress: bool = False,
+    executor: ExecutorFactory | None = None,
+) -> Path:
+    """Simulate ``config`` and write a run directory under ``base``; return its path.
+
+    ``executor``: builds the engine's client executor (default: serial, in this process).
+    """
     run = RunDir(new_run_dir(base, config.run.name))
     atomic_write_bytes(run.config, config_to_toml(config).encode())
+    result = run_simulation(config, run_dir=run, executor=executor, progress=progress)
     for record in result.records:
         run.append_metrics(record)
     heads = bool(result.heads)
     sees = "every client's update and class embeddings" if heads else "every client's update"
+    if result.privacy is not None:
+        statement = result.privacy
+        privacy: dict[str, Any] = {
+            **{
+                k: statement[k]
+                for k in ("epsilon", "delta", "accountant", "privacy_unit", "noise_placement")
+            },
+            "privacy": statement,
+        }
+    else:
+        privacy = {
+            "epsilon": None,
+            "delta": None,
+            "accountant": None,
+            "privacy_unit": "none",
+            "noise_placement": None,
+        }
+    s = config.server
     summary: dict[str, Any] = {
         **result.summary,
         "rounds_planned": config.train.rounds,
         "num_clients": config.partition.num_clients,
-        "epsilon": None,
-        "delta": None,
-        "accountant": None,
-        "privacy_unit": "none",
-        "noise_placement": None,
+        "cohort_sampling": {
+            "clients_per_round": s.clients_per_round,
+            "sample_rate": s.sample_rate,
+            "draw": "server.membership.Membership.sample_cohort (secrets.SystemRandom)",
+        },
+        **privacy,
         "secure_aggregation": {"scheme": "none", "server_sees": sees},
     }
     run.write_summary(summary)
-    CheckpointStore(run.checkpoints).save(
-        config.train.rounds,
-        result.params,
-        {"status": "completed"},
-        client_tensors=result.heads or None,
-    )
+    if not result.rounds_completed:  # each round's checkpoint is written as it completes
+        CheckpointStore(run.checkpoints).save(0, result.params, {"status": result.status})
     return run.path

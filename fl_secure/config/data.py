@@ -128,7 +128,11 @@ class PartitionConfig:
             "partition.seed",
             "-1 (the split follows run.seed) or an integer in [0, 2**63)",
         )
-        check(1 <= self.num_clients <= 1000, "partition.num_clients", "an integer in [1, 1000]")
+        check(
+            1 <= self.num_clients <= 100_000,  # simulated populations (fl_secure.app.sim)
+            "partition.num_clients",
+            "an integer in [1, 100000]",
+        )
         check(0 < self.source_fraction < 1, "partition.source_fraction", "a number in (0, 1)")
         if self.kind == "domain":
             check(

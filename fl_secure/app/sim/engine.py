@@ -83,6 +83,7 @@ class SimulationEngine:
         executor: builds the executor from the clients' config; default a
             :class:`SerialExecutor` that keeps its clients when every client trains every
             round (the in-process simulation as it always ran) and rebuilds them otherwise.
+        evaluated: how many clients score the global model before and after training.
     """
 
     def __init__(
@@ -91,8 +92,10 @@ class SimulationEngine:
         *,
         run_dir: RunDir | None = None,
         executor: ExecutorFactory | None = None,
+        evaluated: int = EVALUATED_CLIENTS,
     ) -> None:
         self.config = config
+        self.evaluated = evaluated
         self.server = SimServer(config, run_dir)
         self.run_dir = run_dir
         self.store: CheckpointStore | None = None
@@ -270,11 +273,11 @@ class SimulationEngine:
     def evaluated_clients(self) -> list[str]:
         """The clients that score the global model (all, or a seeded choice of them)."""
         ids = self.server.ids
-        if len(ids) <= EVALUATED_CLIENTS:
+        if len(ids) <= self.evaluated:
             return list(ids)
         seed = hashlib.sha256(f"{self.config.run.seed}:evaluated".encode()).digest()
         g = torch.Generator().manual_seed(int.from_bytes(seed[:8], "little") >> 1)
-        chosen = torch.randperm(len(ids), generator=g)[:EVALUATED_CLIENTS].tolist()
+        chosen = torch.randperm(len(ids), generator=g)[: self.evaluated].tolist()
         return [ids[i] for i in sorted(chosen)]
 
     def evaluate_clients(self) -> dict[str, dict[str, float]]:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fl_secure.app.sim.engine import (
+    EVALUATED_CLIENTS,
     ExecutorFactory,
     SimulationEngine,
     SimulationResult,
@@ -30,13 +31,15 @@ def run_simulation(
     *,
     run_dir: RunDir | None = None,
     executor: ExecutorFactory | None = None,
+    evaluated: int = EVALUATED_CLIENTS,
     progress: bool = False,
     on_round: Callable[[dict[str, Any]], None] | None = None,
 ) -> SimulationResult:
     """Run ``config``'s rounds on virtual clients; return parameters, records and summary.
 
     Local training uses ``train.threads`` torch threads, as each client process does (the
-    thread count changes the order of float reductions).
+    thread count changes the order of float reductions). ``evaluated``: how many clients
+    (a seeded choice of a larger population) score the model before and after training.
 
     Raises:
         ConfigError: what the engine does not run
@@ -46,7 +49,7 @@ def run_simulation(
     before = torch.get_num_threads()
     torch.set_num_threads(config.train.threads)
     try:
-        engine = SimulationEngine(config, run_dir=run_dir, executor=executor)
+        engine = SimulationEngine(config, run_dir=run_dir, executor=executor, evaluated=evaluated)
         try:
             return _run(engine, progress=progress, on_round=on_round)
         finally:
