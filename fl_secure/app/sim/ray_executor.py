@@ -68,6 +68,7 @@ class _Actor:
 
         torch.set_num_threads(max(1, config.train.threads))
         self.worker = VirtualClientWorker(config, keep_trainers=keep_trainers)
+        _ = self.worker.plan  # the data plan now, with the actors' start, not in round 1
 
     def run(self, job: ClientJob, sent: Tensors) -> ClientResult:
         """Run ``job`` with ``sent`` (passed apart: one object-store copy per distinct model)."""
