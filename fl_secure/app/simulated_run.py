@@ -20,6 +20,7 @@ from fl_secure.app.sim.run import run_simulation
 from fl_secure.checkpoints import CheckpointStore
 from fl_secure.config import Config, config_to_toml
 from fl_secure.runs import RunDir, atomic_write_bytes, new_run_dir
+from server.summary import _secure_aggregation as secure_aggregation_summary
 
 if TYPE_CHECKING:
     from fl_secure.app.sim.engine import ExecutorFactory
@@ -31,18 +32,20 @@ def write_simulated_run(
     *,
     progress: bool = False,
     executor: ExecutorFactory | None = None,
+    dropout_rate: float = 0.0,
 ) -> Path:
     """Simulate ``config`` and write a run directory under ``base``; return its path.
 
-    ``executor``: builds the engine's client executor (default: serial, in this process).
+    ``executor``: builds the engine's client executor (default: serial, in this process);
+    ``dropout_rate``: securely aggregated rounds, the fraction of a cohort that leaves mid-round.
     """
     run = RunDir(new_run_dir(base, config.run.name))
     atomic_write_bytes(run.config, config_to_toml(config).encode())
-    result = run_simulation(config, run_dir=run, executor=executor, progress=progress)
+    result = run_simulation(
+        config, run_dir=run, executor=executor, dropout_rate=dropout_rate, progress=progress
+    )
     for record in result.records:
         run.append_metrics(record)
-    heads = bool(result.heads)
-    sees = "every client's update and class embeddings" if heads else "every client's update"
     if result.privacy is not None:
         statement = result.privacy
         privacy: dict[str, Any] = {
@@ -71,7 +74,10 @@ def write_simulated_run(
             "draw": "server.membership.Membership.sample_cohort (secrets.SystemRandom)",
         },
         **privacy,
-        "secure_aggregation": {"scheme": "none", "server_sees": sees},
+        "secure_aggregation": {
+            **secure_aggregation_summary(config, result.records, heads=bool(result.heads)),
+            "dropout_rate": dropout_rate,
+        },
     }
     run.write_summary(summary)
     if not result.rounds_completed:  # each round's checkpoint is written as it completes

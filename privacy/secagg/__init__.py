@@ -44,7 +44,10 @@ the strict binary format of :mod:`~privacy.secagg.codec`), :mod:`~privacy.secagg
 :mod:`~privacy.secagg.keys`, :mod:`~privacy.secagg.graph`, :mod:`~privacy.secagg.config`, and
 the two parties, :mod:`~privacy.secagg.client` and :mod:`~privacy.secagg.server`. A round over
 the wire (the task's :mod:`~privacy.secagg.round_setup`, its :mod:`~privacy.secagg.stages`)
-is run by :mod:`~privacy.secagg.server_round` and :mod:`~privacy.secagg.client_round`.
+is run by :mod:`~privacy.secagg.server_round` and :mod:`~privacy.secagg.client_round`; a
+simulation runs a whole cohort's round in one process with them
+(:mod:`~privacy.secagg.in_process`), or, for cohorts too large to mask, sums in the clear and
+says so (:mod:`~privacy.secagg.cost_only`).
 
 Errors: :class:`~fl_secure.errors.ProtocolError` for malformed or out-of-order messages,
 :class:`~fl_secure.errors.PrivacyError` for authentication failures (bad signature, tampered

@@ -6,11 +6,13 @@ each client shares its secrets with, and masks against, only its ``k`` neighbour
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable, Sequence
 
 from fl_secure.errors import PrivacyError
 from privacy.secagg.codec import DOMAIN, length_prefixed
+from privacy.secagg.sharing import shared
 
 
 def neighbour_graph(ids: Sequence[str], k: int, seed: bytes) -> dict[str, frozenset[str]]:
@@ -35,6 +37,12 @@ def neighbour_graph(ids: Sequence[str], k: int, seed: bytes) -> dict[str, frozen
     Raises:
         PrivacyError: If ids repeat, ``k`` is out of range or no ``k``-regular graph exists.
     """
+    if shared():  # a whole cohort in one process: derived once (a copy for each caller)
+        return dict(_remembered_graph(tuple(ids), k, seed))
+    return _graph(ids, k, seed)
+
+
+def _graph(ids: Sequence[str], k: int, seed: bytes) -> dict[str, frozenset[str]]:
     nodes = sorted(set(ids))
     n = len(nodes)
     if n != len(ids):
@@ -57,6 +65,11 @@ def neighbour_graph(ids: Sequence[str], k: int, seed: bytes) -> dict[str, frozen
     if k % 2 == 1:
         offsets.append(n // 2)
     return {u: frozenset(ring[(i + o) % n] for o in offsets) for i, u in enumerate(ring)}
+
+
+@functools.lru_cache(maxsize=8)
+def _remembered_graph(ids: tuple[str, ...], k: int, seed: bytes) -> dict[str, frozenset[str]]:
+    return _graph(ids, k, seed)
 
 
 def advert_seed(signed_payloads: Iterable[bytes]) -> bytes:

@@ -8,6 +8,7 @@ identity key and checked against the enrolled registry (:func:`verify_advert`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 from cryptography.exceptions import InvalidSignature
@@ -20,6 +21,7 @@ from fl_secure.errors import PrivacyError, ProtocolError
 from privacy.secagg.codec import DOMAIN, length_prefixed
 from privacy.secagg.config import SecAggConfig
 from privacy.secagg.messages import AdvertiseKeys
+from privacy.secagg.sharing import shared
 
 SECRET_BYTES = 32  # seeds and X25519 private keys
 
@@ -87,10 +89,30 @@ def verify_advert(
             "key: substituted or unsigned public keys; refusing to use them"
         ) from exc
     for name, key in (("c_pk", advert.c_pk), ("s_pk", advert.s_pk)):
-        try:  # a low-order point makes every agreement with it fail (or all zeros)
-            _LOW_ORDER_PROBE.exchange(X25519PublicKey.from_public_bytes(key))
-        except ValueError as exc:
+        if not usable_x25519(key):  # a low-order point: every agreement with it fails
             raise ProtocolError(
                 f"advertisement of {who!r}: {name} is not a usable X25519 public key (a "
                 "low-order point); the client is left out of the round"
-            ) from exc
+            )
+
+
+def usable_x25519(key: bytes) -> bool:
+    """Whether ``key`` is an X25519 public key of large order (see :data:`_LOW_ORDER_PROBE`).
+
+    Every member of a round checks every advertisement: a process that runs a whole cohort
+    (:func:`~privacy.secagg.sharing.cohort_in_one_process`) checks each key once.
+    """
+    return _remembered_usable(key) if shared() else _usable(key)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _remembered_usable(key: bytes) -> bool:
+    return _usable(key)
+
+
+def _usable(key: bytes) -> bool:
+    try:
+        _LOW_ORDER_PROBE.exchange(X25519PublicKey.from_public_bytes(key))
+    except ValueError:
+        return False
+    return True

@@ -201,17 +201,19 @@ class ServerSecureRound(StagedRound):
         return self.decoded
 
     def _decode(self, total: np.ndarray) -> np.ndarray:
-        """The unmasked sum as floats; :class:`ProtocolError` when no honest cohort made it.
+        """The unmasked sum as floats (:func:`decode_total`)."""
+        return decode_total(self.setup, total, len(self.server.survivors))
 
-        A masked input that is well-formed but not an encoding (a faulty or hostile client)
-        unmasks to values no survivors' clipped inputs can sum to: fixed-point checks each
-        coordinate against ``n B``; the discrete Gaussian against the same peak the modulus
-        was sized for (clipped values plus 10 standard deviations of the summed noise).
-        """
-        setup, m = self.setup, len(self.server.survivors)
-        if setup.encoding != "ddg":
-            return setup.config().decode(total, m)
-        peak = ddg_peak(m, setup.clip_norm * setup.scale, setup.ddg_sigma)
-        return ddg_decode(
-            total, gamma=1.0 / setup.scale, modulus_bits=setup.modulus_bits, bound=peak
-        )
+
+def decode_total(setup: RoundSetup, total: np.ndarray, m: int) -> np.ndarray:
+    """The unmasked sum of ``m`` inputs as floats; :class:`ProtocolError` when it cannot be one.
+
+    A masked input that is well-formed but not an encoding (a faulty or hostile client)
+    unmasks to values no survivors' clipped inputs can sum to: fixed-point checks each
+    coordinate against ``n B``; the discrete Gaussian against the same peak the modulus
+    was sized for (clipped values plus 10 standard deviations of the summed noise).
+    """
+    if setup.encoding != "ddg":
+        return setup.config().decode(total, m)
+    peak = ddg_peak(m, setup.clip_norm * setup.scale, setup.ddg_sigma)
+    return ddg_decode(total, gamma=1.0 / setup.scale, modulus_bits=setup.modulus_bits, bound=peak)

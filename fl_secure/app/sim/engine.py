@@ -37,7 +37,9 @@ from tqdm import tqdm
 
 from fl_secure.aggregation import StreamingMean
 from fl_secure.app.sim.executor import EVALUATE, ClientJob, ClientResult, SerialExecutor
+from fl_secure.app.sim.secure import secure_round
 from fl_secure.app.sim.server_side import SimServer, sampled
+from fl_secure.checkpoints import CheckpointStore
 from fl_secure.errors import RoundAborted
 from fl_secure.messages import LocalTraining, TaskKind, UpdateHeader
 from privacy.ledger.anchors import STATE_KEY as LEDGER_HEAD_KEY
@@ -48,7 +50,6 @@ from server.round import non_finite_names, update_weight, vet_model
 
 if TYPE_CHECKING:
     from fl_secure.app.sim.executor import ClientExecutor
-    from fl_secure.checkpoints import CheckpointStore
     from fl_secure.config import Config
     from fl_secure.messages import Tensors
     from fl_secure.runs import RunDir
@@ -84,6 +85,8 @@ class SimulationEngine:
             :class:`SerialExecutor` that keeps its clients when every client trains every
             round (the in-process simulation as it always ran) and rebuilds them otherwise.
         evaluated: how many clients score the global model before and after training.
+        dropout_rate: securely aggregated rounds: the fraction of a cohort that leaves the
+            round, each at a stage drawn uniformly (:mod:`fl_secure.app.sim.secure`).
     """
 
     def __init__(
@@ -93,15 +96,15 @@ class SimulationEngine:
         run_dir: RunDir | None = None,
         executor: ExecutorFactory | None = None,
         evaluated: int = EVALUATED_CLIENTS,
+        dropout_rate: float = 0.0,
     ) -> None:
         self.config = config
         self.evaluated = evaluated
+        self.dropout_rate = dropout_rate
         self.server = SimServer(config, run_dir)
         self.run_dir = run_dir
         self.store: CheckpointStore | None = None
         if run_dir is not None:
-            from fl_secure.checkpoints import CheckpointStore
-
             self.store = CheckpointStore(run_dir.checkpoints)
         self.sampled = sampled(config)
         everyone = not self.sampled
@@ -110,6 +113,7 @@ class SimulationEngine:
         #: client id -> carried state, for clients that trained and carry any
         self.carry: dict[str, dict[str, bytes]] = {}
         self.cohort_sizes: list[int] = []
+        self.stop_reason = ""  # why the run stopped early (the budget)
 
     # ------------------------------------------------------------ the run
     def run(
@@ -134,8 +138,6 @@ class SimulationEngine:
         s.accounting.end_attempt()
         return records, status
 
-    stop_reason = ""
-
     @property
     def rounds_completed(self) -> int:
         """Rounds whose model was released."""
@@ -153,24 +155,27 @@ class SimulationEngine:
         state = s.state
         task = state.rules.training_for(number)
         state.prepare_broadcast(number)  # e.g. AdaFedFR Algorithm 1 lines 6-8: R under w^t
-        cohort: list[str] = []
-        attempt = 0
+        why = ""
         for attempt in range(settings.max_retries + 1):
-            s.accounting.end_attempt()
+            s.accounting.end_attempt()  # the last attempt released nothing
             s.accounting.check_budget(number, attempt)
             cohort = s.draw_cohort(number)
-            if len(cohort) >= settings.min_clients:
+            if len(cohort) < settings.min_clients:
+                why = f"a draw of {len(cohort)} < server.min_clients = {settings.min_clients}"
+                continue
+            s.accounting.begin_attempt(number, attempt, TaskKind.TRAIN, len(cohort))
+            results = self.executor.map([self._job(c, number, task) for c in cohort])
+            for result in results:  # a client keeps what it trained, in the sum or not
+                if result.state:
+                    self.carry[result.client_id] = result.state
+            rnd, uploads = self._fold(number, attempt, cohort, results)
+            mean, secure = self._aggregate(rnd, uploads)
+            if mean is not None:
                 break
+            why = f"the secure round aborted: {secure['aborted'] if secure else ''}"
         else:
-            raise RoundAborted(
-                f"round {number}: every draw had fewer than server.min_clients = "
-                f"{settings.min_clients} clients (last {len(cohort)})"
-            )
-        s.accounting.begin_attempt(number, attempt, TaskKind.TRAIN, len(cohort))
-        results = self.executor.map([self._job(c, number, task) for c in cohort])
-        rnd = self._fold(number, attempt, cohort, results)
-        assert rnd.aggregator is not None
-        params = state.step(number, rnd.aggregator.mean())
+            raise RoundAborted(f"round {number}: every attempt failed (last: {why})")
+        params = state.step(number, mean)
         held, reason = vet_model(number, params, s.evaluator)
         if reason:
             s.accounting.diverged(rnd, reason)
@@ -182,16 +187,41 @@ class SimulationEngine:
         }
         if self.sampled:
             record["cohort_size"] = len(cohort)
+        if secure is not None:
+            record["secure_aggregation"] = secure
         if state.broadcaster is not None:
             record["bytes_per_client"] = state.bytes_per_client()
         if held is not None:
             record["held_out"] = held
         self._release(number, rnd, params, heads, record)
-        for result in results:  # the carry of clients that keep any
-            if result.state:
-                self.carry[result.client_id] = result.state
         self.cohort_sizes.append(len(cohort))
         return record
+
+    def _aggregate(
+        self, rnd: Attempt, uploads: dict[str, Tensors]
+    ) -> tuple[Tensors | None, dict[str, Any] | None]:
+        """The round's mean update (None: the secure round aborted) and its secure record."""
+        s = self.server
+        if not self.config.secure_aggregation.enabled:
+            assert rnd.aggregator is not None
+            return rnd.aggregator.mean(), None
+        outcome = secure_round(
+            self.config,
+            s.privacy,
+            s.state.specs,
+            uploads,
+            number=rnd.number,
+            attempt=rnd.attempt,
+            dropout_rate=self.dropout_rate,
+        )
+        # the server received the survivors' inputs only (the ledger counts them)
+        rnd.received = {c: h for c, h in rnd.received.items() if c in outcome.survivors}
+        if outcome.mean is None and outcome.sum_seen:  # counted like a round, conservatively:
+            # with the fewest noise shares the sum may carry (as a resumed in-flight attempt)
+            least = min(len(rnd.cohort), self.config.server.min_clients)
+            reason = f"round {rnd.number} attempt {rnd.attempt}: {outcome.record['aborted']}"
+            s.accounting._discard(rnd.number, len(rnd.cohort), least, rnd.attempt, reason)
+        return outcome.mean, outcome.record
 
     def _job(self, client_id: str, number: int, task: LocalTraining) -> ClientJob:
         return ClientJob(
@@ -205,20 +235,25 @@ class SimulationEngine:
 
     def _fold(
         self, number: int, attempt: int, cohort: list[str], results: list[ClientResult]
-    ) -> Attempt:
-        """The uploads folded into the round's aggregate, as the coordinator's upload desk."""
+    ) -> tuple[Attempt, dict[str, Tensors]]:
+        """The uploads folded into the round's aggregate, as the coordinator's upload desk.
+
+        Securely aggregated, the shared tensors are returned instead, to be masked.
+        """
         s = self.server
         privacy, state = s.privacy, s.state
-        dp = privacy.make_aggregator(state.specs) if privacy is not None else None
+        secure = self.config.secure_aggregation.enabled
+        dp = privacy.make_aggregator(state.specs) if privacy is not None and not secure else None
         rnd = Attempt(
             number=number,
             kind=TaskKind.TRAIN,
             attempt=attempt,
             cohort=dict.fromkeys(cohort, b""),
             deadline=math.inf,
-            aggregator=dp if dp is not None else StreamingMean(state.specs),
+            aggregator=None if secure else dp if dp is not None else StreamingMean(state.specs),
             weight_cap=s.weight_cap,
         )
+        uploads: dict[str, Tensors] = {}
         unit = privacy.unit if privacy is not None else "none"
         for result in results:
             bad = non_finite_names(result.upload)
@@ -234,11 +269,13 @@ class SimulationEngine:
             if head:
                 rnd.heads[result.client_id] = head
             weight = update_weight(min(result.examples, s.weight_cap), private=privacy is not None)
-            assert rnd.aggregator is not None
-            rnd.aggregator.add(shared, weight)
+            if rnd.aggregator is not None:
+                rnd.aggregator.add(shared, weight)
+            else:
+                uploads[result.client_id] = OrderedDict(shared)
             metrics = training_figures(unit, result.metrics) if unit != "none" else result.metrics
             rnd.received[result.client_id] = UpdateHeader(number, b"", result.examples, metrics)
-        return rnd
+        return rnd, uploads
 
     def _task(self, number: int) -> LocalTraining:
         return self.server.state.rules.training_for(number)

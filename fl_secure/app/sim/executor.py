@@ -24,7 +24,7 @@ import hashlib
 import json
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from client.trainer_factory import build_local_trainer
@@ -66,7 +66,6 @@ class ClientResult:
     examples: int  # the count it states (1 under DP: privacy.site_figures)
     metrics: dict[str, float]
     state: dict[str, bytes]  # the carry for the client's next job
-    extra: dict[str, dict[str, float]] = field(default_factory=dict)  # e.g. {"tuned": ...}
 
 
 class ClientExecutor(Protocol):

@@ -32,6 +32,7 @@ def run_simulation(
     run_dir: RunDir | None = None,
     executor: ExecutorFactory | None = None,
     evaluated: int = EVALUATED_CLIENTS,
+    dropout_rate: float = 0.0,
     progress: bool = False,
     on_round: Callable[[dict[str, Any]], None] | None = None,
 ) -> SimulationResult:
@@ -39,7 +40,8 @@ def run_simulation(
 
     Local training uses ``train.threads`` torch threads, as each client process does (the
     thread count changes the order of float reductions). ``evaluated``: how many clients
-    (a seeded choice of a larger population) score the model before and after training.
+    (a seeded choice of a larger population) score the model before and after training;
+    ``dropout_rate``: secure rounds, the fraction of a cohort that leaves mid-round.
 
     Raises:
         ConfigError: what the engine does not run
@@ -49,7 +51,13 @@ def run_simulation(
     before = torch.get_num_threads()
     torch.set_num_threads(config.train.threads)
     try:
-        engine = SimulationEngine(config, run_dir=run_dir, executor=executor, evaluated=evaluated)
+        engine = SimulationEngine(
+            config,
+            run_dir=run_dir,
+            executor=executor,
+            evaluated=evaluated,
+            dropout_rate=dropout_rate,
+        )
         try:
             return _run(engine, progress=progress, on_round=on_round)
         finally:

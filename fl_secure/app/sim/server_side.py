@@ -22,6 +22,7 @@ from fl_secure.data.plan import plan_client_id, plan_federation
 from fl_secure.errors import ConfigError
 from fl_secure.messages import TaskKind
 from fl_secure.training import build_run_model, get_tensors
+from privacy.dp.noise import seeded_source
 from privacy.ledger.signed_head import HeadSigner
 from privacy.server_round import ServerPrivacy, open_server_privacy
 from server.attempt import RoundBoard
@@ -48,14 +49,13 @@ def check_engine(config: Config) -> None:
     """Refuse what the engine does not run, before anything runs.
 
     Raises:
-        ConfigError: secure aggregation, FedAffect, or FedFR with sampled cohorts.
+        ConfigError: CKKS, FedAffect, or FedFR with sampled cohorts.
     """
     check_config(config)
-    if config.secure_aggregation.enabled:
+    if config.secure_aggregation.scheme == "ckks":
         raise ConfigError(
-            "secure_aggregation in the simulation: the in-process SecAgg/SecAgg+ cohort round "
-            "is not wired into this engine yet; run it over gRPC (fl-secure train), or set "
-            "secure_aggregation.scheme = 'none'"
+            "secure_aggregation.scheme = 'ckks' is not simulated (the engine runs SecAgg and "
+            "SecAgg+ rounds in process): run it over gRPC (fl-secure train)"
         )
     if strategy_class(config.algorithm.name).evaluates_expressions:
         raise ConfigError(
@@ -147,8 +147,6 @@ class SimServer:
         )
         assert privacy is not None
         if not config.privacy.secure_rng:
-            from privacy.dp.noise import seeded_source
-
             privacy.source = seeded_source(config.run.seed, "server")
         over = privacy.first_round_over_budget()
         if over is not None:

@@ -22,6 +22,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from scipy.optimize import brentq
 from scipy.stats import norm
 
+from fl_secure.app.cli.console import main
 from fl_secure.app.simulated_run import write_simulated_run
 from fl_secure.config import load_config
 
@@ -61,7 +62,7 @@ delta = 1e-5
 Z, DELTA = 1.3, 1e-5
 
 
-def _run(tmp_path: Path, overrides: list[str]) -> tuple[dict, list[dict]]:
+def _run(tmp_path: Path, overrides: list[str]) -> tuple[dict, list[dict], Path]:
     path = tmp_path / "simdp.toml"
     path.write_text(BASE)
     config = load_config(path, overrides)
@@ -72,7 +73,7 @@ def _run(tmp_path: Path, overrides: list[str]) -> tuple[dict, list[dict]]:
             {"kind": k, "round": r, **json.loads(p)}
             for k, r, p in db.execute("SELECT kind, round, payload FROM entries ORDER BY seq")
         ]
-    return summary, rows
+    return summary, rows, run
 
 
 def _gaussian_composition_epsilon(rounds: int, z: float, delta: float) -> float:
@@ -91,7 +92,7 @@ def _gaussian_composition_epsilon(rounds: int, z: float, delta: float) -> float:
 
 def test_poisson_cohorts_are_accounted_as_dp_accounting_says(tmp_path: Path) -> None:
     # Execute: Poisson cohorts at q = 0.5, PLD accountant
-    summary, rows = _run(
+    summary, rows, run = _run(
         tmp_path, ["server.sample_rate=0.5", "privacy.accountant=pld", "server.min_clients=1"]
     )
     # Assert: one client_level row per released round, drawn at q and accounted at rate 1
@@ -119,7 +120,7 @@ def test_poisson_cohorts_are_accounted_as_dp_accounting_says(tmp_path: Path) -> 
 
 def test_fixed_size_cohorts_are_accounted_as_dp_accounting_says(tmp_path: Path) -> None:
     # Execute: 6 of the 24 clients a round, PLD accountant (fixed size: replace-one RDP)
-    summary, rows = _run(tmp_path, ["server.clients_per_round=6", "privacy.accountant=pld"])
+    summary, rows, run = _run(tmp_path, ["server.clients_per_round=6", "privacy.accountant=pld"])
     released = [r for r in rows if r["kind"] == "client_level"]
     assert summary["cohort_sizes"] == [6, 6, 6] and len(released) == 3
     # Assert: replace-one moves a clipped sum by 2C: the noise-to-sensitivity ratio is z / 2
@@ -132,6 +133,12 @@ def test_fixed_size_cohorts_are_accounted_as_dp_accounting_says(tmp_path: Path) 
     rdp.compose(event, 3)
     assert summary["epsilon"] == pytest.approx(rdp.get_epsilon(DELTA), rel=1e-6)
     assert [r["epsilon"] for r in released][-1] == summary["epsilon"]
+    # ... and the run folder reads as a gRPC run's: the ledger's chain and signed head verify
+    # against summary.json and the released checkpoint, and the compliance report is written
+    assert main(["privacy", "ledger", "--run", str(run), "--verify", "--json"]) == 0
+    assert main(["report", "--run", str(run), "--format", "json", "--quiet"]) == 0
+    report = json.loads((run / "report" / "report.json").read_text())
+    assert "epsilon" in json.dumps(report)
 
 
 def test_the_budget_stops_a_simulated_run_before_it_is_passed(tmp_path: Path) -> None:
@@ -140,7 +147,7 @@ def test_the_budget_stops_a_simulated_run_before_it_is_passed(tmp_path: Path) ->
     three = _gaussian_composition_epsilon(3, Z, DELTA)
     target = (two + three) / 2
     # Execute
-    summary, rows = _run(
+    summary, rows, run = _run(
         tmp_path,
         [
             "server.sample_rate=0.5",
