@@ -10,9 +10,9 @@ Rows (each in its own child process, so that its peak memory is its own):
 * ``ours``: :class:`fl_secure.app.sim.engine.SimulationEngine` with
   :class:`fl_secure.app.sim.ray_executor.RayExecutor` (one actor per core), no DP: the
   like-for-like row;
-* ``ours_dp``: the same with client-level DP (DP-FedAvg: clipping at 1, central Gaussian
-  noise z = 1, the PLD accountant, the ledger written and committed every round), and the
-  engine's secure aggregation when it runs it (``secure_aggregation`` in the JSON says which);
+* ``ours_dp``: the same with client-level DP (DP-FedAvg: clipping at 1, distributed noise
+  z = 1 added by the clients before masking, the ledger written and committed every round)
+  and SecAgg+ run for real among each cohort (the engine's in-process rounds);
 * ``flower``: ``benchmarks/simulation_flower_app.py`` under ``--flower-python`` (Flower 1.42,
   ``flwr[simulation]``, its Ray backend, one actor per core): the same model in plain torch,
   the same images (exported from our plan as ``.npy``), same batch size and epochs, FedAvg
@@ -95,10 +95,12 @@ min_clients = 2
 PRIVATE = """
 [privacy]
 unit = "client"
-noise_placement = "central"
+noise_placement = "distributed"
 clip_norm = 1.0
 noise_multiplier = 1.0
 delta = {delta}
+[secure_aggregation]
+scheme = "secagg+"
 """
 
 
