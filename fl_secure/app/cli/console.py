@@ -1,7 +1,7 @@
 """The ``fl-secure`` console script: one parser of every sub-command, and :func:`main`.
 
-Each sub-command family has its module (:mod:`~fl_secure.app.cli.train`, ``server``,
-``client``, ``certs``, ``data``, ``privacy``, ``report``, ``evaluate``, ``audit``,
+Each sub-command family has its module (:mod:`~fl_secure.app.cli.train`, ``simulate``,
+``server``, ``client``, ``certs``, ``data``, ``privacy``, ``report``, ``evaluate``, ``audit``,
 ``experiment``) that adds its parser and runs it; :func:`main` sets up logging and turns
 errors into exit codes.
 """
@@ -23,6 +23,7 @@ from fl_secure.app.cli import (
     privacy,
     report,
     server,
+    simulate,
     train,
 )
 from fl_secure.app.cli.common import setup_logging
@@ -42,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
         "train ...",
     )  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
-    families = (train, server, client, certs, data, privacy, report, evaluate, audit, experiment)
+    families = (train, simulate, server, client, certs, data, privacy, report, evaluate, audit,
+                experiment)  # fmt: skip
     for family in families:
         family.add_parser(sub)  # in this order in --help
     return parser
@@ -52,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fl-secure`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    # train shows a progress display; its server's per-round log lines come with -v
-    default = logging.WARNING if args.command in ("train", "privacy") else logging.INFO
+    # train and simulate show a progress display; their per-round log lines come with -v
+    default = logging.WARNING if args.command in ("train", "privacy", "simulate") else logging.INFO
     setup_logging(args.verbose, getattr(args, "quiet", False), default)
     try:
         code: int = args.func(args)

@@ -1,0 +1,202 @@
+"""Virtual clients on Ray actors: the simulation's :class:`ClientExecutor` for many cores.
+
+:class:`RayExecutor` starts ``num_workers`` Ray actors, each holding one
+:class:`~fl_secure.app.sim.executor.VirtualClientWorker` (built once from the config, with
+``train.threads`` torch threads), and runs a cohort's :class:`ClientJob` s on them; the
+results come back in job order, so the engine aggregates them exactly as the serial executor
+does (same parameters, bit for bit: ``tests/fl_secure/app/sim/test_ray_executor.py``).
+
+By default :func:`ray.init` starts an embedded local Ray (no set-up: no dashboard, warnings
+only, one CPU slot per core); ``address`` joins an existing cluster (``"auto"``, or
+``ray://host:10001``). Ray is an optional dependency: ``pip install 'fl-secure[sim]'``.
+
+Trust: Ray moves jobs and results between processes with pickle (cloudpickle). That is sound
+only inside the operator's own Ray cluster, one trust domain the operator runs (its nodes,
+its object store, its network); a Ray cluster shared with parties that may not be trusted
+must not run this executor. Nothing that crosses a real site boundary uses it: the gRPC path
+(``fl-secure train`` / ``server`` / ``client``) keeps its protobuf + safetensors messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections import OrderedDict, deque
+from typing import TYPE_CHECKING, Any
+
+from fl_secure.errors import ConfigError
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from types import ModuleType
+
+    from fl_secure.app.sim.executor import ClientJob, ClientResult
+    from fl_secure.config import Config
+    from fl_secure.messages import Tensors
+
+#: The pip command that installs Ray for this executor.
+INSTALL_HINT = "pip install 'fl-secure[sim]'"
+
+#: Jobs queued on one actor at a time: the next job's arguments travel while one trains.
+DEPTH = 2
+
+
+def import_ray() -> ModuleType:
+    """Import :mod:`ray`, or say how to install it.
+
+    Raises:
+        ConfigError: Ray is not installed.
+    """
+    try:
+        import ray
+    except ImportError as exc:
+        raise ConfigError(
+            f"the Ray backend needs Ray, which is not installed ({exc}): {INSTALL_HINT} "
+            "(or run with --backend serial)"
+        ) from exc
+    return ray
+
+
+class _Actor:
+    """The body of one Ray actor: one virtual-client worker, pinned torch threads."""
+
+    def __init__(self, config: Config, keep_trainers: bool) -> None:
+        import torch
+
+        from fl_secure.app.sim.executor import VirtualClientWorker
+
+        torch.set_num_threads(max(1, config.train.threads))
+        self.worker = VirtualClientWorker(config, keep_trainers=keep_trainers)
+        _ = self.worker.plan  # the data plan now, with the actors' start, not in round 1
+
+    def run(self, job: ClientJob, sent: Tensors) -> ClientResult:
+        """Run ``job`` with ``sent`` (passed apart: one object-store copy per distinct model)."""
+        # Ray hands numpy arrays out of its object store read-only and zero-copy: the trainer
+        # loads them into its model (a copy), so nothing writes into them
+        return self.worker.run(dataclasses.replace(job, sent=sent))
+
+    def ready(self) -> bool:
+        """True once the actor is up (its worker built)."""
+        return True
+
+
+class RayExecutor:
+    """A :class:`~fl_secure.app.sim.executor.ClientExecutor` over Ray actors.
+
+    Args:
+        config: the run's config; every actor builds its worker from it.
+        address: an existing Ray cluster (``"auto"``, ``"ray://host:10001"``); ``None``
+            starts an embedded local Ray in this process (unless one is already running).
+        num_workers: actors to start; default: the cluster's CPUs divided by
+            ``train.threads`` (at least 1).
+        keep_trainers: each worker keeps the clients it built (a small federation where
+            every client trains every round); a client's jobs then always go to the same
+            actor, ``index % num_workers``.
+
+    Raises:
+        ConfigError: Ray is not installed, or ``num_workers`` is below 1.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        address: str | None = None,
+        num_workers: int | None = None,
+        keep_trainers: bool = False,
+    ) -> None:
+        if num_workers is not None and num_workers < 1:
+            raise ConfigError(f"the Ray backend needs at least 1 worker, got {num_workers}")
+        ray = import_ray()
+        self._ray = ray
+        self._started = False
+        if not ray.is_initialized():
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no report home
+            options: dict[str, Any] = {
+                "include_dashboard": False,
+                "logging_level": logging.WARNING,
+                "log_to_driver": False,  # a worker's error comes back as the job's exception
+                "configure_logging": True,
+            }
+            if address is None:
+                options["num_cpus"] = os.cpu_count() or 1
+            ray.init(address=address, **options)
+            self._started = True
+        threads = max(1, config.train.threads)
+        cpus = max(1.0, float(ray.cluster_resources().get("CPU", 1.0)))
+        count = num_workers or max(1, int(cpus) // threads)
+        # more workers than CPU slots still start: each asks for its share of the slots
+        per_actor = min(float(threads), cpus / count)
+        remote = ray.remote(num_cpus=per_actor)(_Actor)
+        self._actors = [remote.remote(config, keep_trainers) for _ in range(count)]
+        self._sticky = keep_trainers
+        ray.get([a.ready.remote() for a in self._actors])
+
+    @property
+    def num_workers(self) -> int:
+        """How many actors run the jobs."""
+        return len(self._actors)
+
+    def map(self, jobs: Sequence[ClientJob]) -> list[ClientResult]:
+        """Run ``jobs`` on the actors; the results in job order.
+
+        Each distinct ``sent`` model is put into Ray's object store once per call (a cohort
+        is mostly sent the same global model), and each actor has at most :data:`DEPTH` jobs
+        queued, so a slow client does not hold back the jobs behind it.
+
+        Raises:
+            Exception: the first job's error, as the worker raised it (same class).
+        """
+        ray = self._ray
+        stored: dict[int, Any] = {}  # id(sent) -> its ObjectRef, this call only
+        queues: list[deque[tuple[int, ClientJob]]]
+        if self._sticky:
+            queues = [deque() for _ in self._actors]
+            for i, job in enumerate(jobs):
+                queues[job.index % len(self._actors)].append((i, job))
+        else:
+            queues = [deque(enumerate(jobs))]
+        results: list[ClientResult | None] = [None] * len(jobs)
+        running: dict[Any, tuple[int, int]] = {}  # ObjectRef -> (job number, actor number)
+        load = [0] * len(self._actors)
+
+        def submit(actor: int) -> None:
+            queue = queues[actor if self._sticky else 0]
+            while queue and load[actor] < DEPTH:
+                i, job = queue.popleft()
+                key = id(job.sent)
+                if key not in stored:
+                    stored[key] = ray.put(job.sent)
+                bare = dataclasses.replace(job, sent=OrderedDict())
+                running[self._actors[actor].run.remote(bare, stored[key])] = (i, actor)
+                load[actor] += 1
+
+        for actor in range(len(self._actors)):
+            submit(actor)
+        while running:
+            done, _ = ray.wait(list(running), num_returns=1)
+            for ref in done:
+                i, actor = running.pop(ref)
+                load[actor] -= 1
+                results[i] = _get(ray, ref)
+                submit(actor)
+        return [r for r in results if r is not None]
+
+    def close(self) -> None:
+        """Stop the actors, and the embedded Ray if this executor started it."""
+        for actor in self._actors:
+            self._ray.kill(actor)
+        self._actors = []
+        if self._started:
+            self._ray.shutdown()
+            self._started = False
+
+
+def _get(ray: ModuleType, ref: Any) -> ClientResult:
+    """``ray.get(ref)``, with a worker's exception re-raised as its own class."""
+    try:
+        result: ClientResult = ray.get(ref)
+    except ray.exceptions.RayTaskError as exc:
+        raise exc.as_instanceof_cause() from None
+    return result
