@@ -34,6 +34,7 @@ import dataclasses
 import hashlib
 import json
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -170,11 +171,19 @@ def pretrain_config(base: Path, grid_overrides: list[str], spec: Pretrain) -> Co
     )
 
 
+#: The sections of the pretraining's config its bytes depend on (not algorithm, privacy, ...).
+KEYED = ("run", "data", "partition", "model", "train")
+
+
 def cache_key(config: Config, public: SyntheticFaceConfig) -> str:
-    """SHA-256 of everything the pretrained bytes depend on (config, public faces)."""
-    text = json.dumps(
-        {"config": config_to_toml(config), "public": dataclasses.asdict(public)}, sort_keys=True
-    )
+    """SHA-256 of everything the pretrained bytes depend on (config, public faces).
+
+    Only :data:`KEYED` sections count, so grids that differ in their algorithms' settings
+    alone (FedGC's lambda, AdaFedFR's k) pretrain the same backbone under the same key.
+    """
+    sections = tomllib.loads(config_to_toml(config))
+    keyed = {k: sections.get(k) for k in KEYED}
+    text = json.dumps({"config": keyed, "public": dataclasses.asdict(public)}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -175,3 +175,26 @@ def test_bad_pretrain_tables_are_refused(
     grid = GRID.replace(PRETRAIN, pretrain) + extra + "\n"
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace(".", r"\.")):
         load_experiment(_grid(tmp_path, grid))
+
+
+def test_committed_grids_pretrain_and_their_cpu_copies_start_alike() -> None:
+    # the CPU-sized copies in examples/experiments/cpu/ change rounds, not the pretraining
+    from fl_secure.app.pretrain import cache_key, pretrain_config, public_settings
+
+    folder = Path(__file__).resolve().parents[3] / "examples" / "experiments"
+    keys = {}
+    for path in sorted([*folder.glob("*.toml"), *folder.glob("cpu/*.toml")]):
+        experiment = load_experiment(path)
+        if experiment.pretrain is None:
+            continue
+        cell = load_config(experiment.base, experiment.cell_overrides(*experiment.cells()[0]))
+        config = pretrain_config(experiment.base, experiment.grid_overrides(), experiment.pretrain)
+        public = public_settings(cell, experiment.pretrain)
+        assert public.first_identity == cell.data.num_identities and public.seed == 0
+        assert config.train.rounds == experiment.pretrain.passes and not config.privacy.enabled
+        keys[str(path.relative_to(folder))] = cache_key(config, public)
+    assert len(keys) == 8
+    for name in ("fedpe_vs_fedavg", "fedgc_vs_fedpe", "adafedfr_vs_fedavg", "hfmaml_partitions"):
+        assert keys[f"{name}.toml"] == keys[f"cpu/{name}.toml"]
+    # FedPE-vs-FedAvg and FedGC-vs-FedPE share the quickstart model: one pretraining
+    assert keys["fedpe_vs_fedavg.toml"] == keys["fedgc_vs_fedpe.toml"]
