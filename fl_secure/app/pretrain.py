@@ -252,8 +252,8 @@ def start_markdown(weights: Path | None, out: Path | None = None) -> str:
                        if k in held)  # fmt: skip
     return (
         f"Start: every cell loads one backbone pretrained centrally (`fl-secure train "
-        f"--centralized`'s code) on {settings['identities']} public synthetic identities "
-        f"{record['identities']}, none of them a site's, x {settings['images_per_identity']} "
+        f"--centralized`'s code) on {settings['identities']} public identities "
+        f"({record['identities']}; none of them a site's) x {settings['images_per_identity']} "
         f"images, {settings['passes']} passes (`{where}/pretrain.json`; SHA-256 "
         f"{record['sha256'][:16]}...; its {settings['held_out_identities']} held-out public "
         f"identities: {scores or 'not scored'}). 'untrained' below is that start.\n\n"
