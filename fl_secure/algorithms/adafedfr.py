@@ -120,8 +120,11 @@ def public_dataset(config: Config) -> FaceDataset:
 
     ``algorithm.public_identities x algorithm.public_images_per_identity`` images of the
     synthetic generator's identities ``data.num_identities, data.num_identities + 1, ...``
-    under the run seed: disjoint from the run's own (synthetic) identities, including the
-    held-out ones the server evaluates on, so ``R`` never describes an evaluation identity.
+    under the data seed (``partition.seed``, else ``run.seed``): disjoint from the run's own
+    (synthetic) identities, including the held-out ones the server evaluates on, so ``R``
+    never describes an evaluation identity; an experiment grid's shared pretraining
+    (:mod:`fl_secure.app.pretrain`) trains on these same identities, as the paper's backbone
+    is pretrained on its public set.
     """
     a = config.algorithm
     return generate_synthetic_faces(
@@ -129,7 +132,7 @@ def public_dataset(config: Config) -> FaceDataset:
             num_identities=a.public_identities,
             images_per_identity=a.public_images_per_identity,
             image_size=config.data.image_size,
-            seed=config.run.seed,
+            seed=config.data_seed,
             first_identity=config.data.num_identities,
         )
     )

@@ -13,6 +13,8 @@ An experiment file names a base run config and the grid::
     set = ["train.rounds=5"]             # overrides applied to every run (relative file
                                          # paths in them: from this file's folder, as base)
     far = "1e-1"                         # FAR of the client-group tables ("1e-1" or "1e-2")
+    pretrain = {passes = 10}             # optional: one shared pretrained start (see
+                                         # fl_secure.app.pretrain: public identities, cached)
 
 An algorithm entry may carry its own overrides after ``+``: ``"hfmaml+embedding_reg=1"``
 runs ``hfmaml`` with ``algorithm.embedding_reg = 1`` (a bare key is an ``[algorithm]`` key,
@@ -56,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from fl_secure.app.paired import paired_markdown
+from fl_secure.app.pretrain import Pretrain, ensure_pretrained, parse_pretrain, start_markdown
 from fl_secure.app.simulation import check_simulable, simulate
 from fl_secure.config import load_config, parse_override
 from fl_secure.config.loading import PATH_KEYS
@@ -102,6 +105,8 @@ class Experiment:
     # partition.seed of every cell: one data split for the grid; -1 leaves it to run.seed
     partition_seed: int = 0
     baseline: str = ""  # the algorithm the paired differences are taken against ("": first)
+    # [experiment.pretrain]: one backbone every cell starts from (None: random starts)
+    pretrain: Pretrain | None = None
 
     @property
     def reference(self) -> str:
@@ -111,6 +116,11 @@ class Experiment:
     def cells(self) -> list[tuple[str, str, int]]:
         """Every (algorithm, partition, seed) of the grid, in order."""
         return list(itertools.product(self.algorithms, self.partitions, self.seeds))
+
+    def grid_overrides(self) -> list[str]:
+        """The grid's ``set``, relative file paths taken from the experiment file's folder."""
+        folder = self.folder
+        return [_anchored(o, folder) for o in self.overrides] if folder else [*self.overrides]
 
     def cell_overrides(self, algorithm: str, partition: str, seed: int) -> list[str]:
         """The ``--set`` overrides of one cell: the grid's, then the entry's own.
@@ -160,7 +170,7 @@ def load_experiment(path: str | Path) -> Experiment:
     if not isinstance(table, dict):
         raise ConfigError(f"{p} has no [experiment] table")
     allowed = {"name", "base", "algorithms", "partitions", "seeds", "set", "far",
-               "partition_seed", "baseline"}  # fmt: skip
+               "partition_seed", "baseline", "pretrain"}  # fmt: skip
     unknown = sorted(set(table) - allowed)
     if unknown:
         raise ConfigError(f"unknown key {', '.join(unknown)} in [experiment]; allowed: "
@@ -232,6 +242,7 @@ def load_experiment(path: str | Path) -> Experiment:
         folder=p.resolve().parent,
         partition_seed=partition_seed,
         baseline=baseline,
+        pretrain=parse_pretrain(table["pretrain"], overrides) if "pretrain" in table else None,
     )
 
 
@@ -266,6 +277,18 @@ def run_experiment(
             f"--out {out} is not empty ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}"
             "): give another --out, or --overwrite to replace its results.csv and results.md"
         )
+    weights = None
+    if experiment.pretrain is not None:  # one shared start: every cell loads the same bytes
+        weights = ensure_pretrained(
+            experiment.pretrain, experiment.base, experiment.grid_overrides(), configs[0][3],
+            out, progress=progress,
+        )  # fmt: skip
+        configs = [
+            (a, p, s, load_config(experiment.base, [
+                *experiment.cell_overrides(a, p, s), f"model.pretrained={json.dumps(str(weights))}"
+            ]))
+            for a, p, s, _ in configs
+        ]  # fmt: skip
     rows: list[dict[str, Any]] = []
     for i, (algorithm, partition, seed, config) in enumerate(configs, 1):
         if progress:
@@ -280,7 +303,7 @@ def run_experiment(
             row.update(algorithm=algorithm, partition=partition, seed=seed, status="aborted",
                        reason=str(exc), duration_s=round(time.time() - started, 1))  # fmt: skip
             rows.append(row)
-            _write(out, experiment, rows)
+            _write(out, experiment, rows, weights)
             continue
         clients = summary["clients_summary"]
         row = {
@@ -303,7 +326,7 @@ def run_experiment(
             "duration_s": summary["duration_s"],
         }
         rows.append(row)
-        _write(out, experiment, rows)  # after every cell: a stopped grid keeps its rows
+        _write(out, experiment, rows, weights)  # after every cell: a stopped grid keeps its rows
     return rows
 
 
@@ -318,14 +341,17 @@ def _group_columns(summary: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def _write(out: Path, experiment: Experiment, rows: list[dict[str, Any]]) -> None:
+def _write(
+    out: Path, experiment: Experiment, rows: list[dict[str, Any]], weights: Path | None = None
+) -> None:
     out.mkdir(parents=True, exist_ok=True)  # once a cell has run: a refused grid leaves none
     text = io.StringIO()
     writer = csv.writer(text, lineterminator="\n")  # quotes a label with , " or a newline
     writer.writerow(COLUMNS)
     writer.writerows([_csv(row[c]) for c in COLUMNS] for row in rows)
     atomic_write_bytes(out / "results.csv", text.getvalue().encode())
-    atomic_write_bytes(out / "results.md", markdown(experiment, rows, out=out).encode())
+    page = markdown(experiment, rows, out=out, start=weights)
+    atomic_write_bytes(out / "results.md", page.encode())
 
 
 def _csv(value: Any) -> str:
@@ -345,8 +371,16 @@ def _mean_std(values: list[Any]) -> str:
     return f"{np.mean(present):.3f} ± {np.std(present, ddof=0):.3f}"
 
 
-def markdown(experiment: Experiment, rows: list[dict[str, Any]], out: Path | None = None) -> str:
+def markdown(
+    experiment: Experiment,
+    rows: list[dict[str, Any]],
+    out: Path | None = None,
+    *,
+    start: Path | None = None,
+) -> str:
     """The results page: the paper-style table, paired differences, aborted runs, groups.
+
+    ``start``: the shared pretrained backbone every cell loaded (None: random starts).
 
     Mean ± std over seeds per (algorithm, partition); then each algorithm's paired difference
     against the baseline (:func:`fl_secure.app.paired.paired_markdown`).
@@ -363,6 +397,7 @@ def markdown(experiment: Experiment, rows: list[dict[str, Any]], out: Path | Non
         "Held-out: identities no client saw. Clients: each client's own test images (with its "
         "private personalisation where the design has one, e.g. AdaFedFR's adapter); "
         "'spread' is the std across clients (fairness).\n\n"
+        f"{start_markdown(start, out)}"
         "| algorithm | partition | held-out TAR@FAR=1e-1 | held-out TAR@FAR=1e-2 | "
         "clients TAR@FAR=1e-2 | clients spread | clients rank-1 | untrained TAR@FAR=1e-2 | "
         "MB per client and round | s per run |\n"
