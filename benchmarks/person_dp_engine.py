@@ -115,6 +115,8 @@ def one_run(args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
         "epsilon_summary": summary.get("epsilon"),
         "epsilon_ledger": ledger_epsilon(run),
         "noise_multiplier": privacy.get("noise_multiplier"),
+        # trusts the server's secret, honest Poisson draw (privacy.dp.amplification)
+        "epsilon_amplified": privacy.get("epsilon_amplified"),
         "seconds": round(time.monotonic() - t0, 1),
         "run_dir": str(run.relative_to(ROOT)) if run.is_relative_to(ROOT) else str(run),
     }
