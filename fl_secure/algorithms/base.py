@@ -135,8 +135,7 @@ class Strategy(ABC):
                 f"algorithm.name = {cls.name!r} cannot train with partition.kind = 'person': "
                 "its local loss is a softmax over the client's own identities, which with one "
                 "identity per client is 0 for every image (no gradient); use 'adafedfr' "
-                "(public identities as negatives), or the person-level DP design "
-                "of benchmarks/person_dp.py"
+                "(public identities as negatives; benchmarks/person_dp_engine.py)"
             )
         unit = config.privacy.unit
         if unit in cls.refused_privacy_units:
