@@ -149,10 +149,14 @@ def build_local_trainer(
     image_size: int,
     state_dir: Path | None = None,
     run_id: str = "",
+    model_source: Callable[[int, int | None], FaceModel] | None = None,
 ) -> LocalTrainer:
     """One client's trainer: model, label space, batch-order seed and DP, from the run config.
 
     Shared by the gRPC client and the in-process simulation, so both train identically.
+    ``model_source(classes, head_seed)``: where the (non-FedAffect) model comes from, a model
+    exactly as :func:`build_run_model` builds it (the simulation's workers hand back one
+    model reset to that state instead of building one per job); None builds it.
     """
     strategy = get_strategy(
         run_config.algorithm.name,
@@ -170,7 +174,10 @@ def build_local_trainer(
         head_seed = (
             None if strategy.shares_head else private_head_seed(run_config.run.seed, client_id)
         )
-        model = build_run_model(run_config, classes, image_size=image_size, head_seed=head_seed)
+        if model_source is not None:
+            model = model_source(classes, head_seed)
+        else:
+            model = build_run_model(run_config, classes, image_size=image_size, head_seed=head_seed)
     local = strategy.local_data(train, test, identities)
     if not strategy.transforms_images:  # train.trainable froze the trunk: embed it once here
         local = with_trunk_features(model.backbone, local)

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from client.trainer_factory import build_local_trainer
+from fl_secure.algorithms import get_strategy
+from fl_secure.app.sim.reuse import ModelPool, reusable
 from fl_secure.data.plan import FederatedData, plan_client_id, plan_federation
 from fl_secure.errors import ConfigError
 from privacy.dp.noise import seeded_source
@@ -89,14 +91,25 @@ class VirtualClientWorker:
     in-process simulation of a small federation where every client trains every round, as
     :func:`fl_secure.app.simulation.simulate` always did); otherwise each job builds its
     client afresh and restores its carried state, and :attr:`built` counts the clients built.
+    A fresh client's model is one model of the worker reset to the run's initial weights
+    (:class:`fl_secure.app.sim.reuse.ModelPool`; ``reuse_models=False`` builds one per job).
     """
 
-    def __init__(self, config: Config, *, keep_trainers: bool = False) -> None:
+    def __init__(
+        self, config: Config, *, keep_trainers: bool = False, reuse_models: bool = True
+    ) -> None:
         self.config = config
         self.keep_trainers = keep_trainers
         self.built = 0
         self._plan: FederatedData | None = None
         self._kept: dict[int, LocalTrainer] = {}
+        a, m = config.algorithm, config.model
+        strategy = get_strategy(a.name, a, head=m.head, scale=m.scale)
+        #: one model per worker, reset per job (:mod:`fl_secure.app.sim.reuse`), where the
+        #: design allows it and clients are not kept; None builds a model per client
+        self.models: ModelPool | None = None
+        if reuse_models and not keep_trainers and reusable(strategy, config):
+            self.models = ModelPool(config, config.data.image_size)
 
     @property
     def plan(self) -> FederatedData:
@@ -126,6 +139,7 @@ class VirtualClientWorker:
             plan.train_identities,
             client_id=plan_client_id(index),
             image_size=self.config.data.image_size,
+            model_source=None if self.models is None else self.models.model,
         )
         self.built += 1
         if self.keep_trainers:
