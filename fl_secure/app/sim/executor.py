@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from client.trainer_factory import build_local_trainer
-from fl_secure.data.plan import FederatedData, plan_client_id, plan_federation
+from fl_secure.data.lazy_plan import plan_population
+from fl_secure.data.plan import FederatedData, plan_client_id
 from fl_secure.errors import ConfigError
 from privacy.dp.noise import seeded_source
 
@@ -85,8 +86,10 @@ class VirtualClientWorker:
 
     One per process (or Ray actor). It holds the config and a lazily built data plan (the
     deterministic :func:`fl_secure.data.plan.plan_federation`, the same one every gRPC client
-    of the embedded mode derives). ``keep_trainers`` keeps every client it built (the
-    in-process simulation of a small federation where every client trains every round, as
+    of the embedded mode derives, as :func:`fl_secure.data.lazy_plan.plan_population`
+    computes it: a synthetic client's images are rendered when a job builds that client).
+    ``keep_trainers`` keeps every client it built (the in-process simulation of a small
+    federation where every client trains every round, as
     :func:`fl_secure.app.simulation.simulate` always did); otherwise each job builds its
     client afresh and restores its carried state, and :attr:`built` counts the clients built.
     """
@@ -102,7 +105,7 @@ class VirtualClientWorker:
     def plan(self) -> FederatedData:
         """The run's data plan (built on first use)."""
         if self._plan is None:
-            self._plan = plan_federation(self.config)
+            self._plan = plan_population(self.config)
         return self._plan
 
     @property
