@@ -86,10 +86,8 @@ class VirtualClientWorker:
 
     One per process (or Ray actor). It holds the config and a lazily built data plan (the
     deterministic :func:`fl_secure.data.plan.plan_federation`, the same one every gRPC client
-    of the embedded mode derives, as :func:`fl_secure.data.lazy_plan.plan_population`
-    computes it: a synthetic client's images are rendered when a job builds that client).
-    ``keep_trainers`` keeps every client it built (the in-process simulation of a small
-    federation where every client trains every round, as
+    of the embedded mode derives). ``keep_trainers`` keeps every client it built (the
+    in-process simulation of a small federation where every client trains every round, as
     :func:`fl_secure.app.simulation.simulate` always did); otherwise each job builds its
     client afresh and restores its carried state, and :attr:`built` counts the clients built.
     """
@@ -103,7 +101,11 @@ class VirtualClientWorker:
 
     @property
     def plan(self) -> FederatedData:
-        """The run's data plan (built on first use)."""
+        """The run's data plan, built on first use (synthetic images rendered per share read).
+
+        :func:`fl_secure.data.lazy_plan.plan_population`: a synthetic client's images are
+        rendered when a job builds that client, so a worker holds its jobs' images only.
+        """
         if self._plan is None:
             self._plan = plan_population(self.config)
         return self._plan
