@@ -133,7 +133,7 @@ def pretraining_clients(config: Config, plan: FederatedData) -> list[ClientShare
     Every client's; for a FedFR domain federation the source client's alone (its targets have
     no labels to use).
     """
-    return plan.clients[:1] if config.partition.kind == "domain" else list(plan.clients)
+    return list(plan.clients[:1]) if config.partition.kind == "domain" else list(plan.clients)
 
 
 def per_client_scores(

@@ -25,6 +25,7 @@ update then depends on one person only, so client-level DP is person-level DP.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -73,7 +74,7 @@ class FederatedData:
     # attribute partition some may match no client's predicate (see unassigned_identities)
     train_identities: np.ndarray
     held_out: FaceDataset  # identities of no client (server-side evaluation)
-    clients: list[ClientShare]
+    clients: Sequence[ClientShare]  # a list, or lazy_plan.LazyShares (rendered when read)
     held_out_clients: list[ClientShare] = field(default_factory=list)  # join after training
 
     def client_sizes(self) -> list[int]:

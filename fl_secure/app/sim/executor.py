@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Protocol
 from client.trainer_factory import build_local_trainer
 from fl_secure.algorithms import get_strategy
 from fl_secure.app.sim.reuse import ModelPool, reusable
-from fl_secure.data.plan import FederatedData, plan_client_id, plan_federation
+from fl_secure.data.lazy_plan import plan_population
+from fl_secure.data.plan import FederatedData, plan_client_id
 from fl_secure.errors import ConfigError
 from privacy.dp.noise import seeded_source
 
@@ -113,9 +114,13 @@ class VirtualClientWorker:
 
     @property
     def plan(self) -> FederatedData:
-        """The run's data plan (built on first use)."""
+        """The run's data plan, built on first use (synthetic images rendered per share read).
+
+        :func:`fl_secure.data.lazy_plan.plan_population`: a synthetic client's images are
+        rendered when a job builds that client, so a worker holds its jobs' images only.
+        """
         if self._plan is None:
-            self._plan = plan_federation(self.config)
+            self._plan = plan_population(self.config)
         return self._plan
 
     @property

@@ -18,7 +18,8 @@ import time
 from typing import TYPE_CHECKING
 
 from fl_secure.algorithms import check_config, get_strategy, strategy_class
-from fl_secure.data.plan import plan_client_id, plan_federation
+from fl_secure.data.lazy_plan import plan_population
+from fl_secure.data.plan import plan_client_id
 from fl_secure.errors import ConfigError
 from fl_secure.messages import TaskKind
 from fl_secure.training import build_run_model, get_tensors
@@ -93,7 +94,7 @@ class SimServer:
             head=config.model.head,
             scale=config.model.scale,
         )
-        self.plan = plan_federation(config)
+        self.plan = plan_population(config)  # the held-out images; no client's rendered
         self.population = len(self.plan.clients)
         size = config.data.image_size
         classes = len(self.plan.train_identities) if self.strategy.shares_head else 1

@@ -70,8 +70,8 @@ def test_ten_thousand_virtual_clients_build_only_their_cohorts(
     # record of every client the workers build
     small = plan_federation(_config(tmp_path, SHARES))
     big = dataclasses.replace(small, clients=[small.clients[i % SHARES] for i in range(POPULATION)])
-    monkeypatch.setattr(server_side, "plan_federation", lambda config: big)
-    monkeypatch.setattr(executor_module, "plan_federation", lambda config: big)
+    monkeypatch.setattr(server_side, "plan_population", lambda config: big)
+    monkeypatch.setattr(executor_module, "plan_population", lambda config: big)
     built: list[int] = []
     alive: weakref.WeakSet[object] = weakref.WeakSet()
     original = executor_module.build_local_trainer
