@@ -12,9 +12,11 @@ expression, lighting, colour temperature, background clutter, clothing, blur, se
 glasses or hat on or off) from a generator keyed by ``(seed, k, j, domain)``.
 
 Rendering is vectorised numpy over chunks of images. Every operation is element-wise, so an
-image is bit-identical whichever chunk renders it. The default nuisance strengths (all ``1.0``)
-are calibrated so that a randomly initialised CNN verifies held-out identities poorly while a
-small CNN trained for two CPU minutes verifies them well.
+image is bit-identical whichever chunk renders it (:mod:`fl_secure.data.synthetic_subset`
+renders any subset so). The default nuisance strengths (all ``1.0``) are calibrated so that a
+randomly initialised CNN verifies held-out identities poorly while a small CNN trained for two
+CPU minutes verifies them well. A little over 500 lines: one generator, its traits and its
+renderer share the same parameter tables.
 """
 
 from __future__ import annotations
@@ -441,6 +443,18 @@ def _render(tr: Params, im: Params, noise: np.ndarray, size: int, shifted: bool)
     return out
 
 
+def image_attributes(tr: Params, im: Params, shifted: int) -> dict[str, np.ndarray]:
+    """The per-image attributes of stacked identity traits ``tr`` and image parameters ``im``."""
+    n = len(im["expression"])
+    return {
+        "glasses": im["glasses"] > 0, "hat": im["hat"] > 0, "beard": tr["beard"] > 0,
+        "male": tr["male"] > 0, "bushy_eyebrows": tr["brow_t"] > 0.03,
+        "hair_colour": tr["hair_class"].astype(np.int64), "age": tr["age"].astype(np.int64),
+        "smile": im["expression"] == 1, "expression": im["expression"].astype(np.int64),
+        "domain": np.full(n, shifted, dtype=np.int64),
+    }  # fmt: skip
+
+
 def generate_synthetic_faces(cfg: SyntheticFaceConfig, *, chunk: int = 256) -> FaceDataset:
     """Render ``cfg.num_identities x cfg.images_per_identity`` synthetic faces.
 
@@ -480,14 +494,7 @@ def generate_synthetic_faces(cfg: SyntheticFaceConfig, *, chunk: int = 256) -> F
             _stack(per_image_traits[start:stop]), _stack(per_image[start:stop]), noise, size,
             bool(shifted),
         )  # fmt: skip
-    tr, im = _stack(per_image_traits), _stack(per_image)
-    attributes = {
-        "glasses": im["glasses"] > 0, "hat": im["hat"] > 0, "beard": tr["beard"] > 0,
-        "male": tr["male"] > 0, "bushy_eyebrows": tr["brow_t"] > 0.03,
-        "hair_colour": tr["hair_class"].astype(np.int64), "age": tr["age"].astype(np.int64),
-        "smile": im["expression"] == 1, "expression": im["expression"].astype(np.int64),
-        "domain": np.full(n, shifted, dtype=np.int64),
-    }  # fmt: skip
+    attributes = image_attributes(_stack(per_image_traits), _stack(per_image), shifted)
     labels = np.repeat(np.arange(cfg.num_identities, dtype=np.int64), cfg.images_per_identity)
     return FaceDataset(
         images=torch.from_numpy(out * 2 - 1),

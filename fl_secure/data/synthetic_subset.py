@@ -91,14 +91,9 @@ def render_synthetic_subset(
         key: np.zeros(0, dtype=dtype) for key, dtype in _EMPTY_ATTRIBUTES.items()
     }
     if n:
-        tr, im = synthetic._stack(per_image_traits), synthetic._stack(per_image)
-        attributes = {
-            "glasses": im["glasses"] > 0, "hat": im["hat"] > 0, "beard": tr["beard"] > 0,
-            "male": tr["male"] > 0, "bushy_eyebrows": tr["brow_t"] > 0.03,
-            "hair_colour": tr["hair_class"].astype(np.int64), "age": tr["age"].astype(np.int64),
-            "smile": im["expression"] == 1, "expression": im["expression"].astype(np.int64),
-            "domain": np.full(n, shifted, dtype=np.int64),
-        }  # fmt: skip
+        attributes = synthetic.image_attributes(
+            synthetic._stack(per_image_traits), synthetic._stack(per_image), shifted
+        )
     return FaceDataset(
         images=torch.from_numpy(out * 2 - 1),
         labels=torch.from_numpy(labels),
