@@ -21,35 +21,18 @@ from fl_secure.data.plan import plan_client_id, plan_federation
 from fl_secure.errors import ConfigError
 from fl_secure.messages import LocalTraining
 from fl_secure.training import build_run_model, get_tensors
+from tests.fl_secure.app.sim.tiny import tiny_toml
 
-TINY = """
-[run]
-name = "tiny-ray"
-seed = 5
-[data]
-source = "synthetic"
-image_size = 32
-num_identities = 20
-images_per_identity = 4
-held_out_identities = 4
-[partition]
-kind = "equal"
-num_clients = 5
-[model]
-backbone = "cnn-small"
-embedding_size = 16
-[algorithm]
-name = "{algorithm}"
-[train]
-rounds = 2
-local_epochs = 1
-batch_size = 4
-"""
+
+def _toml(algorithm: str) -> str:
+    return tiny_toml(name="tiny-ray", seed=5, identities=20, clients=5, held_out=4,
+                     algorithm=algorithm,
+                     train={"rounds": 2, "local_epochs": 1, "batch_size": 4})  # fmt: skip
 
 
 def tiny(tmp_path: Path, algorithm: str = "fedavg") -> Config:
     path = tmp_path / f"{algorithm}.toml"
-    path.write_text(TINY.format(algorithm=algorithm))
+    path.write_text(_toml(algorithm))
     return load_config(path)
 
 
@@ -162,7 +145,7 @@ def test_simulate_command_on_ray_gives_the_serial_model(tmp_path: Path) -> None:
     # sampled cohort is drawn from the CSPRNG, so two runs differ), FedPer-style private
     # layers kept on their client's actor, no DP, no SecAgg
     path = tmp_path / "tiny.toml"
-    path.write_text(TINY.format(algorithm="fedpe"))
+    path.write_text(_toml("fedpe"))
     # Execute: `fl-secure simulate` with the serial backend here, the Ray backend in a process
     assert main(["simulate", "--config", str(path), "--out", str(tmp_path / "serial"),
                  "--json", "--quiet"]) == 0  # fmt: skip
@@ -188,7 +171,7 @@ def test_simulate_command_on_ray_gives_the_serial_model(tmp_path: Path) -> None:
 
 def test_ray_flags_need_the_ray_backend(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "tiny.toml"
-    path.write_text(TINY.format(algorithm="fedavg"))
+    path.write_text(_toml("fedavg"))
     code = main(["simulate", "--config", str(path), "--workers", "2", "--out", str(tmp_path)])
     assert code == 2
     assert "--workers need --backend ray" in capsys.readouterr().err
@@ -199,7 +182,7 @@ def test_simulate_without_ray_names_the_extra(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "tiny.toml"
-    path.write_text(TINY.format(algorithm="fedavg"))
+    path.write_text(_toml("fedavg"))
     monkeypatch.setitem(sys.modules, "ray", None)
     code = main(["simulate", "--config", str(path), "--backend", "ray", "--out", str(tmp_path)])
     assert code == 2

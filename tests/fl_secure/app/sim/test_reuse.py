@@ -22,30 +22,14 @@ from fl_secure.config import Config, load_config
 from fl_secure.data.plan import plan_client_id, plan_federation
 from fl_secure.messages import LocalTraining
 from fl_secure.training import build_run_model, get_tensors
+from tests.fl_secure.app.sim.tiny import tiny_toml
 
-CONFIG = """
-[run]
-name = "reuse"
-seed = 11
-[data]
-source = "synthetic"
-image_size = 32
-num_identities = 22
-images_per_identity = 4
-held_out_identities = 4
-[partition]
-kind = "equal"
-num_clients = 6
-[model]
-backbone = "cnn-small"
-embedding_size = 16
-[algorithm]
-name = "{algorithm}"
-[train]
-rounds = 3
-local_epochs = 1
-batch_size = 4
-"""
+
+def _toml(algorithm: str) -> str:
+    return tiny_toml(name="reuse", seed=11, identities=22, clients=6, held_out=4,
+                     algorithm=algorithm,
+                     train={"rounds": 3, "local_epochs": 1, "batch_size": 4})  # fmt: skip
+
 
 CLIENT_DP = """
 [privacy]
@@ -62,7 +46,7 @@ scheme = "secagg+"
 
 def config_of(tmp_path: Path, algorithm: str, extra: str = "") -> Config:
     path = tmp_path / f"{algorithm}.toml"
-    path.write_text(CONFIG.format(algorithm=algorithm) + extra)
+    path.write_text(_toml(algorithm) + extra)
     return load_config(path)
 
 

@@ -25,40 +25,16 @@ from scipy.stats import norm
 from fl_secure.app.cli.console import main
 from fl_secure.app.simulated_run import write_simulated_run
 from fl_secure.config import load_config
+from tests.fl_secure.app.sim.tiny import tiny_toml
 
 POPULATION = 24
-BASE = """
-[run]
-name = "simdp"
-seed = 7
-[data]
-source = "synthetic"
-image_size = 32
-num_identities = 54
-images_per_identity = 4
-held_out_identities = 6
-[partition]
-kind = "equal"
-num_clients = 24
-[model]
-backbone = "cnn-small"
-embedding_size = 16
-[algorithm]
-name = "fedavg"
-[train]
-rounds = 3
-local_steps = 1
-batch_size = 4
-lr = 0.05
-[server]
-min_clients = 2
-[privacy]
-unit = "client"
-noise_placement = "central"
-noise_multiplier = 1.3
-clip_norm = 0.5
-delta = 1e-5
-"""
+BASE = tiny_toml(
+    name="simdp", seed=7, identities=54, clients=24,
+    train={"rounds": 3, "local_steps": 1, "batch_size": 4, "lr": 0.05},
+    server={"min_clients": 2},
+    extra='[privacy]\nunit = "client"\nnoise_placement = "central"\nnoise_multiplier = 1.3\n'
+    "clip_norm = 0.5\ndelta = 1e-5\n",
+)  # fmt: skip
 Z, DELTA = 1.3, 1e-5
 
 

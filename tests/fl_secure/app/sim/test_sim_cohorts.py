@@ -23,38 +23,18 @@ from fl_secure.app.sim.executor import (
 from fl_secure.app.sim.server_side import SimServer
 from fl_secure.config import Config, load_config
 from fl_secure.data.plan import plan_client_id
+from tests.fl_secure.app.sim.tiny import tiny_toml
 
-CONFIG = """
-[run]
-name = "cohorts"
-seed = 5
-[data]
-source = "synthetic"
-image_size = 32
-num_identities = 54
-images_per_identity = 4
-held_out_identities = 6
-[partition]
-kind = "equal"
-num_clients = 24
-[model]
-backbone = "cnn-small"
-embedding_size = 16
-[algorithm]
-name = "{algorithm}"
-[train]
-rounds = {rounds}
-local_steps = 2
-batch_size = 4
-lr = 0.05
-[server]
-min_clients = 1
-"""
+
+def _toml(algorithm: str, rounds: int) -> str:
+    train = {"rounds": rounds, "local_steps": 2, "batch_size": 4, "lr": 0.05}
+    return tiny_toml(name="cohorts", seed=5, identities=54, clients=24, algorithm=algorithm,
+                     train=train, server={"min_clients": 1})  # fmt: skip
 
 
 def _config(tmp_path: Path, overrides: list[str], algorithm: str = "fedavg", rounds: int = 3):
     path = tmp_path / "cohorts.toml"
-    path.write_text(CONFIG.format(algorithm=algorithm, rounds=rounds))
+    path.write_text(_toml(algorithm, rounds))
     return load_config(path, overrides)
 
 

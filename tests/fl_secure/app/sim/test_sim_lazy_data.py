@@ -15,35 +15,15 @@ import pytest
 import fl_secure.data.synthetic as synthetic
 from fl_secure.app.sim.engine import SimulationEngine
 from fl_secure.config import load_config
+from tests.fl_secure.app.sim.tiny import tiny_toml
 
 POPULATION, HELD_OUT, IMAGES, COHORT, EVALUATED = 10_000, 4, 2, 5, 3
-CONFIG = f"""
-[run]
-name = "lazy-population"
-seed = 11
-[data]
-source = "synthetic"
-image_size = 32
-num_identities = {POPULATION + HELD_OUT}
-images_per_identity = {IMAGES}
-held_out_identities = {HELD_OUT}
-[partition]
-kind = "equal"
-num_clients = {POPULATION}
-[model]
-backbone = "cnn-small"
-embedding_size = 16
-[algorithm]
-name = "fedavg"
-[train]
-rounds = 1
-local_steps = 1
-batch_size = 2
-lr = 0.05
-[server]
-min_clients = 2
-clients_per_round = {COHORT}
-"""
+CONFIG = tiny_toml(
+    name="lazy-population", seed=11, identities=POPULATION + HELD_OUT, clients=POPULATION,
+    images=IMAGES, held_out=HELD_OUT,
+    train={"rounds": 1, "local_steps": 1, "batch_size": 2, "lr": 0.05},
+    server={"min_clients": 2, "clients_per_round": COHORT},
+)  # fmt: skip
 
 
 def test_ten_thousand_clients_render_only_the_held_out_set_and_the_drawn_clients(

@@ -23,43 +23,23 @@ from fl_secure.app.sim.engine import SimulationEngine
 from fl_secure.app.sim.executor import ClientJob, SerialExecutor
 from fl_secure.config import load_config
 from fl_secure.data.plan import plan_federation
+from tests.fl_secure.app.sim.tiny import tiny_toml
 
 if TYPE_CHECKING:
     from fl_secure.config import Config
 
 POPULATION, SHARES, COHORT, ROUNDS, EVALUATED = 10_000, 20, 5, 2, 3
-CONFIG = """
-[run]
-name = "population"
-seed = 11
-[data]
-source = "synthetic"
-image_size = 32
-num_identities = 50
-images_per_identity = 4
-held_out_identities = 6
-[partition]
-kind = "equal"
-num_clients = {clients}
-[model]
-backbone = "cnn-small"
-embedding_size = 16
-[algorithm]
-name = "fedavg"
-[train]
-rounds = 2
-local_steps = 1
-batch_size = 4
-lr = 0.05
-[server]
-min_clients = 2
-clients_per_round = 5
-"""
+
+
+def _toml(clients: int) -> str:
+    train = {"rounds": 2, "local_steps": 1, "batch_size": 4, "lr": 0.05}
+    return tiny_toml(name="population", seed=11, identities=50, clients=clients, train=train,
+                     server={"min_clients": 2, "clients_per_round": 5})  # fmt: skip
 
 
 def _config(tmp_path: Path, clients: int) -> Config:
     path = tmp_path / f"population-{clients}.toml"
-    path.write_text(CONFIG.format(clients=clients))
+    path.write_text(_toml(clients))
     return load_config(path)
 
 

@@ -22,38 +22,18 @@ from fl_secure.errors import ConfigError, RoundAborted
 from fl_secure.runs import RunDir, new_run_dir
 from privacy.secagg.in_process import CohortSum
 from privacy.secagg.stages import ADVERTISE, MASKED, UNMASK
+from tests.fl_secure.app.sim.tiny import tiny_toml
 
-CONFIG = """
-[run]
-name = "secure"
-seed = 9
-[data]
-source = "synthetic"
-image_size = 32
-num_identities = 54
-images_per_identity = 4
-held_out_identities = 6
-[partition]
-kind = "equal"
-num_clients = 24
-[model]
-backbone = "cnn-small"
-embedding_size = 16
-[algorithm]
-name = "fedavg"
-[train]
-rounds = {rounds}
-local_steps = 1
-batch_size = 4
-lr = 0.05
-[server]
-min_clients = 2
-"""
+
+def _toml(rounds: int) -> str:
+    train = {"rounds": rounds, "local_steps": 1, "batch_size": 4, "lr": 0.05}
+    return tiny_toml(name="secure", seed=9, identities=54, clients=24, train=train,
+                     server={"min_clients": 2})  # fmt: skip
 
 
 def _config(tmp_path: Path, overrides: list[str], rounds: int = 1) -> Config:
     path = tmp_path / "secure.toml"
-    path.write_text(CONFIG.format(rounds=rounds))
+    path.write_text(_toml(rounds))
     return load_config(path, overrides)
 
 
