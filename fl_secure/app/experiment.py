@@ -40,6 +40,10 @@ A run whose training diverges (NaN/Inf in an update, the global model or its emb
 or whose fine-tuning after training does, aborts as the gRPC coordinator aborts a run: its
 row has ``status = aborted``, the ``reason`` and no figures, ``results.md`` lists it, and the
 grid goes on with the next cell.
+
+A little over 500 lines: the experiment file's format, its cells and their shared pretrained
+start (built by :mod:`fl_secure.app.pretrain`) are read in one place, so that one format has
+one reader; the paired differences are :mod:`fl_secure.app.paired`'s.
 """
 
 from __future__ import annotations

@@ -64,6 +64,8 @@ class _Actor:
     def __init__(self, config: Config, keep_trainers: bool) -> None:
         import torch
 
+        # deferred to the actor's own process: Ray ships this class by reference, and the
+        # driver that only dispatches jobs need not load the worker's training stack
         from fl_secure.app.sim.executor import VirtualClientWorker
 
         torch.set_num_threads(max(1, config.train.threads))
