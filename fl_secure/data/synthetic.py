@@ -12,23 +12,25 @@ expression, lighting, colour temperature, background clutter, clothing, blur, se
 glasses or hat on or off) from a generator keyed by ``(seed, k, j, domain)``.
 
 Rendering is vectorised numpy over chunks of images. Every operation is element-wise, so an
-image is bit-identical whichever chunk renders it (:mod:`fl_secure.data.synthetic_subset`
-renders any subset so). The default nuisance strengths (all ``1.0``) are calibrated so that a
-randomly initialised CNN verifies held-out identities poorly while a small CNN trained for two
-CPU minutes verifies them well. A little over 500 lines: one generator, its traits and its
+image is bit-identical whichever chunk renders it, and the whole set is
+:func:`render_positions` over every image (a virtual client's share renders only its own).
+The default nuisance strengths (all ``1.0``) are calibrated so that a randomly initialised
+CNN verifies held-out identities poorly while a small CNN trained for two CPU minutes
+verifies them well. A little over 500 lines: one generator, its traits and its
 renderer share the same parameter tables.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from fl_secure.data.types import FaceDataset
-from fl_secure.errors import ConfigError
+from fl_secure.errors import ConfigError, DataError
 
 Domain = Literal["shifted"]
 """Name of a shifted domain; ``None`` in a config means the source domain."""
@@ -468,20 +470,53 @@ def generate_synthetic_faces(cfg: SyntheticFaceConfig, *, chunk: int = 256) -> F
         ``age`` (index into ``AGE_BUCKETS``), ``smile`` (bool), ``expression`` (index into
         ``EXPRESSIONS``) and ``domain`` (0 source, 1 shifted).
     """
+    return render_positions(
+        cfg, np.arange(cfg.num_identities * cfg.images_per_identity), chunk=chunk
+    )
+
+
+#: The attributes' dtypes, for an empty subset (as the whole set's subset gives them).
+_EMPTY_ATTRIBUTES: dict[str, type] = {
+    "glasses": bool, "hat": bool, "beard": bool, "male": bool, "bushy_eyebrows": bool,
+    "hair_colour": np.int64, "age": np.int64, "smile": bool, "expression": np.int64,
+    "domain": np.int64,
+}  # fmt: skip
+
+
+@lru_cache(maxsize=8)
+def identity_names(first: int, count: int) -> tuple[str, ...]:
+    """The generator's identity names (one shared tuple per population)."""
+    return tuple(f"synthetic-{k:06d}" for k in range(first, first + count))
+
+
+def render_positions(
+    cfg: SyntheticFaceConfig, positions: np.ndarray, *, chunk: int = 256
+) -> FaceDataset:
+    """Images ``positions`` of ``cfg``'s population, rendered without rendering the rest.
+
+    Args:
+        cfg: the population.
+        positions: indices into the identity-major image order, each in
+            ``[0, num_identities * images_per_identity)``.
+        chunk: images rendered per vectorised batch (memory only).
+
+    Raises:
+        DataError: a position outside the population.
+    """
     if chunk < 1:
         raise ConfigError(f"chunk must be >= 1, got {chunk}")
-    ids = range(cfg.first_identity, cfg.first_identity + cfg.num_identities)
-    traits = [_identity_traits(cfg.seed, k) for k in ids]
-    per_image_traits: list[Params] = []
-    per_image: list[Params] = []
-    keys: list[tuple[int, int]] = []
-    for pos, k in enumerate(ids):
-        for j in range(cfg.images_per_identity):
-            per_image_traits.append(traits[pos])
-            per_image.append(_image_params(cfg, k, j, traits[pos]))
-            keys.append((k, j))
+    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    total = cfg.num_identities * cfg.images_per_identity
+    if pos.size and (pos.min() < 0 or pos.max() >= total):
+        raise DataError(f"image positions must be in [0, {total}), got {pos.min()}..{pos.max()}")
+    per = cfg.images_per_identity
+    labels = pos // per
+    keys = [(cfg.first_identity + int(p) // per, int(p) % per) for p in pos]
+    traits = {k: _identity_traits(cfg.seed, k) for k in {k for k, _ in keys}}
+    per_image_traits = [traits[k] for k, _ in keys]
+    per_image = [_image_params(cfg, k, j, traits[k]) for k, j in keys]
     shifted = int(cfg.domain == "shifted")
-    n, size = len(per_image), cfg.image_size
+    n, size = len(keys), cfg.image_size
     out = np.empty((n, 3, size, size), dtype=np.float32)
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
@@ -491,15 +526,21 @@ def generate_synthetic_faces(cfg: SyntheticFaceConfig, *, chunk: int = 256) -> F
             for k, j in keys[start:stop]
         ])  # fmt: skip
         out[start:stop] = _render(
-            _stack(per_image_traits[start:stop]), _stack(per_image[start:stop]), noise, size,
+            _stack(per_image_traits[start:stop]),
+            _stack(per_image[start:stop]),
+            noise,
+            size,
             bool(shifted),
-        )  # fmt: skip
-    attributes = image_attributes(_stack(per_image_traits), _stack(per_image), shifted)
-    labels = np.repeat(np.arange(cfg.num_identities, dtype=np.int64), cfg.images_per_identity)
+        )
+    attributes: dict[str, np.ndarray] = {
+        key: np.zeros(0, dtype=dtype) for key, dtype in _EMPTY_ATTRIBUTES.items()
+    }
+    if n:
+        attributes = image_attributes(_stack(per_image_traits), _stack(per_image), shifted)
     return FaceDataset(
         images=torch.from_numpy(out * 2 - 1),
         labels=torch.from_numpy(labels),
-        identity_names=tuple(f"synthetic-{k:06d}" for k in ids),
+        identity_names=identity_names(cfg.first_identity, cfg.num_identities),
         attributes=attributes,
         source=f"synthetic(seed={cfg.seed}, domain={cfg.domain or 'source'}, size={size})",
     )
