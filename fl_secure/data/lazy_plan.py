@@ -64,9 +64,13 @@ class LazyShares(Sequence[ClientShare]):
             return LazyShares(self.cfg, self.parts[index])
         train, test = self.parts[index]
         self.rendered += 1
+        # one render of both sets (the identity-level work once), then split: each image is
+        # rendered from its own (seed, identity, image) alone, so this equals two renders
+        both = render_synthetic_subset(self.cfg, np.concatenate([train, test]))
+        cut = len(train)
         return ClientShare(
-            train=render_synthetic_subset(self.cfg, train),
-            test=render_synthetic_subset(self.cfg, test),
+            train=both.subset(np.arange(cut)),
+            test=both.subset(np.arange(cut, cut + len(test))),
         )
 
     def train_sizes(self) -> list[int]:
