@@ -125,7 +125,9 @@ def workload(args: argparse.Namespace, clients: int, *, private: bool) -> Any:
 
 
 # ------------------------------------------------------------------ rows (child processes)
-def row_ours(args: argparse.Namespace, clients: int, private: bool) -> dict[str, Any]:
+def row_ours(
+    args: argparse.Namespace, clients: int, private: bool, client_batch: int = 1
+) -> dict[str, Any]:
     """Our engine on Ray actors; the rounds timed."""
     import torch
 
@@ -139,7 +141,9 @@ def row_ours(args: argparse.Namespace, clients: int, private: bool) -> dict[str,
     run = RunDir(new_run_dir(Path(tempfile.mkdtemp(prefix="simbench-run-")), "bench"))
     workers = args.workers
     engine = SimulationEngine(
-        config, run_dir=run, executor=lambda cfg: RayExecutor(cfg, num_workers=workers)
+        config,
+        run_dir=run,
+        executor=lambda cfg: RayExecutor(cfg, num_workers=workers, client_batch=client_batch),
     )
     startup = time.perf_counter() - started
     started = time.perf_counter()
@@ -153,6 +157,7 @@ def row_ours(args: argparse.Namespace, clients: int, private: bool) -> dict[str,
         **rates(engine.cohort_sizes, ends, startup),
         "workers": getattr(engine.executor, "num_workers", None),
         "secure_aggregation": config.secure_aggregation.scheme,
+        "client_batch": client_batch,
     }
     if engine.server.privacy is not None:
         out["privacy"] = {
@@ -310,7 +315,11 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--workers", type=int, default=0, help="Ray actors (0: one per core)")
     p.add_argument("--flower-python", default=str(DEFAULT_FLOWER_PYTHON))
-    p.add_argument("--rows", default="ours,ours_dp,flower,memory")
+    p.add_argument("--rows", default="ours,ours_batch,ours_dp,ours_dp_batch,flower,memory")
+    p.add_argument(
+        "--client-batch", type=int, default=25,
+        help="the *_batch rows: virtual clients an actor trains together (vectorised)",
+    )  # fmt: skip
     p.add_argument("--memory-clients", type=int, default=10_000)
     p.add_argument("--memory-rounds", type=int, default=3)
     p.add_argument("--row", help=argparse.SUPPRESS)  # a child process's row
@@ -323,9 +332,11 @@ def main() -> None:
         if args.row == "export":
             print(json.dumps(export_data(args, args.data)))
         else:
-            print(json.dumps(row_ours(args, clients, private=args.row == "ours_dp")))
+            batch = args.client_batch if args.row.endswith("_batch") else 1
+            private = args.row.startswith("ours_dp")
+            print(json.dumps(row_ours(args, clients, private=private, client_batch=batch)))
         return
-    shared = ["clients", "per_round", "rounds", "images", "batch_size", "workers"]
+    shared = ["clients", "per_round", "rounds", "images", "batch_size", "workers", "client_batch"]
     args.passthrough = [
         item
         for name in shared
@@ -346,13 +357,17 @@ def main() -> None:
     }
     if "ours" in rows:
         report["ours"] = child(args, "ours")
+    if "ours_batch" in rows:
+        report["ours_batch"] = child(args, "ours_batch")
     if "flower" in rows:
         report["flower"] = flower(args)
     if "ours_dp" in rows:
         report["ours_dp"] = child(args, "ours_dp")
+    if "ours_dp_batch" in rows:
+        report["ours_dp_batch"] = child(args, "ours_dp_batch")
     theirs = report.get("flower", {})
     for key in ("clients_per_s", "steady_clients_per_s"):
-        for row in ("ours", "ours_dp"):
+        for row in ("ours", "ours_batch", "ours_dp", "ours_dp_batch"):
             mine = report.get(row, {})
             if key in mine and key in theirs:
                 report[f"ratio_{row}_over_flower_{key}"] = round(mine[key] / theirs[key], 2)

@@ -33,7 +33,7 @@ from privacy.site_figures import PRIVATE_EXAMPLE_COUNT
 if TYPE_CHECKING:
     from fl_secure.algorithms import Strategy
     from fl_secure.messages import LocalTraining, Tensors
-    from privacy.client_round import ClientPrivacy
+    from privacy.client_round import ClientPrivacy, TrainFn
 
 log = logging.getLogger(__name__)
 
@@ -219,17 +219,23 @@ class LocalTrainer:
         atomic_write_bytes(path, save(tensors))
 
     def train(
-        self, shared: Tensors, training: LocalTraining
+        self, shared: Tensors, training: LocalTraining, *, local: TrainFn | None = None
     ) -> tuple[Tensors, int, dict[str, float]]:
         """One round: returns (update of the shared parameters, examples, metrics).
 
         With :attr:`Strategy.uploads_head` the update ends with this client's head values.
+        ``local`` replaces the strategy's local objective (the simulation's clients trained
+        together: :mod:`fl_secure.app.sim.vectorized`); DP-SGD runs keep theirs.
+
+        Raises:
+            ValueError: ``local`` given for a DP-SGD run.
         """
         shared = self._take_head(shared)
         if self.privacy is None:
             result = self.strategy.client_update(
-                self.model, self.data, training, shared, generator=self.generator
-            )
+                self.model, self.data, training, shared, generator=self.generator,
+                train_fn=local,
+            )  # fmt: skip
             self._save_private()
             return self._with_head(result.update), result.num_examples, result.metrics
         if not self.privacy.may_train(training):  # budget spent: a data-independent update
@@ -241,13 +247,21 @@ class LocalTrainer:
             training,
             shared,
             generator=self.generator,
-            train_fn=self.privacy.train_fn(),
+            train_fn=self._local_objective(local),
         )
         self._save_private()
         # Example-level DP only (client-level DP is refused for uploaded heads): the head was
         # trained by DP-SGD with the rest of the model, so sending it is post-processing.
         update, metrics = self.privacy.release(result.update, result.metrics, trained=True)
         return self._with_head(update), self.num_examples, metrics
+
+    def _local_objective(self, local: TrainFn | None) -> TrainFn | None:
+        """DP-SGD's training (example- and identity-level runs), else ``local``."""
+        assert self.privacy is not None
+        dpsgd = self.privacy.train_fn()
+        if dpsgd is not None and local is not None:
+            raise ValueError("a DP-SGD client trains with DP-SGD, not a given local objective")
+        return dpsgd or local
 
     def evaluate(self, shared: Tensors) -> tuple[int, dict[str, float]]:
         """Evaluate the global model on this client's test images.

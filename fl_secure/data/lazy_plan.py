@@ -73,6 +73,19 @@ class LazyShares(Sequence[ClientShare]):
             test=both.subset(np.arange(cut, cut + len(test))),
         )
 
+    def shares(self, indices: Sequence[int]) -> list[ClientShare]:
+        """``[self[k] for k in indices]``, rendered in one pass (a batch of jobs' data)."""
+        parts = [self.parts[k] for k in indices]
+        both = render_synthetic_subset(self.cfg, np.concatenate([p for tt in parts for p in tt]))
+        self.rendered += len(parts)
+        out, at = [], 0
+        for train, test in parts:
+            cut, end = at + len(train), at + len(train) + len(test)
+            out.append(ClientShare(train=both.subset(np.arange(at, cut)),
+                                   test=both.subset(np.arange(cut, end))))  # fmt: skip
+            at = end
+        return out
+
     def train_sizes(self) -> list[int]:
         """Training images per client, without rendering any."""
         return [len(train) for train, _ in self.parts]

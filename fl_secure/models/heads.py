@@ -92,7 +92,8 @@ def margin_logits(
             keep = phi <= math.pi
         target = torch.where(keep, torch.cos(phi), fallback)
     target = target - m3
-    is_target = F.one_hot(labels, cosine.shape[1]).bool()
+    # a scatter, not F.one_hot: the same mask, and it runs under torch.func.vmap
+    is_target = torch.zeros_like(cosine, dtype=torch.bool).scatter(1, labels.unsqueeze(1), True)
     return s * torch.where(is_target, target.unsqueeze(1), cosine)
 
 

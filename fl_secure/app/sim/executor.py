@@ -25,20 +25,23 @@ import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from client.trainer_factory import build_local_trainer
 from fl_secure.algorithms import get_strategy
 from fl_secure.app.sim.reuse import ModelPool, reusable
-from fl_secure.data.lazy_plan import plan_population
-from fl_secure.data.plan import FederatedData, plan_client_id
+from fl_secure.app.sim.vectorized import model_fits, train_stacked, vectorizable
+from fl_secure.data.lazy_plan import LazyShares, plan_population
+from fl_secure.data.plan import ClientShare, FederatedData, plan_client_id
 from fl_secure.errors import ConfigError
+from fl_secure.training import set_tensors
 from privacy.dp.noise import seeded_source
 
 if TYPE_CHECKING:
     from client.trainer import LocalTrainer
     from fl_secure.config import Config
     from fl_secure.messages import LocalTraining, Tensors
+    from fl_secure.training import FaceModel, LocalData
 
 #: Job kinds: a training round, or the scoring of the model the client is sent.
 TRAIN, EVALUATE = "train", "evaluate"
@@ -97,11 +100,21 @@ class VirtualClientWorker:
     """
 
     def __init__(
-        self, config: Config, *, keep_trainers: bool = False, reuse_models: bool = True
+        self,
+        config: Config,
+        *,
+        keep_trainers: bool = False,
+        reuse_models: bool = True,
+        client_batch: int = 1,
     ) -> None:
+        if client_batch < 1:
+            raise ConfigError(f"client_batch must be >= 1, got {client_batch}")
         self.config = config
         self.keep_trainers = keep_trainers
         self.built = 0
+        #: jobs of one :meth:`run_many` call trained together (1: one at a time)
+        self.client_batch = client_batch
+        self.trained_together = 0  # jobs whose local round ran vectorised
         self._plan: FederatedData | None = None
         self._kept: dict[int, LocalTrainer] = {}
         a, m = config.algorithm, config.model
@@ -111,6 +124,7 @@ class VirtualClientWorker:
         self.models: ModelPool | None = None
         if reuse_models and not keep_trainers and reusable(strategy, config):
             self.models = ModelPool(config, config.data.image_size)
+        self._together = client_batch > 1 and not keep_trainers and vectorizable(strategy, config)
 
     @property
     def plan(self) -> FederatedData:
@@ -128,15 +142,19 @@ class VirtualClientWorker:
         """The clients kept so far (``keep_trainers``), by plan index."""
         return dict(self._kept)
 
-    def trainer(self, index: int) -> LocalTrainer:
-        """Client ``index`` as its gRPC process builds it (kept if ``keep_trainers``)."""
+    def trainer(self, index: int, share: ClientShare | None = None) -> LocalTrainer:
+        """Client ``index`` as its gRPC process builds it (kept if ``keep_trainers``).
+
+        ``share``: the client's data, when the caller has rendered it already.
+        """
         kept = self._kept.get(index)
         if kept is not None:
             return kept
         plan = self.plan
         if not 0 <= index < len(plan.clients):
             raise ConfigError(f"virtual client {index} is outside the plan's {len(plan.clients)}")
-        share = plan.clients[index]
+        if share is None:
+            share = plan.clients[index]
         trainer = build_local_trainer(
             self.config,
             share.train,
@@ -153,7 +171,85 @@ class VirtualClientWorker:
 
     def run(self, job: ClientJob) -> ClientResult:
         """Build (or take) the client, restore its carry, run the job, return the upload."""
-        trainer = self.trainer(job.index)
+        trainer = self._prepared(job)
+        if job.kind == EVALUATE:
+            examples, metrics = trainer.evaluate(job.sent)
+            return ClientResult(job.client_id, OrderedDict(), examples, metrics, job.state)
+        upload, examples, metrics = trainer.train(job.sent, job.task)
+        carry = {} if self.keep_trainers else carried_state(trainer)  # a kept one holds it
+        return ClientResult(job.client_id, upload, examples, metrics, carry)
+
+    def run_many(self, jobs: Sequence[ClientJob]) -> list[ClientResult]:
+        """Run ``jobs``, results in job order; some train together where the design allows.
+
+        Up to :attr:`client_batch` consecutive training jobs sent the same model run their
+        local objective in one pass (:mod:`fl_secure.app.sim.vectorized`); the rest run one
+        at a time (:meth:`run`).
+        """
+        results: list[ClientResult | None] = [None] * len(jobs)
+        group: list[int] = []
+
+        def flush() -> None:
+            if len(group) > 1:
+                for i, result in zip(
+                    group, self._run_together([jobs[i] for i in group]), strict=True
+                ):
+                    results[i] = result
+            elif group:
+                results[group[0]] = self.run(jobs[group[0]])
+            group.clear()
+
+        for i, job in enumerate(jobs):
+            if not self._together or job.kind != TRAIN:
+                flush()
+                results[i] = self.run(job)
+                continue
+            if group and (jobs[group[0]].sent is not job.sent or len(group) >= self.client_batch):
+                flush()
+            group.append(i)
+        flush()
+        return [r for r in results if r is not None]
+
+    def _run_together(self, jobs: Sequence[ClientJob]) -> list[ClientResult]:
+        """Jobs sent one model: their local objective in one pass, the rest per client."""
+        plan = self.plan
+        indices = [job.index for job in jobs]
+        shares = (
+            plan.clients.shares(indices)
+            if isinstance(plan.clients, LazyShares)
+            else [plan.clients[i] for i in indices]
+        )
+        trainers = [self._prepared(job, share) for job, share in zip(jobs, shares, strict=True)]
+        model = trainers[0].model
+        if not model_fits(model, list(jobs[0].sent)):
+            return [self.run(job) for job in jobs]  # fits no stack: one at a time
+        by_size: dict[int, list[int]] = {}  # clients of one size share every step's shapes
+        for i, trainer in enumerate(trainers):
+            by_size.setdefault(len(trainer.data.train), []).append(i)
+        results: list[ClientResult | None] = [None] * len(jobs)
+        for members in by_size.values():
+            if len(members) == 1:
+                results[members[0]] = self.run(jobs[members[0]])
+                continue
+            set_tensors(model, jobs[0].sent)  # every parameter: whatever the last build left
+            stacked = train_stacked(model, [trainers[i].data for i in members], jobs[0].task,
+                                    [trainers[i].generator for i in members])  # fmt: skip
+            for i, done in zip(members, stacked, strict=True):
+
+                def local(m: FaceModel, _d: LocalData, _t: LocalTraining, done: Any = done) -> Any:
+                    set_tensors(m, done.params)
+                    return done.metrics
+
+                job, trainer = jobs[i], trainers[i]
+                upload, examples, metrics = trainer.train(job.sent, job.task, local=local)
+                results[i] = ClientResult(job.client_id, upload, examples, metrics,
+                                          carried_state(trainer))  # fmt: skip
+            self.trained_together += len(members)
+        return [r for r in results if r is not None]
+
+    def _prepared(self, job: ClientJob, share: ClientShare | None = None) -> LocalTrainer:
+        """The job's client, its carry restored and this round's batch order seeded."""
+        trainer = self.trainer(job.index, share)
         if not self.keep_trainers:  # a fresh client: its carry, and this round's batch order
             restore_state(trainer, job.state)
             seed = batch_seed(self.config.run.seed, job.client_id, job.round)
@@ -164,23 +260,22 @@ class VirtualClientWorker:
             trainer.privacy.source = seeded_source(
                 self.config.run.seed, f"{job.client_id}:round-{job.round}"
             )
-        if job.kind == EVALUATE:
-            examples, metrics = trainer.evaluate(job.sent)
-            return ClientResult(job.client_id, OrderedDict(), examples, metrics, job.state)
-        upload, examples, metrics = trainer.train(job.sent, job.task)
-        carry = {} if self.keep_trainers else carried_state(trainer)  # a kept one holds it
-        return ClientResult(job.client_id, upload, examples, metrics, carry)
+        return trainer
 
 
 class SerialExecutor:
     """A :class:`ClientExecutor` in this process: one worker runs the jobs in order."""
 
-    def __init__(self, config: Config, *, keep_trainers: bool = False) -> None:
-        self.worker = VirtualClientWorker(config, keep_trainers=keep_trainers)
+    def __init__(
+        self, config: Config, *, keep_trainers: bool = False, client_batch: int = 1
+    ) -> None:
+        self.worker = VirtualClientWorker(
+            config, keep_trainers=keep_trainers, client_batch=client_batch
+        )
 
     def map(self, jobs: Sequence[ClientJob]) -> list[ClientResult]:
-        """Run ``jobs`` one after the other."""
-        return [self.worker.run(job) for job in jobs]
+        """Run ``jobs`` in order (``client_batch`` > 1: several trained together)."""
+        return self.worker.run_many(jobs)
 
     def close(self) -> None:
         """Nothing to free."""

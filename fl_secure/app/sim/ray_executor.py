@@ -61,7 +61,7 @@ def import_ray() -> ModuleType:
 class _Actor:
     """The body of one Ray actor: one virtual-client worker, pinned torch threads."""
 
-    def __init__(self, config: Config, keep_trainers: bool) -> None:
+    def __init__(self, config: Config, keep_trainers: bool, client_batch: int = 1) -> None:
         import torch
 
         # deferred to the actor's own process: Ray ships this class by reference, and the
@@ -69,7 +69,9 @@ class _Actor:
         from fl_secure.app.sim.executor import VirtualClientWorker
 
         torch.set_num_threads(max(1, config.train.threads))
-        self.worker = VirtualClientWorker(config, keep_trainers=keep_trainers)
+        self.worker = VirtualClientWorker(
+            config, keep_trainers=keep_trainers, client_batch=client_batch
+        )
         _ = self.worker.plan  # the data plan now, with the actors' start, not in round 1
 
     def run(self, job: ClientJob, sent: Tensors) -> ClientResult:
@@ -77,6 +79,10 @@ class _Actor:
         # Ray hands numpy arrays out of its object store read-only and zero-copy: the trainer
         # loads them into its model (a copy), so nothing writes into them
         return self.worker.run(dataclasses.replace(job, sent=sent))
+
+    def run_many(self, jobs: list[ClientJob], sent: Tensors) -> list[ClientResult]:
+        """Run ``jobs``, all sent ``sent``, some trained together (``client_batch``)."""
+        return self.worker.run_many([dataclasses.replace(job, sent=sent) for job in jobs])
 
     def ready(self) -> bool:
         """True once the actor is up (its worker built)."""
@@ -95,6 +101,8 @@ class RayExecutor:
         keep_trainers: each worker keeps the clients it built (a small federation where
             every client trains every round); a client's jobs then always go to the same
             actor, ``index % num_workers``.
+        client_batch: jobs sent to an actor at once; > 1 trains them together where the
+            design allows (:mod:`fl_secure.app.sim.vectorized`).
 
     Raises:
         ConfigError: Ray is not installed, or ``num_workers`` is below 1.
@@ -107,9 +115,13 @@ class RayExecutor:
         address: str | None = None,
         num_workers: int | None = None,
         keep_trainers: bool = False,
+        client_batch: int = 1,
     ) -> None:
         if num_workers is not None and num_workers < 1:
             raise ConfigError(f"the Ray backend needs at least 1 worker, got {num_workers}")
+        if client_batch < 1:
+            raise ConfigError(f"client_batch must be >= 1, got {client_batch}")
+        self.client_batch = client_batch
         ray = import_ray()
         self._ray = ray
         self._started = False
@@ -131,7 +143,7 @@ class RayExecutor:
         # more workers than CPU slots still start: each asks for its share of the slots
         per_actor = min(float(threads), cpus / count)
         remote = ray.remote(num_cpus=per_actor)(_Actor)
-        self._actors = [remote.remote(config, keep_trainers) for _ in range(count)]
+        self._actors = [remote.remote(config, keep_trainers, client_batch) for _ in range(count)]
         self._sticky = keep_trainers
         ray.get([a.ready.remote() for a in self._actors])
 
@@ -160,18 +172,34 @@ class RayExecutor:
         else:
             queues = [deque(enumerate(jobs))]
         results: list[ClientResult | None] = [None] * len(jobs)
-        running: dict[Any, tuple[int, int]] = {}  # ObjectRef -> (job number, actor number)
+        running: dict[Any, tuple[list[int], int]] = {}  # ObjectRef -> (job numbers, actor)
         load = [0] * len(self._actors)
+        # an actor's share of the jobs left, so that a batch does not leave the others idle
+        size = max(1, min(self.client_batch, -(-len(jobs) // (DEPTH * len(self._actors)))))
 
         def submit(actor: int) -> None:
             queue = queues[actor if self._sticky else 0]
             while queue and load[actor] < DEPTH:
-                i, job = queue.popleft()
-                key = id(job.sent)
+                numbers: list[int] = []
+                batch: list[ClientJob] = []
+                while (  # consecutive jobs sent the same model (batch holds them bare)
+                    queue
+                    and len(batch) < size
+                    and (not numbers or queue[0][1].sent is jobs[numbers[0]].sent)
+                ):
+                    i, job = queue.popleft()
+                    numbers.append(i)
+                    batch.append(dataclasses.replace(job, sent=OrderedDict()))
+                key = id(jobs[numbers[0]].sent)
                 if key not in stored:
-                    stored[key] = ray.put(job.sent)
-                bare = dataclasses.replace(job, sent=OrderedDict())
-                running[self._actors[actor].run.remote(bare, stored[key])] = (i, actor)
+                    stored[key] = ray.put(jobs[numbers[0]].sent)
+                handle = self._actors[actor]
+                ref = (
+                    handle.run.remote(batch[0], stored[key])
+                    if len(batch) == 1
+                    else handle.run_many.remote(batch, stored[key])
+                )
+                running[ref] = (numbers, actor)
                 load[actor] += 1
 
         for actor in range(len(self._actors)):
@@ -179,9 +207,11 @@ class RayExecutor:
         while running:
             done, _ = ray.wait(list(running), num_returns=1)
             for ref in done:
-                i, actor = running.pop(ref)
+                numbers, actor = running.pop(ref)
                 load[actor] -= 1
-                results[i] = _get(ray, ref)
+                got = _get(ray, ref)
+                for i, result in zip(numbers, got if isinstance(got, list) else [got], strict=True):
+                    results[i] = result
                 submit(actor)
         return [r for r in results if r is not None]
 
@@ -195,10 +225,10 @@ class RayExecutor:
             self._started = False
 
 
-def _get(ray: ModuleType, ref: Any) -> ClientResult:
+def _get(ray: ModuleType, ref: Any) -> ClientResult | list[ClientResult]:
     """``ray.get(ref)``, with a worker's exception re-raised as its own class."""
     try:
-        result: ClientResult = ray.get(ref)
+        result: ClientResult | list[ClientResult] = ray.get(ref)
     except ray.exceptions.RayTaskError as exc:
         raise exc.as_instanceof_cause() from None
     return result
