@@ -36,7 +36,8 @@ the same after round 1 (both sides warmed up); ``ratio_*`` = ours / Flower
 the largest sum over the row's process and all its descendants (Ray's GCS, raylet and
 workers) of the proportional set size (``peak_pss_mb``: shared pages split among the
 processes) and of the resident set size (``peak_rss_mb``: shared pages counted in each),
-sampled every 0.2 s from ``/proc/PID/smaps_rollup``.
+sampled every 0.2 s from ``/proc/PID/smaps_rollup``. ``load_average_start`` / ``_end``: the
+machine's 1, 5 and 15 minute load averages before the first row and after the last.
 
 Flower's venv (Flower is never a dependency of this project)::
 
@@ -380,7 +381,8 @@ def main() -> None:
             "batch_size": args.batch_size,
             "model": "cnn-small, 32x32, embedding 32, CosFace head",
             "cpus": os.cpu_count(),
-        }
+        },
+        "load_average_start": [round(x, 2) for x in os.getloadavg()],
     }
     if "ours" in rows:
         report["ours"] = child(args, "ours")
@@ -408,6 +410,7 @@ def main() -> None:
         for key in ("peak_pss_mb", "peak_rss_mb"):
             if key in few and key in many:
                 report["memory"][f"ratio_{key}"] = round(many[key] / few[key], 3)
+    report["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(report, indent=1))
 
 
