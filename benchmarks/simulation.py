@@ -13,21 +13,34 @@ Rows (each in its own child process, so that its peak memory is its own):
 * ``ours_dp``: the same with client-level DP (DP-FedAvg: clipping at 1, distributed noise
   z = 1 added by the clients before masking, the ledger written and committed every round)
   and SecAgg+ run for real among each cohort (the engine's in-process rounds);
+* ``ours_batch`` / ``ours_dp_batch``: ``ours`` / ``ours_dp`` with ``--client-batch`` (25)
+  sampled clients of an actor trained together in one vectorised pass
+  (:mod:`fl_secure.app.sim.vectorized`; ``fl-secure simulate --client-batch``);
 * ``flower``: ``benchmarks/simulation_flower_app.py`` under ``--flower-python`` (Flower 1.42,
   ``flwr[simulation]``, its Ray backend, one actor per core): the same model in plain torch,
   the same images (exported from our plan as ``.npy``), same batch size and epochs, FedAvg
   with ``fraction_train = per_round / clients`` and no federated evaluation;
+* ``flower_dp``: the like-for-like row of ``ours_dp`` in Flower 1.42,
+  ``benchmarks/simulation_flower_secure_app.py``: the same workload with Flower's SecAgg+
+  (``SecAggPlusWorkflow`` + ``secaggplus_mod``; ``num_shares`` = our ``k`` + 1, since
+  Flower counts a client's own share, and ``reconstruction_threshold`` = our ``t``, both
+  derived by :func:`privacy.secagg.in_process.cohort_setup` for a cohort of ``--per-round``)
+  and its central DP with client-side fixed clipping
+  (``DifferentialPrivacyClientSideFixedClipping`` + ``fixedclipping_mod``: clipping at 1,
+  Gaussian noise z = 1 added by the server to the unmasked mean; no accountant, no ledger);
 * ``memory``: ours (no DP) for ``--memory-rounds`` rounds with ``--clients`` and with
   ``--memory-clients`` (10,000) virtual clients: peak RSS of each and their ratio.
 
 Timing: ``rounds_s`` is the wall time of the training rounds (each side's start-up before
 them is ``startup_s``; Flower starts its Ray actors inside round 1, ours before it),
 ``clients_per_s`` the client trainings per second of the rounds, ``steady_clients_per_s``
-the same after round 1 (both sides warmed up); ``ratio_*`` = ours / Flower. Peak memory is
+the same after round 1 (both sides warmed up); ``ratio_*`` = ours / Flower
+(``ratio_ours_dp_over_flower_dp_*``: the secure rows, like for like). Peak memory is
 the largest sum over the row's process and all its descendants (Ray's GCS, raylet and
 workers) of the proportional set size (``peak_pss_mb``: shared pages split among the
 processes) and of the resident set size (``peak_rss_mb``: shared pages counted in each),
-sampled every 0.2 s from ``/proc/PID/smaps_rollup``.
+sampled every 0.2 s from ``/proc/PID/smaps_rollup``. ``load_average_start`` / ``_end``: the
+machine's 1, 5 and 15 minute load averages before the first row and after the last.
 
 Flower's venv (Flower is never a dependency of this project)::
 
@@ -38,8 +51,9 @@ Flower's venv (Flower is never a dependency of this project)::
         > /work/flwr-venv/lib/python3.11/site-packages/zz_torch.pth
 
 Usage: python benchmarks/simulation.py [--clients 1000] [--per-round 100] [--rounds 20]
-       [--flower-python /work/flwr-venv/bin/python] [--rows ours,ours_dp,flower,memory]
-       [--memory-clients 10000] [--memory-rounds 3] [--workers N]
+       [--flower-python /work/flwr-venv/bin/python]
+       [--rows ours,ours_batch,ours_dp,ours_dp_batch,flower,flower_dp,memory]
+       [--memory-clients 10000] [--memory-rounds 3] [--workers N] [--client-batch 25]
 """
 
 from __future__ import annotations
@@ -59,6 +73,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 FLOWER_APP = ROOT / "benchmarks" / "simulation_flower_app.py"
+FLOWER_SECURE_APP = ROOT / "benchmarks" / "simulation_flower_secure_app.py"
 DEFAULT_FLOWER_PYTHON = Path("/work/flwr-venv/bin/python")
 HELD_OUT = 4  # identities the server scores each round's model on (as every run has)
 
@@ -124,6 +139,26 @@ def workload(args: argparse.Namespace, clients: int, *, private: bool) -> Any:
     return load_config(path)
 
 
+def secagg_parameters(config: Any, cohort: int) -> dict[str, Any]:
+    """Our SecAgg+ ``k``, ``t`` and modulus for a cohort of ``cohort`` (as a round derives them)."""
+    from privacy.secagg.in_process import cohort_setup
+
+    plan = config.privacy
+    setup = cohort_setup(
+        config.secure_aggregation,
+        [f"c{i}" for i in range(cohort)],
+        1,  # k and t depend on the cohort and the rates, not on the vector's length
+        round_id=bytes(16),
+        ddg=(plan.noise_multiplier, plan.clip_norm, config.server.min_clients),
+        min_inputs=config.server.min_clients,
+    )
+    return {
+        "neighbours": setup.neighbours or cohort - 1,
+        "threshold": setup.threshold,
+        "modulus_bits": setup.modulus_bits,
+    }
+
+
 # ------------------------------------------------------------------ rows (child processes)
 def row_ours(
     args: argparse.Namespace, clients: int, private: bool, client_batch: int = 1
@@ -159,6 +194,8 @@ def row_ours(
         "secure_aggregation": config.secure_aggregation.scheme,
         "client_batch": client_batch,
     }
+    if config.secure_aggregation.scheme != "none":
+        out["secagg"] = secagg_parameters(config, args.per_round)
     if engine.server.privacy is not None:
         out["privacy"] = {
             k: engine.server.privacy.summary().get(k)
@@ -273,8 +310,8 @@ def child(args: argparse.Namespace, row: str, **extra: Any) -> dict[str, Any]:
     return measured(command, env)
 
 
-def flower(args: argparse.Namespace) -> dict[str, Any]:
-    """The Flower row, or why it was skipped."""
+def flower(args: argparse.Namespace, *, secure: bool = False) -> dict[str, Any]:
+    """The Flower row (``secure``: SecAgg+ and DP as ours_dp's), or why it was skipped."""
     python = Path(args.flower_python)
     if not python.exists():
         return {"skipped": f"no Flower interpreter at {python} (see this script's docstring)"}
@@ -296,8 +333,13 @@ def flower(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.workers:
         env["FLB_CPUS"] = str(args.workers)
+    if secure:
+        ours = secagg_parameters(workload(args, args.clients, private=True), args.per_round)
+        env["FLB_SHARES"] = str(min(ours["neighbours"] + 1, args.per_round))
+        env["FLB_THRESHOLD"] = str(ours["threshold"])
+        env["FLB_NOISE"] = env["FLB_CLIP"] = "1.0"  # PRIVATE's noise_multiplier, clip_norm
     env.pop("PYTHONPATH", None)
-    result = measured([str(python), str(FLOWER_APP)], env)
+    result = measured([str(python), str(FLOWER_SECURE_APP if secure else FLOWER_APP)], env)
     if "rounds_s" in result:
         ends = result.pop("round_ends_s")
         startup = result.pop("total_s") - result.pop("rounds_s")
@@ -315,7 +357,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--workers", type=int, default=0, help="Ray actors (0: one per core)")
     p.add_argument("--flower-python", default=str(DEFAULT_FLOWER_PYTHON))
-    p.add_argument("--rows", default="ours,ours_batch,ours_dp,ours_dp_batch,flower,memory")
+    p.add_argument(
+        "--rows", default="ours,ours_batch,ours_dp,ours_dp_batch,flower,flower_dp,memory"
+    )
     p.add_argument(
         "--client-batch", type=int, default=25,
         help="the *_batch rows: virtual clients an actor trains together (vectorised)",
@@ -353,7 +397,8 @@ def main() -> None:
             "batch_size": args.batch_size,
             "model": "cnn-small, 32x32, embedding 32, CosFace head",
             "cpus": os.cpu_count(),
-        }
+        },
+        "load_average_start": [round(x, 2) for x in os.getloadavg()],
     }
     if "ours" in rows:
         report["ours"] = child(args, "ours")
@@ -365,12 +410,18 @@ def main() -> None:
         report["ours_dp"] = child(args, "ours_dp")
     if "ours_dp_batch" in rows:
         report["ours_dp_batch"] = child(args, "ours_dp_batch")
+    if "flower_dp" in rows:
+        report["flower_dp"] = flower(args, secure=True)
     theirs = report.get("flower", {})
     for key in ("clients_per_s", "steady_clients_per_s"):
         for row in ("ours", "ours_batch", "ours_dp", "ours_dp_batch"):
             mine = report.get(row, {})
             if key in mine and key in theirs:
                 report[f"ratio_{row}_over_flower_{key}"] = round(mine[key] / theirs[key], 2)
+        for row in ("ours_dp", "ours_dp_batch"):
+            mine, theirs_dp = report.get(row, {}), report.get("flower_dp", {})
+            if key in mine and key in theirs_dp:
+                report[f"ratio_{row}_over_flower_dp_{key}"] = round(mine[key] / theirs_dp[key], 2)
     if "memory" in rows:
         small_args = argparse.Namespace(**vars(args))
         small_args.passthrough = [*args.passthrough, "--rounds", str(args.memory_rounds)]
@@ -380,6 +431,7 @@ def main() -> None:
         for key in ("peak_pss_mb", "peak_rss_mb"):
             if key in few and key in many:
                 report["memory"][f"ratio_{key}"] = round(many[key] / few[key], 3)
+    report["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(report, indent=1))
 
 

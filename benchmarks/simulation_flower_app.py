@@ -101,14 +101,25 @@ client = ClientApp()
 @client.train()
 def train(msg: Message, context: Context) -> Message:
     """One local epoch of SGD on this virtual client's images; return the new weights."""
+    model = Net(classes())
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    examples, loss = local_epoch(model, int(context.node_config["partition-id"]))
+    reply = RecordDict(
+        {
+            "arrays": ArrayRecord(model.state_dict()),
+            "metrics": MetricRecord({"num-examples": examples, "loss": loss}),
+        }
+    )
+    return Message(content=reply, reply_to=msg)
+
+
+def local_epoch(model: Net, k: int) -> tuple[int, float]:
+    """One local epoch of SGD of ``model`` on client ``k``'s images: (examples, last loss)."""
     torch.set_num_threads(THREADS)
     data = _data()
-    k = int(context.node_config["partition-id"])
     lo, hi = int(data["offsets"][k]), int(data["offsets"][k + 1])
     images = torch.from_numpy(np.array(data["images"][lo:hi]))
     labels = torch.from_numpy(np.array(data["labels"][lo:hi]))
-    model = Net(classes())
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=5e-4)
     order = torch.randperm(len(images))
@@ -118,13 +129,7 @@ def train(msg: Message, context: Context) -> Message:
         loss = F.cross_entropy(model(images[batch], labels[batch]), labels[batch])
         loss.backward()
         opt.step()
-    reply = RecordDict(
-        {
-            "arrays": ArrayRecord(model.state_dict()),
-            "metrics": MetricRecord({"num-examples": len(images), "loss": float(loss)}),
-        }
-    )
-    return Message(content=reply, reply_to=msg)
+    return len(images), float(loss)
 
 
 server = ServerApp()
