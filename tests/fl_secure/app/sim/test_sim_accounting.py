@@ -138,3 +138,22 @@ def test_the_budget_stops_a_simulated_run_before_it_is_passed(tmp_path: Path) ->
     assert [r["round"] for r in rows if r["kind"] == "client_level"] == [1, 2]
     assert [r["round"] for r in rows if r["kind"] == "note"] == [3]
     assert summary["epsilon"] <= target
+
+
+def test_the_audits_attack_a_simulated_run_as_a_real_one(tmp_path: Path) -> None:
+    # Prepare: a simulated client-level DP run folder (fixed-size cohorts)
+    summary, _, run = _run(tmp_path, ["server.clients_per_round=6"])
+    # Execute: the attack audit on it, small budgets
+    args = ["audit", "--run", str(run), "--steps", "3", "--targets", "2", "--canary-trials", "4"]
+    assert main([*args, "--json", "--quiet"]) == 0
+    # Assert: the audit read the run's final checkpoint, design and mechanism, and its canary
+    # audit states the ledger's epsilon and the mechanism the engine ran
+    audit = json.loads((run / "audit" / "results.json").read_text())
+    assert audit["checkpoint_round"] == 3 and audit["exposure"] == "global-head"
+    canary = audit["attacks"]["canary"]
+    assert canary["accountant_epsilon"] == pytest.approx(summary["epsilon"], rel=1e-12)
+    mechanism = canary["mechanism"]
+    assert mechanism["noise_multiplier"] == Z and mechanism["clip_norm"] == 0.5
+    assert mechanism["client_sample_rate"] == pytest.approx(6 / POPULATION)
+    assert mechanism["rounds"] == 3 and mechanism["noise_placement"] == "central"
+    assert {v["party"] for v in audit["views"]} == {"server", "curious_client"}
