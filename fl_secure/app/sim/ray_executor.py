@@ -8,7 +8,10 @@ does (same parameters, bit for bit: ``tests/fl_secure/app/sim/test_ray_executor.
 
 By default :func:`ray.init` starts an embedded local Ray (no set-up: no dashboard, warnings
 only, one CPU slot per core); ``address`` joins an existing cluster (``"auto"``, or
-``ray://host:10001``). Ray is an optional dependency: ``pip install 'fl-secure[sim]'``.
+``ray://host:10001``). An executor leaves a Ray that was already running as it found it, so
+:func:`ray_session` around many runs (an experiment grid) starts Ray once, and each run's
+executor starts and stops only its actors. Ray is an optional dependency:
+``pip install 'fl-secure[sim]'``.
 
 Trust: Ray moves jobs and results between processes with pickle (cloudpickle). That is sound
 only inside the operator's own Ray cluster, one trust domain the operator runs (its nodes,
@@ -23,14 +26,16 @@ import dataclasses
 import logging
 import os
 from collections import OrderedDict, deque
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from fl_secure.errors import ConfigError
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Iterator, Sequence
     from types import ModuleType
 
+    from client.trainer import LocalTrainer
     from fl_secure.app.sim.executor import ClientJob, ClientResult
     from fl_secure.config import Config
     from fl_secure.messages import Tensors
@@ -58,6 +63,43 @@ def import_ray() -> ModuleType:
     return ray
 
 
+def start_ray(address: str | None = None) -> bool:
+    """Start (or join, at ``address``) Ray unless it is running; True if this call started it.
+
+    Raises:
+        ConfigError: Ray is not installed.
+    """
+    ray = import_ray()
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no report home
+    options: dict[str, Any] = {
+        "include_dashboard": False,
+        "logging_level": logging.WARNING,
+        "log_to_driver": False,  # a worker's error comes back as the job's exception
+        "configure_logging": True,
+    }
+    if address is None:
+        options["num_cpus"] = os.cpu_count() or 1
+    ray.init(address=address, **options)
+    return True
+
+
+@contextmanager
+def ray_session(address: str | None = None) -> Iterator[None]:
+    """Ray for the block: started once for many runs' executors, stopped if started here.
+
+    Raises:
+        ConfigError: Ray is not installed.
+    """
+    started = start_ray(address)
+    try:
+        yield
+    finally:
+        if started:
+            import_ray().shutdown()
+
+
 class _Actor:
     """The body of one Ray actor: one virtual-client worker, pinned torch threads."""
 
@@ -81,6 +123,10 @@ class _Actor:
     def ready(self) -> bool:
         """True once the actor is up (its worker built)."""
         return True
+
+    def kept(self) -> dict[int, LocalTrainer]:
+        """The clients this actor's worker kept (``keep_trainers``), by plan index."""
+        return self.worker.kept
 
 
 class RayExecutor:
@@ -112,19 +158,7 @@ class RayExecutor:
             raise ConfigError(f"the Ray backend needs at least 1 worker, got {num_workers}")
         ray = import_ray()
         self._ray = ray
-        self._started = False
-        if not ray.is_initialized():
-            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no report home
-            options: dict[str, Any] = {
-                "include_dashboard": False,
-                "logging_level": logging.WARNING,
-                "log_to_driver": False,  # a worker's error comes back as the job's exception
-                "configure_logging": True,
-            }
-            if address is None:
-                options["num_cpus"] = os.cpu_count() or 1
-            ray.init(address=address, **options)
-            self._started = True
+        self._started = start_ray(address)
         threads = max(1, config.train.threads)
         cpus = max(1.0, float(ray.cluster_resources().get("CPU", 1.0)))
         count = num_workers or max(1, int(cpus) // threads)
@@ -184,6 +218,21 @@ class RayExecutor:
                 results[i] = _get(ray, ref)
                 submit(actor)
         return [r for r in results if r is not None]
+
+    def kept_trainers(self) -> dict[int, LocalTrainer]:
+        """Copies of the clients the actors kept (``keep_trainers``; else {}), by plan index.
+
+        The run's last step scores them after fine-tuning
+        (:func:`fl_secure.app.tuning.evaluate_after_training`) in the driver, as it scores
+        the serial executor's: each trainer (its model, data and design state) comes back
+        pickled, which a small federation (every client in every round) affords.
+        """
+        if not self._sticky:
+            return {}
+        kept: dict[int, LocalTrainer] = {}
+        for part in self._ray.get([a.kept.remote() for a in self._actors]):
+            kept.update(part)
+        return kept
 
     def close(self) -> None:
         """Stop the actors, and the embedded Ray if this executor started it."""

@@ -85,7 +85,7 @@ def _run(
         ) from exc
     final = records[-1].get("held_out", {}) if engine.rounds_completed else {}
     untrained = records[0]
-    # the clients' own fine-tuning scores where the serial executor kept them (every client
+    # the clients' own fine-tuning scores where the executor kept them (every client
     # in every round, no DP: a private site's model stays with it); held-out clients always
     kept = kept_trainers(engine) if s.privacy is None else {}
     tuning = evaluate_after_training(
