@@ -98,9 +98,9 @@ def test_every_cell_starts_from_the_same_pretrained_bytes(
     seen: list[Config] = []
     simulate = experiment_module.simulate
 
-    def recording(config: Config) -> Any:
+    def recording(config: Config, **options: Any) -> Any:
         seen.append(config)
-        return simulate(config)
+        return simulate(config, **options)
 
     monkeypatch.setattr(experiment_module, "simulate", recording)
     # Execute
