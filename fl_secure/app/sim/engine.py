@@ -336,13 +336,9 @@ class SimulationEngine:
 
 
 def kept_trainers(engine: SimulationEngine) -> dict[str, Any]:
-    """The clients the executor kept (every client trains every round), by id; else {}.
-
-    An executor that keeps clients has ``kept_trainers()`` (the serial one, and the Ray one,
-    which fetches them from its actors); any other keeps none.
-    """
-    fetch = getattr(engine.executor, "kept_trainers", None)
-    if fetch is None:
+    """The clients a serial executor kept (every client trains every round), else {}."""
+    executor = engine.executor
+    if not isinstance(executor, SerialExecutor) or not executor.worker.keep_trainers:
         return {}
-    kept: dict[int, Any] = fetch()
-    return OrderedDict((engine.server.ids[i], t) for i, t in sorted(kept.items()))
+    worker = executor.worker
+    return OrderedDict((engine.server.ids[i], t) for i, t in sorted(worker.kept.items()))

@@ -182,10 +182,6 @@ class SerialExecutor:
         """Run ``jobs`` one after the other."""
         return [self.worker.run(job) for job in jobs]
 
-    def kept_trainers(self) -> dict[int, LocalTrainer]:
-        """The clients the worker kept (``keep_trainers``; else {}), by plan index."""
-        return self.worker.kept
-
     def close(self) -> None:
         """Nothing to free."""
 

@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
     from types import ModuleType
 
-    from client.trainer import LocalTrainer
     from fl_secure.app.sim.executor import ClientJob, ClientResult
     from fl_secure.config import Config
     from fl_secure.messages import Tensors
@@ -124,9 +123,21 @@ class _Actor:
         """True once the actor is up (its worker built)."""
         return True
 
-    def kept(self) -> dict[int, LocalTrainer]:
-        """The clients this actor's worker kept (``keep_trainers``), by plan index."""
-        return self.worker.kept
+    def tune_kept(self, config: Config, shared: Tensors) -> dict[int, tuple[str, dict[str, float]]]:
+        """Plan index -> (id, tuned scores) of the clients this actor kept (see RayExecutor)."""
+        from fl_secure.app.tuning import tune_trained
+        from fl_secure.data.plan import plan_client_id
+
+        kept = sorted(self.worker.kept.items())
+        ids = {index: plan_client_id(index) for index, _ in kept}
+        scores = tune_trained(
+            config,
+            {ids[i]: (t.model, t.data) for i, t in kept},
+            shared,
+            tune_on={ids[i]: t.strategy.training_data(t.data) for i, t in kept},
+            strategies={ids[i]: t.strategy for i, t in kept},
+        )
+        return {i: (ids[i], scores[ids[i]]) for i, _ in kept if ids[i] in scores}
 
 
 class RayExecutor:
@@ -219,20 +230,26 @@ class RayExecutor:
                 submit(actor)
         return [r for r in results if r is not None]
 
-    def kept_trainers(self) -> dict[int, LocalTrainer]:
-        """Copies of the clients the actors kept (``keep_trainers``; else {}), by plan index.
+    def tune_kept(self, config: Config, shared: Tensors) -> dict[str, dict[str, float]]:
+        """The kept clients' scores after fine-tuning (``keep_trainers``; else {}), by id.
 
-        The run's last step scores them after fine-tuning
-        (:func:`fl_secure.app.tuning.evaluate_after_training`) in the driver, as it scores
-        the serial executor's: each trainer (its model, data and design state) comes back
-        pickled, which a small federation (every client in every round) affords.
+        Each actor tunes and scores the clients it kept, where their models and design state
+        live (:func:`fl_secure.app.tuning.tune_trained`, ``config``'s ``eval`` settings,
+        ``shared`` the final global parameters), as the serial run does in its process; the
+        scores come back in plan order.
+
+        Raises:
+            RoundAborted: a tuned model's embeddings are not finite (the tuning diverged).
         """
         if not self._sticky:
             return {}
-        kept: dict[int, LocalTrainer] = {}
-        for part in self._ray.get([a.kept.remote() for a in self._actors]):
-            kept.update(part)
-        return kept
+        ray = self._ray
+        stored = ray.put(shared)
+        refs = [a.tune_kept.remote(config, stored) for a in self._actors]
+        scores: dict[int, tuple[str, dict[str, float]]] = {}
+        for ref in refs:
+            scores.update(_get_any(ray, ref))
+        return dict(scores[i] for i in sorted(scores))
 
     def close(self) -> None:
         """Stop the actors, and the embedded Ray if this executor started it."""
@@ -246,8 +263,13 @@ class RayExecutor:
 
 def _get(ray: ModuleType, ref: Any) -> ClientResult:
     """``ray.get(ref)``, with a worker's exception re-raised as its own class."""
+    result: ClientResult = _get_any(ray, ref)
+    return result
+
+
+def _get_any(ray: ModuleType, ref: Any) -> Any:
+    """``ray.get(ref)``, with an actor's exception re-raised as its own class."""
     try:
-        result: ClientResult = ray.get(ref)
+        return ray.get(ref)
     except ray.exceptions.RayTaskError as exc:
         raise exc.as_instanceof_cause() from None
-    return result
