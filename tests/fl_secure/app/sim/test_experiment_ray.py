@@ -14,6 +14,7 @@ from fl_secure.app.experiment import read_results
 from fl_secure.app.sim.ray_executor import RayExecutor
 from fl_secure.app.sim.run import run_simulation
 from fl_secure.config import Config, load_config
+from fl_secure.errors import RoundAborted
 from tests.fl_secure.app.sim.tiny import tiny_toml
 
 #: Columns that hold a figure of the run (all but the labels, the status and the wall clock).
@@ -85,19 +86,19 @@ def test_experiment_on_ray_gives_the_serial_figures_with_one_ray_start(
     ]
 
 
-def _adafedfr(tmp_path: Path) -> Config:
-    path = tmp_path / "adafedfr.toml"
+def _tiny(tmp_path: Path, algorithm: str, *overrides: str) -> Config:
+    path = tmp_path / f"{algorithm}.toml"
     path.write_text(tiny_toml(name="tiny-tuned", seed=1, identities=30, images=6, clients=3,
-                              held_out=4, algorithm="adafedfr",
+                              held_out=4, algorithm=algorithm,
                               train={"rounds": 1, "local_steps": 2, "batch_size": 4}))  # fmt: skip
-    return load_config(path, ["eval.tune_steps=2"])
+    return load_config(path, ["eval.tune_steps=2", *overrides])
 
 
 @pytest.mark.slow
 def test_ray_run_scores_its_kept_clients_after_fine_tuning(tmp_path: Path) -> None:
     # Prepare: every client in every round; AdaFedFR's local adapters are design state held
     # beside each client's model (kept on the client's actor)
-    config = _adafedfr(tmp_path)
+    config = _tiny(tmp_path, "adafedfr")
     # Execute: the run in this process, and on 2 Ray actors that keep their clients
     serial = run_simulation(config).summary
     over_ray = run_simulation(
@@ -109,6 +110,18 @@ def test_ray_run_scores_its_kept_clients_after_fine_tuning(tmp_path: Path) -> No
     assert over_ray["clients_tuned"] == serial["clients_tuned"]
     assert over_ray["clients_tuned_summary"] == serial["clients_tuned_summary"]
     assert over_ray["clients"] == serial["clients"]
+
+
+@pytest.mark.slow
+def test_a_tuning_that_diverges_on_an_actor_aborts_the_run_naming_the_client(
+    tmp_path: Path,
+) -> None:
+    # Prepare: the final fine-tuning by SGD at lr 1e30 (it diverges), on 1 Ray actor
+    wild = _tiny(tmp_path, "fedavg", "eval.tune_lr=1e30", 'train.optimizer="sgd"')
+    # Execute / Assert: the actor's RoundAborted, with its message, in the driver (a grid
+    # records the cell as aborted and goes on)
+    with pytest.raises(RoundAborted, match="client-0's model after fine-tuning: .* eval.tune_lr"):
+        run_simulation(wild, executor=lambda c: RayExecutor(c, num_workers=1, keep_trainers=True))
 
 
 def test_experiment_without_ray_names_the_extra(
