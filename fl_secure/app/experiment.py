@@ -21,7 +21,8 @@ runs ``hfmaml`` with ``algorithm.embedding_reg = 1`` (a bare key is an ``[algori
 a dotted one any ``section.key``); the entry as written labels its rows.
 
 Every cell runs :func:`fl_secure.app.simulation.simulate` (the gRPC path's algorithm code without
-the network). ``results.csv`` has one row per run; ``results.md`` one row per (algorithm,
+the network), its clients in this process or, with ``executor``, on Ray actors (the same
+figures). ``results.csv`` has one row per run; ``results.md`` one row per (algorithm,
 partition) with mean ± std over seeds of the held-out TAR@FAR, and the clients' own
 figures with their spread across clients (the HF-MAML paper's fairness measure); then, in
 the layout of the HF-MAML paper's Tables V-X, TAR@FAR of the training clients and of the
@@ -63,6 +64,7 @@ import numpy as np
 
 from fl_secure.app.paired import paired_markdown
 from fl_secure.app.pretrain import Pretrain, ensure_pretrained, parse_pretrain, start_markdown
+from fl_secure.app.sim.engine import ExecutorFactory
 from fl_secure.app.simulation import check_simulable, simulate
 from fl_secure.config import load_config, parse_override
 from fl_secure.config.loading import PATH_KEYS
@@ -251,9 +253,17 @@ def load_experiment(path: str | Path) -> Experiment:
 
 
 def run_experiment(
-    experiment: Experiment, out: Path, *, progress: bool = False, overwrite: bool = False
+    experiment: Experiment,
+    out: Path,
+    *,
+    progress: bool = False,
+    overwrite: bool = False,
+    executor: ExecutorFactory | None = None,
 ) -> list[dict[str, Any]]:
     """Simulate every cell; write ``results.csv`` and ``results.md`` under ``out``.
+
+    ``executor``: where each cell's clients train (:func:`~fl_secure.app.simulation.simulate`;
+    default this process); each cell's executor is closed when the cell ends.
 
     Raises:
         ConfigError: a cell's config is refused, or ``out`` already holds files (earlier
@@ -299,7 +309,7 @@ def run_experiment(
             print(f"[{i}/{len(configs)}] {algorithm} / {partition} / seed {seed}", flush=True)
         started = time.time()
         try:
-            summary = simulate(config).summary
+            summary = simulate(config, executor=executor).summary
         except RoundAborted as exc:  # diverged: as the coordinator, abort this run, not the grid
             if progress:
                 print(f"  aborted: {exc}", flush=True)

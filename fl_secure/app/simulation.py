@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from fl_secure.algorithms import check_config, strategy_class
-from fl_secure.app.sim.engine import SimulationResult
+from fl_secure.app.sim.engine import ExecutorFactory, SimulationResult
 from fl_secure.app.sim.run import run_simulation
 from fl_secure.errors import ConfigError
 
@@ -40,10 +40,16 @@ __all__ = ["SimulationResult", "check_simulable", "simulate"]
 def simulate(
     config: Config,
     *,
+    executor: ExecutorFactory | None = None,
     progress: bool = False,
     on_round: Callable[[dict[str, Any]], None] | None = None,
 ) -> SimulationResult:
-    """Run every round of ``config`` in this process; return parameters and figures.
+    """Run every round of ``config``; return parameters and figures.
+
+    ``executor`` builds where the clients train (default: this process, every client kept,
+    :class:`~fl_secure.app.sim.executor.SerialExecutor`); a
+    :class:`~fl_secure.app.sim.ray_executor.RayExecutor` with ``keep_trainers=True`` runs
+    them on Ray actors, each client always on the same actor, with the same results.
 
     Local training uses ``train.threads`` torch threads, as each client process does, so the
     simulation gives the bit-identical model of a gRPC run (the thread count changes the order
@@ -56,7 +62,7 @@ def simulate(
             training did (:func:`fl_secure.app.tuning.evaluate_after_training`).
     """
     check_simulable(config)
-    return run_simulation(config, progress=progress, on_round=on_round)
+    return run_simulation(config, executor=executor, progress=progress, on_round=on_round)
 
 
 def check_simulable(config: Config) -> None:

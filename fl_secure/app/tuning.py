@@ -136,6 +136,41 @@ def _group(name: str, scores: Mapping[str, Mapping[str, float]]) -> dict[str, An
     return {name: dict(scores), f"{name}_summary": per_client_summary(scores)}
 
 
+def tune_trained(
+    config: Config,
+    trained: Mapping[str, tuple[FaceModel, LocalData]],
+    shared: Tensors,
+    *,
+    tune_on: Mapping[str, LocalData] | None = None,
+    strategies: Mapping[str, Strategy] | None = None,
+) -> dict[str, dict[str, float]]:
+    """The training clients' tuned scores, by id, in ``trained``'s order ({}: no tuning).
+
+    The arguments are :func:`evaluate_after_training`'s; a Ray actor calls this for the
+    clients it kept, where their models and design state live.
+
+    Raises:
+        RoundAborted: naming the client, when its tuned model's embeddings are zero or not
+            finite.
+    """
+    if config.eval.tune_steps <= 0:
+        return {}
+    task = tuning_task(config)
+    return {
+        cid: tuned_metrics(
+            model,
+            data,
+            type(shared)((k, v) for k, v in shared.items() if k in model.state_dict()),
+            task,
+            generator=_generator(config.run.seed, cid),
+            tune_on=(tune_on or {}).get(cid),
+            client_id=cid,
+            strategy=(strategies or {}).get(cid),
+        )
+        for cid, (model, data) in trained.items()
+    }
+
+
 def evaluate_after_training(
     config: Config,
     trained: Mapping[str, tuple[FaceModel, LocalData]],
@@ -144,6 +179,7 @@ def evaluate_after_training(
     *,
     tune_on: Mapping[str, LocalData] | None = None,
     strategies: Mapping[str, Strategy] | None = None,
+    tuned_elsewhere: Mapping[str, dict[str, float]] | None = None,
 ) -> dict[str, Any]:
     """Tuned scores of the training clients; untuned and tuned scores of held-out clients.
 
@@ -159,6 +195,8 @@ def evaluate_after_training(
             private state), whose client-side scoring its untuned scores used: the tuned
             model is scored the same way (see :func:`tuned_metrics`). Without it, the
             tuned backbone alone is scored.
+        tuned_elsewhere: training clients' tuned scores (:func:`tune_trained`) computed
+            where the clients live (Ray actors), reported after ``trained``'s own.
 
     Returns:
         ``clients_tuned`` (+ ``_summary``), ``held_out_clients`` and
@@ -176,22 +214,8 @@ def evaluate_after_training(
     seed = config.run.seed
     result: dict[str, Any] = {}
     if tune:
-        result |= _group(
-            "clients_tuned",
-            {
-                cid: tuned_metrics(
-                    model,
-                    data,
-                    type(shared)((k, v) for k, v in shared.items() if k in model.state_dict()),
-                    task,
-                    generator=_generator(seed, cid),
-                    tune_on=(tune_on or {}).get(cid),
-                    client_id=cid,
-                    strategy=(strategies or {}).get(cid),
-                )
-                for cid, (model, data) in trained.items()
-            },
-        )
+        scores = tune_trained(config, trained, shared, tune_on=tune_on, strategies=strategies)
+        result |= _group("clients_tuned", scores | dict(tuned_elsewhere or {}))
     untuned: dict[str, dict[str, float]] = {}
     tuned: dict[str, dict[str, float]] = {}
     for k, share in enumerate(held_out_clients):

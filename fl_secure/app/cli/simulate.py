@@ -14,7 +14,13 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fl_secure.app.cli.common import SUCCESS, Subparsers, add_output_flags, torch_threads
+from fl_secure.app.cli.common import (
+    SUCCESS,
+    Subparsers,
+    add_output_flags,
+    positive_int,
+    torch_threads,
+)
 from fl_secure.app.cli.runs import print_summary
 from fl_secure.errors import FlSecureError
 
@@ -42,7 +48,7 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
         "default: an embedded local Ray",
     )  # fmt: skip
     p.add_argument(
-        "--workers", type=int, metavar="N",
+        "--workers", type=positive_int("--workers"), metavar="N",
         help="with --backend ray: Ray actors (default: the cluster's CPUs / train.threads)",
     )  # fmt: skip
     p.add_argument(

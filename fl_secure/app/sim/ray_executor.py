@@ -8,7 +8,10 @@ does (same parameters, bit for bit: ``tests/fl_secure/app/sim/test_ray_executor.
 
 By default :func:`ray.init` starts an embedded local Ray (no set-up: no dashboard, warnings
 only, one CPU slot per core); ``address`` joins an existing cluster (``"auto"``, or
-``ray://host:10001``). Ray is an optional dependency: ``pip install 'fl-secure[sim]'``.
+``ray://host:10001``). An executor leaves a Ray that was already running as it found it, so
+:func:`ray_session` around many runs (an experiment grid) starts Ray once, and each run's
+executor starts and stops only its actors. Ray is an optional dependency:
+``pip install 'fl-secure[sim]'``.
 
 Trust: Ray moves jobs and results between processes with pickle (cloudpickle). That is sound
 only inside the operator's own Ray cluster, one trust domain the operator runs (its nodes,
@@ -23,12 +26,13 @@ import dataclasses
 import logging
 import os
 from collections import OrderedDict, deque
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from fl_secure.errors import ConfigError
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Iterator, Sequence
     from types import ModuleType
 
     from fl_secure.app.sim.executor import ClientJob, ClientResult
@@ -56,6 +60,43 @@ def import_ray() -> ModuleType:
             "(or run with --backend serial)"
         ) from exc
     return ray
+
+
+def start_ray(address: str | None = None) -> bool:
+    """Start (or join, at ``address``) Ray unless it is running; True if this call started it.
+
+    Raises:
+        ConfigError: Ray is not installed.
+    """
+    ray = import_ray()
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no report home
+    options: dict[str, Any] = {
+        "include_dashboard": False,
+        "logging_level": logging.WARNING,
+        "log_to_driver": False,  # a worker's error comes back as the job's exception
+        "configure_logging": True,
+    }
+    if address is None:
+        options["num_cpus"] = os.cpu_count() or 1
+    ray.init(address=address, **options)
+    return True
+
+
+@contextmanager
+def ray_session(address: str | None = None) -> Iterator[None]:
+    """Ray for the block: started once for many runs' executors, stopped if started here.
+
+    Raises:
+        ConfigError: Ray is not installed.
+    """
+    started = start_ray(address)
+    try:
+        yield
+    finally:
+        if started:
+            import_ray().shutdown()
 
 
 class _Actor:
@@ -87,6 +128,22 @@ class _Actor:
     def ready(self) -> bool:
         """True once the actor is up (its worker built)."""
         return True
+
+    def tune_kept(self, config: Config, shared: Tensors) -> dict[int, tuple[str, dict[str, float]]]:
+        """Plan index -> (id, tuned scores) of the clients this actor kept (see RayExecutor)."""
+        from fl_secure.app.tuning import tune_trained
+        from fl_secure.data.plan import plan_client_id
+
+        kept = sorted(self.worker.kept.items())
+        ids = {index: plan_client_id(index) for index, _ in kept}
+        scores = tune_trained(
+            config,
+            {ids[i]: (t.model, t.data) for i, t in kept},
+            shared,
+            tune_on={ids[i]: t.strategy.training_data(t.data) for i, t in kept},
+            strategies={ids[i]: t.strategy for i, t in kept},
+        )
+        return {i: (ids[i], scores[ids[i]]) for i, _ in kept if ids[i] in scores}
 
 
 class RayExecutor:
@@ -124,19 +181,7 @@ class RayExecutor:
         self.client_batch = client_batch
         ray = import_ray()
         self._ray = ray
-        self._started = False
-        if not ray.is_initialized():
-            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no report home
-            options: dict[str, Any] = {
-                "include_dashboard": False,
-                "logging_level": logging.WARNING,
-                "log_to_driver": False,  # a worker's error comes back as the job's exception
-                "configure_logging": True,
-            }
-            if address is None:
-                options["num_cpus"] = os.cpu_count() or 1
-            ray.init(address=address, **options)
-            self._started = True
+        self._started = start_ray(address)
         threads = max(1, config.train.threads)
         cpus = max(1.0, float(ray.cluster_resources().get("CPU", 1.0)))
         count = num_workers or max(1, int(cpus) // threads)
@@ -215,6 +260,27 @@ class RayExecutor:
                 submit(actor)
         return [r for r in results if r is not None]
 
+    def tune_kept(self, config: Config, shared: Tensors) -> dict[str, dict[str, float]]:
+        """The kept clients' scores after fine-tuning (``keep_trainers``; else {}), by id.
+
+        Each actor tunes and scores the clients it kept, where their models and design state
+        live (:func:`fl_secure.app.tuning.tune_trained`, ``config``'s ``eval`` settings,
+        ``shared`` the final global parameters), as the serial run does in its process; the
+        scores come back in plan order.
+
+        Raises:
+            RoundAborted: a tuned model's embeddings are not finite (the tuning diverged).
+        """
+        if not self._sticky:
+            return {}
+        ray = self._ray
+        stored = ray.put(shared)
+        refs = [a.tune_kept.remote(config, stored) for a in self._actors]
+        scores: dict[int, tuple[str, dict[str, float]]] = {}
+        for ref in refs:
+            scores.update(_get_any(ray, ref))
+        return dict(scores[i] for i in sorted(scores))
+
     def close(self) -> None:
         """Stop the actors, and the embedded Ray if this executor started it."""
         for actor in self._actors:
@@ -227,8 +293,13 @@ class RayExecutor:
 
 def _get(ray: ModuleType, ref: Any) -> ClientResult | list[ClientResult]:
     """``ray.get(ref)``, with a worker's exception re-raised as its own class."""
+    result: ClientResult | list[ClientResult] = _get_any(ray, ref)
+    return result
+
+
+def _get_any(ray: ModuleType, ref: Any) -> Any:
+    """``ray.get(ref)``, with an actor's exception re-raised as its own class."""
     try:
-        result: ClientResult | list[ClientResult] = ray.get(ref)
+        return ray.get(ref)
     except ray.exceptions.RayTaskError as exc:
         raise exc.as_instanceof_cause() from None
-    return result

@@ -88,6 +88,9 @@ def _run(
     # the clients' own fine-tuning scores where the serial executor kept them (every client
     # in every round, no DP: a private site's model stays with it); held-out clients always
     kept = kept_trainers(engine) if s.privacy is None else {}
+    # clients kept on Ray actors are tuned there, where their models and design state live
+    tune_kept = getattr(engine.executor, "tune_kept", None)
+    elsewhere = tune_kept(config, params) if tune_kept is not None and s.privacy is None else {}
     tuning = evaluate_after_training(
         config,
         {c: (t.model, t.data) for c, t in kept.items()},
@@ -95,6 +98,7 @@ def _run(
         params,
         tune_on={c: t.strategy.training_data(t.data) for c, t in kept.items()},
         strategies={c: t.strategy for c, t in kept.items()},
+        tuned_elsewhere=elsewhere,
     )
     summary: dict[str, Any] = {
         "status": status,

@@ -98,9 +98,9 @@ def test_every_cell_starts_from_the_same_pretrained_bytes(
     seen: list[Config] = []
     simulate = experiment_module.simulate
 
-    def recording(config: Config) -> Any:
+    def recording(config: Config, **options: Any) -> Any:
         seen.append(config)
-        return simulate(config)
+        return simulate(config, **options)
 
     monkeypatch.setattr(experiment_module, "simulate", recording)
     # Execute
@@ -193,11 +193,12 @@ def test_committed_grids_pretrain_and_their_cpu_copies_start_alike() -> None:
         assert public.first_identity == cell.data.num_identities and public.seed == 0
         assert config.train.rounds == experiment.pretrain.passes and not config.privacy.enabled
         keys[str(path.relative_to(folder))] = cache_key(config, public)
-    assert len(keys) == 10
+    assert len(keys) == 12
     for name in ("fedpe_vs_fedavg", "fedgc_vs_fedpe", "adafedfr_vs_fedavg", "hfmaml_partitions"):
         assert keys[f"{name}.toml"] == keys[f"cpu/{name}.toml"]
     # FedPE-vs-FedAvg, FedGC-vs-FedPE and the combined CPU grid share the quickstart model
     quickstart = keys["fedpe_vs_fedavg.toml"]
     assert keys["fedgc_vs_fedpe.toml"] == keys["cpu/quickstart_papers.toml"] == quickstart
-    # the small FedPE-vs-FedAvg stand-in starts from the HF-MAML grid's backbone
-    assert keys["cpu/fedpe_vs_fedavg_small.toml"] == keys["hfmaml_partitions.toml"]
+    # the small stand-ins (FedPE, FedGC, AdaFedFR) start from the HF-MAML grid's backbone
+    for small in ("fedpe_vs_fedavg_small", "fedgc_vs_fedpe_small", "adafedfr_vs_fedavg_small"):
+        assert keys[f"cpu/{small}.toml"] == keys["hfmaml_partitions.toml"], small

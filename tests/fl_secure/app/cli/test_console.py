@@ -17,7 +17,7 @@ from privacy.dp.accountants.accountant import SAMPLINGS
 from privacy.dp.accountants.registry import ACCOUNTANTS, DEFAULT_CLIENT_LEVEL
 
 ROOT = Path(__file__).resolve().parents[4]
-HEAVY = ("torch", "grpc", "tenseal", "opacus", "dp_accounting", "cryptography")
+HEAVY = ("torch", "grpc", "tenseal", "opacus", "dp_accounting", "cryptography", "ray")
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
