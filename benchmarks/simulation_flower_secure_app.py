@@ -72,6 +72,7 @@ class SecureRowClient(NumPyClient):
 
     def fit(self, parameters, config):  # type: ignore[no-untyped-def]
         """Load the global parameters, train, return the new ones and the example count."""
+        torch.set_num_threads(THREADS)  # before the model is built (simulation_flower_app.py)
         model = Net(num_classes())
         names = list(model.state_dict())
         model.load_state_dict(
