@@ -166,21 +166,23 @@ def main(grid: Grid, context: Context) -> None:
     RESULT["round_ends_s"] = [t - started for t in ROUND_ENDS]
 
 
-def run() -> dict[str, Any]:
-    """Run the simulation; the figures as a dict (printed as JSON by ``__main__``)."""
+def run(
+    server_app: Any = server, client_app: Any = client, result: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Run the simulation of these apps; the figures (``result``: what the server app noted)."""
     nodes = int(os.environ.get("FLB_CLIENTS", "1000"))
     cpus = int(os.environ.get("FLB_CPUS", str(os.cpu_count() or 1)))
     started = time.perf_counter()
     run_simulation(
-        server_app=server,
-        client_app=client,
+        server_app=server_app,
+        client_app=client_app,
         num_supernodes=nodes,
         backend_config={
             "client_resources": {"num_cpus": THREADS, "num_gpus": 0.0},
             "init_args": {"num_cpus": cpus, "include_dashboard": False},
         },
     )
-    return {"total_s": time.perf_counter() - started, **RESULT}
+    return {"total_s": time.perf_counter() - started, **(RESULT if result is None else result)}
 
 
 if __name__ == "__main__":

@@ -51,12 +51,12 @@ from flwr.server.strategy import (  # noqa: E402
     FedAvg,
 )
 from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow  # noqa: E402
-from flwr.simulation import run_simulation  # noqa: E402
 
 # (classes as num_classes: a global named like torch's submodule torch.classes would make
 # Ray's cloudpickle try to pickle that submodule with the functions that use it)
 from simulation_flower_app import THREADS, Net, local_epoch  # noqa: E402
 from simulation_flower_app import classes as num_classes  # noqa: E402
+from simulation_flower_app import run as run_apps  # noqa: E402
 
 SHARES = int(os.environ.get("FLB_SHARES", "33"))
 THRESHOLD = int(os.environ.get("FLB_THRESHOLD", "21"))
@@ -152,22 +152,5 @@ def main(grid: Grid, context: Context) -> None:
     }
 
 
-def run() -> dict[str, Any]:
-    """Run the simulation; the figures as a dict (printed as JSON by ``__main__``)."""
-    nodes = int(os.environ.get("FLB_CLIENTS", "1000"))
-    cpus = int(os.environ.get("FLB_CPUS", str(os.cpu_count() or 1)))
-    started = time.perf_counter()
-    run_simulation(
-        server_app=server,
-        client_app=client,
-        num_supernodes=nodes,
-        backend_config={
-            "client_resources": {"num_cpus": THREADS, "num_gpus": 0.0},
-            "init_args": {"num_cpus": cpus, "include_dashboard": False},
-        },
-    )
-    return {"total_s": time.perf_counter() - started, **RESULT}
-
-
 if __name__ == "__main__":
-    print(json.dumps(run()))
+    print(json.dumps(run_apps(server, client, RESULT)))
