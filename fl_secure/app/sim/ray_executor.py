@@ -131,6 +131,7 @@ class _Actor:
 
     def tune_kept(self, config: Config, shared: Tensors) -> dict[int, tuple[str, dict[str, float]]]:
         """Plan index -> (id, tuned scores) of the clients this actor kept (see RayExecutor)."""
+        # deferred to the actor's process, as in __init__: the driver never loads the tuning
         from fl_secure.app.tuning import tune_trained
         from fl_secure.data.plan import plan_client_id
 

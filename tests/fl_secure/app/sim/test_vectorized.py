@@ -31,7 +31,9 @@ from tests.fl_secure.app.sim.test_reuse import CLIENT_DP
 from tests.fl_secure.app.sim.tiny import tiny_toml
 
 
-def config_of(tmp_path: Path, algorithm: str = "fedavg", extra: str = "", **train: object) -> Config:
+def config_of(
+    tmp_path: Path, algorithm: str = "fedavg", extra: str = "", **train: object
+) -> Config:
     text = tiny_toml(name="vectorized", seed=5, identities=22, clients=6, held_out=4,
                      algorithm=algorithm,
                      train={"rounds": 2, "local_epochs": 1, "batch_size": 4, **train})  # fmt: skip
