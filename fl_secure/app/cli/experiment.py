@@ -13,6 +13,7 @@ from pathlib import Path
 
 from fl_secure.app.cli.common import Subparsers, add_output_flags, print_json, torch_threads
 from fl_secure.app.cli.simulate import add_backend_args, executor_factory
+from fl_secure.errors import FlSecureError
 
 # Imports that load torch, grpc or tenseal are inside the functions: `fl-secure --help` stays
 # fast (fl_secure.app.cli.common says why).
@@ -51,6 +52,11 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     """Simulate an experiment grid; print where its tables went."""
     from fl_secure.app.experiment import load_experiment, run_experiment
 
+    if args.client_batch != 1:  # a grid's clients all train every round and are kept
+        raise FlSecureError(
+            "--client-batch applies to sampled cohorts (fl-secure simulate); an experiment "
+            "grid trains every client every round, one at a time"
+        )
     experiment = load_experiment(args.config)
     factory = executor_factory(args)  # refuses a missing Ray before any cell runs
     torch_threads(1)

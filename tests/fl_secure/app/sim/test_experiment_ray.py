@@ -162,3 +162,13 @@ def test_no_worker_is_refused_by_the_parser(
               "--workers", "0"])  # fmt: skip
     assert stopped.value.code == 2
     assert "--workers must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_experiment_refuses_client_batches(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a grid keeps every client and trains it every round: batches would silently do nothing
+    code = main(["experiment", "--config", str(tmp_path / "grid.toml"), "--client-batch", "4"])
+    assert code == 2
+    assert "--client-batch applies to sampled cohorts" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
