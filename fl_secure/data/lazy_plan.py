@@ -31,6 +31,7 @@ from fl_secure.data.plan import (
     check_held_out,
     partition_identities,
     plan_federation,
+    synthetic_settings,
 )
 from fl_secure.data.splits import held_out_identities, stratified_split
 from fl_secure.data.synthetic import SyntheticFaceConfig
@@ -115,18 +116,6 @@ def lazy_supported(config: Config) -> bool:
     )
 
 
-def synthetic_config(config: Config) -> SyntheticFaceConfig:
-    """The generator's config of a synthetic run (as :func:`plan.load_source` builds it)."""
-    data = config.data
-    return SyntheticFaceConfig(
-        num_identities=data.num_identities,
-        images_per_identity=data.images_per_identity,
-        image_size=data.image_size,
-        seed=config.data_seed,
-        expression_strength=data.expression_strength,
-    )
-
-
 def plan_population(config: Config) -> FederatedData:
     """``plan_federation(config)``, its clients' images rendered only when read.
 
@@ -136,7 +125,8 @@ def plan_population(config: Config) -> FederatedData:
     """
     if not lazy_supported(config):
         return plan_federation(config)
-    seed, cfg = config.data_seed, synthetic_config(config)
+    seed = config.data_seed
+    cfg = synthetic_settings(config.data, seed)  # the source domain, as plan_federation loads
     labels = population_labels(cfg)
     train_ids, held_ids = held_out_identities(
         labels, num_held_out=config.data.held_out_identities, seed=seed

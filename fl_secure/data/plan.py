@@ -139,19 +139,24 @@ def degrade_for_run(data: FaceDataset, cfg: DataConfig, seed: int) -> FaceDatase
     return degrade_dataset(data, parse_degradation(cfg.degrade), run_seed=seed)
 
 
+def synthetic_settings(
+    cfg: DataConfig, seed: int, domain: Domain | None = None
+) -> SyntheticFaceConfig:
+    """The synthetic generator's settings for ``cfg`` under the data ``seed``."""
+    return SyntheticFaceConfig(
+        num_identities=cfg.num_identities,
+        images_per_identity=cfg.images_per_identity,
+        image_size=cfg.image_size,
+        seed=seed,
+        expression_strength=cfg.expression_strength,
+        domain=domain,
+    )
+
+
 def load_source(cfg: DataConfig, seed: int, domain: Domain | None = None) -> FaceDataset:
     """The data set a config describes, as loaded and resized (before ``data.degrade``)."""
     if cfg.source == "synthetic":
-        return generate_synthetic_faces(
-            SyntheticFaceConfig(
-                num_identities=cfg.num_identities,
-                images_per_identity=cfg.images_per_identity,
-                image_size=cfg.image_size,
-                seed=seed,
-                expression_strength=cfg.expression_strength,
-                domain=domain,
-            )
-        )
+        return generate_synthetic_faces(synthetic_settings(cfg, seed, domain))
     if cfg.source == "celeba":
         return load_celeba(
             cfg.path,

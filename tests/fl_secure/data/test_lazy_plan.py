@@ -33,6 +33,19 @@ num_clients = {clients}
 """
 
 
+def count_renders(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the chunks the synthetic generator renders from now on (one per call)."""
+    rendered: list[int] = []
+    original = synthetic._render
+
+    def counted(tr: dict[str, np.ndarray], im: dict[str, np.ndarray], *rest: object) -> object:
+        rendered.append(len(im["rot"]))
+        return original(tr, im, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(synthetic, "_render", counted)
+    return rendered
+
+
 def _config(tmp_path: Path, kind: str, clients: int, identities: int, images: int = 3,
             extra: str = "") -> Config:  # fmt: skip
     path = tmp_path / f"{kind}-{clients}.toml"
@@ -118,14 +131,7 @@ def test_planning_ten_thousand_clients_renders_only_the_held_out_images(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Prepare: 10,000 one-identity clients, every image the generator renders counted
-    rendered: list[int] = []
-    original = synthetic._render
-
-    def counted(tr: dict[str, np.ndarray], im: dict[str, np.ndarray], *rest: object) -> object:
-        rendered.append(len(im["rot"]))
-        return original(tr, im, *rest)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(synthetic, "_render", counted)
+    rendered = count_renders(monkeypatch)
     config = _config(tmp_path, "person", 10_000, 10_004, images=2)
     # Execute: the plan, then one client's share
     plan = plan_population(config)

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-import fl_secure.data.synthetic as synthetic
 from fl_secure.app.sim.engine import SimulationEngine
 from fl_secure.config import load_config
 from tests.fl_secure.app.sim.tiny import tiny_toml
+from tests.fl_secure.data.test_lazy_plan import count_renders
 
 POPULATION, HELD_OUT, IMAGES, COHORT, EVALUATED = 10_000, 4, 2, 5, 3
 CONFIG = tiny_toml(
@@ -30,14 +29,7 @@ def test_ten_thousand_clients_render_only_the_held_out_set_and_the_drawn_clients
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Prepare: every image the synthetic generator renders counted, a 10,000-client run
-    rendered: list[int] = []
-    original = synthetic._render
-
-    def counted(tr: dict[str, np.ndarray], im: dict[str, np.ndarray], *rest: object) -> object:
-        rendered.append(len(im["rot"]))
-        return original(tr, im, *rest)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(synthetic, "_render", counted)
+    rendered = count_renders(monkeypatch)
     path = tmp_path / "population.toml"
     path.write_text(CONFIG)
     # Execute: the engine (the driver's plan), the untrained clients' scores, one round
