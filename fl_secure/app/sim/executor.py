@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from fl_secure.config import Config
     from fl_secure.messages import LocalTraining, Tensors
     from fl_secure.training import FaceModel, LocalData
+    from privacy.client_round import TrainFn
 
 #: Job kinds: a training round, or the scoring of the model the client is sent.
 TRAIN, EVALUATE = "train", "evaluate"
@@ -171,11 +172,16 @@ class VirtualClientWorker:
 
     def run(self, job: ClientJob) -> ClientResult:
         """Build (or take) the client, restore its carry, run the job, return the upload."""
-        trainer = self._prepared(job)
+        return self._finish(job, self._prepared(job))
+
+    def _finish(
+        self, job: ClientJob, trainer: LocalTrainer, local: TrainFn | None = None
+    ) -> ClientResult:
+        """Run the prepared client's job (``local``: its local objective already run)."""
         if job.kind == EVALUATE:
             examples, metrics = trainer.evaluate(job.sent)
             return ClientResult(job.client_id, OrderedDict(), examples, metrics, job.state)
-        upload, examples, metrics = trainer.train(job.sent, job.task)
+        upload, examples, metrics = trainer.train(job.sent, job.task, local=local)
         carry = {} if self.keep_trainers else carried_state(trainer)  # a kept one holds it
         return ClientResult(job.client_id, upload, examples, metrics, carry)
 
@@ -219,17 +225,28 @@ class VirtualClientWorker:
             if isinstance(plan.clients, LazyShares)
             else [plan.clients[i] for i in indices]
         )
-        trainers = [self._prepared(job, share) for job, share in zip(jobs, shares, strict=True)]
-        model = trainers[0].model
-        if not model_fits(model, list(jobs[0].sent)):
-            return [self.run(job) for job in jobs]  # fits no stack: one at a time
+        first = self._prepared(jobs[0], shares[0])
+        if not model_fits(first.model, list(jobs[0].sent)):
+            # each build resets the worker's one model (a private head drawn from the client's
+            # seed): build and run the clients one after the other, on the shares rendered here
+            finished = [self._finish(jobs[0], first)]
+            for job, share in zip(jobs[1:], shares[1:], strict=True):
+                finished.append(self._finish(job, self._prepared(job, share)))
+            return finished
+        # every parameter is sent: a client's round starts from the sent values, whatever
+        # builds came after its own, so the clients can be built first and trained after
+        trainers = [
+            first,
+            *(self._prepared(j, s) for j, s in zip(jobs[1:], shares[1:], strict=True)),
+        ]
+        model = first.model
         by_size: dict[int, list[int]] = {}  # clients of one size share every step's shapes
         for i, trainer in enumerate(trainers):
             by_size.setdefault(len(trainer.data.train), []).append(i)
         results: list[ClientResult | None] = [None] * len(jobs)
         for members in by_size.values():
             if len(members) == 1:
-                results[members[0]] = self.run(jobs[members[0]])
+                results[members[0]] = self._finish(jobs[members[0]], trainers[members[0]])
                 continue
             set_tensors(model, jobs[0].sent)  # every parameter: whatever the last build left
             stacked = train_stacked(model, [trainers[i].data for i in members], jobs[0].task,
@@ -240,10 +257,7 @@ class VirtualClientWorker:
                     set_tensors(m, done.params)
                     return done.metrics
 
-                job, trainer = jobs[i], trainers[i]
-                upload, examples, metrics = trainer.train(job.sent, job.task, local=local)
-                results[i] = ClientResult(job.client_id, upload, examples, metrics,
-                                          carried_state(trainer))  # fmt: skip
+                results[i] = self._finish(jobs[i], trainers[i], local)
             self.trained_together += len(members)
         return [r for r in results if r is not None]
 
